@@ -1,0 +1,112 @@
+"""The decoder interface shared by every method, and what a generation returns."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from viasd.decode.output import OutputSink, StopConditions
+from viasd.decode.stats import GenerationStats
+from viasd.errors import ViasdError
+from viasd.verify.sampling import SamplingParams
+
+
+@dataclass
+class GenerationConfig:
+    """What to generate: budget, sampling and extra stop strings."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ViasdError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    """Generated tokens (EOS excluded), their text (cut at a stop string) and the statistics."""
+
+    tokens: list[int]
+    text: str
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every token id that ends a generation for this model (generation config and tokenizer)."""
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for value in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def context_limit(model: nn.Module) -> int | None:
+    """Maximum sequence length the model supports, when its config says."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+class Decoder(ABC):
+    """One decoding method over a target model. Subclasses implement `_decode`."""
+
+    method: str = "decoder"
+
+    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_token_ids(target, tokenizer)
+        self.context_limit = context_limit(target)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """Generate a continuation of `prompt_ids`; `on_text` receives the text as it is committed."""
+        config = config or GenerationConfig()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ViasdError("the prompt is empty")
+        budget = config.max_new_tokens
+        if self.context_limit is not None:
+            if len(prompt) >= self.context_limit:
+                raise ViasdError(
+                    f"the prompt has {len(prompt)} tokens; the model's context holds {self.context_limit}"
+                )
+            budget = min(budget, self.context_limit - len(prompt))
+        stop = StopConditions(
+            max_new_tokens=budget,
+            eos_token_ids=frozenset() if config.ignore_eos else self.eos_ids,
+            stop_strings=tuple(config.stop_strings),
+        )
+        sink = OutputSink(self.tokenizer, stop, on_text)
+        stats = GenerationStats(method=self.method, prompt_tokens=len(prompt))
+        start = time.perf_counter()
+        self._decode(prompt, sink, config.sampling, stats)
+        stats.total_seconds = time.perf_counter() - start
+        stats.new_tokens = len(sink.tokens)
+        stats.finish_reason = sink.finish_reason or "length"
+        return GenerationResult(list(sink.tokens), sink.text, stats)
+
+    @abstractmethod
+    def _decode(
+        self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats
+    ) -> None:
+        """Push committed tokens into `sink` until it is done, filling in `stats`."""

@@ -1,0 +1,83 @@
+"""Committed output: applies the stop conditions token by token and streams text."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class StopConditions:
+    """When a generation ends: EOS tokens, stop strings, or the token budget."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class OutputSink:
+    """Takes tokens in commit order and decides, for every method alike, where the output ends.
+
+    Every decoding method pushes its committed tokens here one round at a time, so the same token
+    stream always yields the same output and finish reason, whatever the round boundaries.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    stop: StopConditions
+    on_text: Callable[[str], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    _emitted: int = 0
+    _text: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.stop.max_new_tokens - len(self.tokens)
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def push(self, new_tokens: Iterable[int]) -> int:
+        """Commit tokens until a stop condition fires; returns how many were taken."""
+        taken = 0
+        for token in new_tokens:
+            if self.done:
+                break
+            if token in self.stop.eos_token_ids:
+                self.finish_reason = "eos"
+                break
+            self.tokens.append(token)
+            taken += 1
+            if len(self.tokens) >= self.stop.max_new_tokens:
+                self.finish_reason = "length"
+        self._update_text()
+        return taken
+
+    def _update_text(self) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for s in self.stop.stop_strings:
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+                self.finish_reason = "stop"
+        self._text = text
+        if self.on_text is None:
+            return
+        # Hold back text that may still become a stop string, or an incomplete UTF-8 character.
+        end = len(text)
+        if not self.done:
+            hold = max((len(s) - 1 for s in self.stop.stop_strings), default=0)
+            end = max(self._emitted, end - hold)
+            while end > self._emitted and text[end - 1] == "\ufffd":
+                end -= 1
+        if end > self._emitted:
+            self.on_text(text[self._emitted : end])
+            self._emitted = end

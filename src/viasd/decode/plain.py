@@ -1,0 +1,42 @@
+"""Plain autoregressive decoding of the target: the baseline every method is measured against."""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from viasd.decode.base import Decoder
+from viasd.decode.output import OutputSink
+from viasd.decode.stats import GenerationStats
+from viasd.models.session import KVSession
+from viasd.verify.sampling import SamplingParams, sample, warp_probs
+
+
+class PlainDecoder(Decoder):
+    """One target forward pass per token."""
+
+    method = "plain"
+
+    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__(target, tokenizer)
+        self.session = KVSession(target)
+
+    def _decode(
+        self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats
+    ) -> None:
+        generator = params.generator()
+        self.session.reset()
+        calls_before = self.session.forward_passes
+        t0 = time.perf_counter()
+        logits = self.session.extend_to(prompt, keep=1)
+        while True:
+            token = sample(warp_probs(logits, params)[-1], generator)
+            sink.push([token])
+            stats.rounds += 1
+            if sink.done:
+                break
+            logits = self.session.forward([token], keep=1)
+        stats.verify_seconds = time.perf_counter() - t0
+        stats.target_calls = self.session.forward_passes - calls_before

@@ -1,0 +1,45 @@
+"""Prompt lookup drafting (Saxena 2023): copy what followed the latest earlier match of the last n-gram."""
+
+from __future__ import annotations
+
+import torch
+
+from viasd.drafters.base import Proposal
+from viasd.verify.sampling import SamplingParams
+
+
+def lookup_continuation(context: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to k tokens following the most recent earlier occurrence of the context's last n-gram.
+
+    Longer n-grams are tried first; an empty list means no match.
+    """
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        tail = context[n_ctx - n :]
+        # Search right to left, excluding the tail itself.
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                follow = context[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class PromptLookupDrafter:
+    """A drafter without a model: its proposals are deterministic (one-hot p)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.name = "prompt-lookup"
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.forward_passes = 0
+
+    def reset(self) -> None:
+        """Stateless between rounds."""
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        return Proposal(lookup_continuation(context, k, self.max_ngram, self.min_ngram))

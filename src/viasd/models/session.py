@@ -1,0 +1,118 @@
+"""KV-cache sessions: one sequence's cache on one model, extended by blocks and cropped back.
+
+Cache invariants (tested in tests/test_session.py):
+
+* `tokens` are committed: for every layer that the session's base view runs, cache positions
+  [0, len(tokens)) hold exactly the K/V that one fresh forward pass of that view over `tokens` writes.
+* `pending` tokens sit beyond that frontier. They were processed by a routed sub-view (the slim
+  verifier), so only the layers of that sub-view hold entries for them, and those entries differ from
+  what the base view would write (the residual stream differs). They are never promoted to committed:
+  any base-view forward first crops every layer back to len(tokens), then recomputes.
+* Layer 0 always runs (RoutingMask enforces it), so the cache length that transformers reads from
+  layer 0 is len(tokens) + len(pending), which is where new positions start.
+
+Cropping works per layer on the stored tensors, so it is correct when layers hold different lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from viasd.models.routing import RoutingMask, routed
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class KVSession:
+    """A model (under an optional base routing mask) with the KV cache of one growing sequence."""
+
+    def __init__(self, model: nn.Module, base_mask: RoutingMask | None = None) -> None:
+        self.model = model
+        self.base_mask = base_mask
+        self.cache = DynamicCache()
+        self.tokens: list[int] = []
+        self.pending: list[int] = []
+        self.forward_passes = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def reset(self) -> None:
+        """Forget the sequence (start a new generation)."""
+        self.cache = DynamicCache()
+        self.tokens = []
+        self.pending = []
+
+    def _crop_layers(self, length: int) -> None:
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is not None and keys.dim() >= 2 and keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first `length` committed tokens; drop every pending token."""
+        length = min(length, len(self.tokens))
+        self._crop_layers(length)
+        del self.tokens[length:]
+        self.pending = []
+
+    def truncate_pending(self, count: int) -> None:
+        """Keep only the first `count` pending tokens."""
+        count = min(count, len(self.pending))
+        self._crop_layers(len(self.tokens) + count)
+        del self.pending[count:]
+
+    def _run(self, ids: Sequence[int], mask: RoutingMask | None, keep: int) -> torch.Tensor:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        with torch.inference_mode(), routed(self.model, mask):
+            out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
+        self.forward_passes += 1
+        # Decisions happen on the CPU (random draws, comparisons); the copy is small next to a forward pass.
+        return out.logits[0, -keep:].float().cpu()
+
+    def forward(self, ids: Sequence[int], keep: int = 1) -> torch.Tensor:
+        """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions."""
+        if not ids:
+            raise ValueError("forward needs at least one token")
+        if self.pending:
+            self.truncate_pending(0)
+        keep = min(keep, len(ids))
+        logits = self._run(ids, self.base_mask, keep)
+        self.tokens.extend(ids)
+        return logits
+
+    def extend_to(self, sequence: Sequence[int], keep: int = 1) -> torch.Tensor:
+        """Make the committed tokens equal `sequence` (crop to the common prefix, forward the rest).
+
+        At least `keep` trailing tokens are recomputed so their logits can be returned.
+        """
+        shared = min(common_prefix_length(self.tokens, sequence), len(sequence) - keep)
+        self.truncate(shared)
+        return self.forward(sequence[shared:], keep=keep)
+
+    def forward_routed(self, ids: Sequence[int], mask: RoutingMask, keep: int = 1) -> torch.Tensor:
+        """Process `ids` after the pending tokens with a sub-view (slim); they become pending."""
+        if not ids:
+            raise ValueError("forward_routed needs at least one token")
+        keep = min(keep, len(ids))
+        logits = self._run(ids, mask, keep)
+        self.pending.extend(ids)
+        return logits
+
+    @property
+    def length(self) -> int:
+        """Positions held in the cache for layer 0 (committed plus pending)."""
+        return len(self.tokens) + len(self.pending)

@@ -1,0 +1,61 @@
+"""Tiny randomly initialised causal LMs of several architectures, for fast exactness tests."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GemmaConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2")
+
+_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config}
+
+
+def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the words t0..t{V-1}; t1 is EOS."""
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t0")
+
+
+def tiny_model(
+    arch: str = "llama",
+    *,
+    vocab_size: int = 64,
+    layers: int = 4,
+    hidden: int = 64,
+    seed: int = 0,
+    init_scale: float = 0.3,
+    dtype: torch.dtype = torch.float64,
+) -> torch.nn.Module:
+    """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform."""
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=256,
+        initializer_range=init_scale,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "gemma2":
+        kwargs.update(sliding_window=128, query_pre_attn_scalar=16)
+    config = _CONFIGS[arch](**kwargs)
+    config._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
