@@ -43,6 +43,15 @@ def residual(target: torch.Tensor, draft: torch.Tensor | None, token: int) -> to
     return out / total if total > 0 else target
 
 
+def match_width(probs: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """Zero-pad (or cut) distributions to the verifier's logit width: heads may be padded differently."""
+    if probs is None or probs.shape[-1] == width:
+        return probs
+    if probs.shape[-1] > width:
+        return probs[..., :width]
+    return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
+
+
 def accept_probability(target_p: torch.Tensor, draft_p: torch.Tensor) -> torch.Tensor:
     """min(1, q(x)/p(x)) elementwise, with 0/0 treated as reject."""
     return torch.where(draft_p > 0, (target_p / draft_p.clamp_min(1e-30)).clamp(max=1.0), 0.0)
@@ -57,6 +66,7 @@ def verify_block(
     """Speculative sampling over a block: `target_probs` has len(tokens) + 1 rows (the last is the bonus)."""
     k = len(tokens)
     assert target_probs.shape[0] == k + 1, "target_probs needs one row per draft token plus the bonus row"
+    draft_probs = match_width(draft_probs, target_probs.shape[-1])
     if k:
         idx = torch.tensor(tokens, dtype=torch.long, device=target_probs.device)
         q = target_probs[:k].gather(-1, idx[:, None])[:, 0].cpu()

@@ -1,0 +1,168 @@
+"""The `viasd` command line: generate, models (and calibrate, bench, serve)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+app = typer.Typer(
+    help="Multi-tier speculative decoding (VIA-SD): drafter, slim verifier, full target.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def user_errors(func: F) -> F:
+    """Show ViasdError (and Ctrl-C) as one line on stderr with a non-zero exit, never a traceback."""
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except ViasdError as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# Options shared by the commands that load models.
+TargetOpt = Annotated[
+    str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")
+]
+DrafterOpt = Annotated[str, typer.Option("--drafter", "-d", help="Drafter model (same tokenizer as the target).")]
+DeviceOpt = Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda, cuda:1 (default: cuda if present).")]
+DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")]
+DeviceMapOpt = Annotated[str | None, typer.Option(help="'auto' spreads a large target over several GPUs.")]
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            raise ViasdError("no prompt: pass it as an argument or on standard input")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise ViasdError("the prompt is empty")
+    return prompt
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or nothing reads standard input.")] = None,
+    method: Annotated[str, typer.Option("--method", "-m", help="plain, sd, lookup, self or via.")] = "sd",
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
+    profile: Annotated[str | None, typer.Option(help="Routing profile JSON for --method via.")] = None,
+    gamma: Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    chat: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and statistics.")] = False,
+    stats: Annotated[bool, typer.Option(help="Print statistics to stderr after the text.")] = True,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+) -> None:
+    """Generate text for a prompt, streaming it to the terminal."""
+    from viasd.decode.base import GenerationConfig
+    from viasd.engine import Engine, EngineSpec
+    from viasd.prompting import encode_prompt
+    from viasd.verify.sampling import SamplingParams
+
+    text = _read_prompt(prompt)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop or ()))
+    spec = EngineSpec(
+        target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
+    )
+    with err.status(f"loading {target}" + ("" if method in {"plain", "lookup", "self"} else f" and {drafter}")):
+        engine = Engine(spec)
+        decoder = engine.decoder(method)
+    ids = encode_prompt(engine.tokenizer, text, chat=chat, system=system)
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = decoder.generate(ids, config, on_text=None if as_json else stream)
+    if as_json:
+        out = {
+            "method": method,
+            "target": target,
+            "text": result.text,
+            "tokens": result.tokens,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+        }
+        if method != "plain" and method != "lookup" and method != "self":
+            out["drafter"] = drafter
+        print(json.dumps(out, ensure_ascii=False))
+        return
+    sys.stdout.write("\n")
+    if stats:
+        s = result.stats
+        line = (
+            f"{s.new_tokens} tokens in {s.total_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s), "
+            f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"
+        )
+        if s.drafted:
+            line += f", rejection rate {s.rejection_rate:.2f}"
+        if s.tiers:
+            line += ", tiers " + " ".join(f"{k}={v.decided}" for k, v in s.tiers.items())
+        err.print(f"[dim]{line}, finish: {s.finish_reason}[/]", highlight=False, soft_wrap=True)
+
+
+@app.command()
+@user_errors
+def models(
+    fetch: Annotated[list[str] | None, typer.Option(help="Fetch and convert a default model (repeatable).")] = None,
+    fetch_all: Annotated[bool, typer.Option("--all", help="Fetch every default model.")] = False,
+) -> None:
+    """List the embedded default models and fetch them into the local cache."""
+    from viasd.models.catalog import default_model_names
+    from viasd.models.fetch import ensure_default_model, list_default_models
+
+    names = default_model_names() if fetch_all else list(fetch or [])
+    for name in names:
+        path = ensure_default_model(name)
+        err.print(f"{name}: ready at {path}")
+    table = Table(title="default models")
+    for column in ("name", "role", "size", "cached", "description"):
+        table.add_column(column)
+    for status in list_default_models():
+        role = {DEFAULT_TARGET: "target", DEFAULT_DRAFTER: "drafter"}.get(status.name, "")
+        table.add_row(
+            status.name,
+            role,
+            f"{status.download_size / 1e6:.0f} MB",
+            "yes" if status.cached else "no",
+            status.description,
+        )
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
