@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
+from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.errors import ViasdError
@@ -18,6 +19,8 @@ from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.routing import RoutingMask, num_decoder_layers
 from viasd.prompting import Message, encode_messages
 from viasd.routing.masks import spread_mask
+from viasd.routing.profile import RoutingProfile, load_profile, shipped_profile_path
+from viasd.verify.gates import Gate
 
 # method name -> what it is, for help texts and listings
 METHODS: dict[str, str] = {
@@ -25,6 +28,8 @@ METHODS: dict[str, str] = {
     "sd": "classic speculative decoding with the small drafter model (exact)",
     "lookup": "speculative decoding with prompt-lookup (n-gram) drafts (exact)",
     "self": "self-speculative decoding: the target under a routing mask drafts (exact)",
+    "via": "VIA-SD: drafter -> slim verifier (routed target) -> full target, gated per token (relaxed)",
+    "via-exact": "VIA-SD machinery with every token sent to the full target (equals sd)",
 }
 
 
@@ -50,6 +55,7 @@ class Engine:
         self.target = target or self._load(spec.target)
         self._drafter: LoadedModel | None = None
         self._decoders: dict[str, Decoder] = {}
+        self._profile: RoutingProfile | None = None
 
     def _load(self, name: str) -> LoadedModel:
         return load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
@@ -68,8 +74,39 @@ class Engine:
         return self._drafter
 
     def self_mask(self) -> RoutingMask:
-        """The routing mask of the self-drafter."""
+        """The routing mask of the self-drafter: the profile's slim mask when there is one, else a spread mask."""
+        if self.spec.profile or shipped_profile_path():
+            try:
+                return self.profile.masks[0]
+            except ViasdError:
+                pass
         return spread_mask(num_decoder_layers(self.target.model), self.spec.self_skip_ratio)
+
+    @property
+    def profile(self) -> RoutingProfile:
+        """The routing profile for VIA-SD: --profile, else the one shipped for the default pair."""
+        if self._profile is None:
+            path = self.spec.profile or shipped_profile_path()
+            if path is None:
+                raise ViasdError("no routing profile: run `viasd calibrate` for this model pair and pass --profile")
+            profile = load_profile(path)
+            profile.check_models(self.target.model, self.drafter.model)
+            self._profile = profile
+        return self._profile
+
+    def _via(self, exact: bool) -> Decoder:
+        profile = self.profile
+        drafter = ModelDrafter(self.drafter.model, name="small")
+        return TieredDecoder(
+            self.target.model,
+            self.target.tokenizer,
+            drafter,
+            profile.masks,
+            Gate.exact() if exact else profile.gate,
+            gamma=self.spec.gamma or profile.gamma,
+            cap=profile.cap,
+            method="via-exact" if exact else "via",
+        )
 
     def _builders(self) -> dict[str, Callable[[], Decoder]]:
         target, tok, gamma = self.target.model, self.target.tokenizer, self.spec.gamma or 4
@@ -80,6 +117,8 @@ class Engine:
             "self": lambda: SpeculativeDecoder(
                 target, tok, ModelDrafter(target, self.self_mask(), name="self"), gamma, method="self"
             ),
+            "via": lambda: self._via(exact=False),
+            "via-exact": lambda: self._via(exact=True),
         }
 
     def decoder(self, method: str) -> Decoder:

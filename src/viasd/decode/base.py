@@ -87,9 +87,7 @@ class Decoder(ABC):
         budget = config.max_new_tokens
         if self.context_limit is not None:
             if len(prompt) >= self.context_limit:
-                raise ViasdError(
-                    f"the prompt has {len(prompt)} tokens; the model's context holds {self.context_limit}"
-                )
+                raise ViasdError(f"the prompt has {len(prompt)} tokens; the model's context holds {self.context_limit}")
             budget = min(budget, self.context_limit - len(prompt))
         stop = StopConditions(
             max_new_tokens=budget,
@@ -106,7 +104,5 @@ class Decoder(ABC):
         return GenerationResult(list(sink.tokens), sink.text, stats)
 
     @abstractmethod
-    def _decode(
-        self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats
-    ) -> None:
+    def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         """Push committed tokens into `sink` until it is done, filling in `stats`."""

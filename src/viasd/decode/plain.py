@@ -23,9 +23,7 @@ class PlainDecoder(Decoder):
         super().__init__(target, tokenizer)
         self.session = KVSession(target)
 
-    def _decode(
-        self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats
-    ) -> None:
+    def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()
         self.session.reset()
         calls_before = self.session.forward_passes

@@ -47,9 +47,7 @@ class SpeculativeDecoder(Decoder):
         if method:
             self.method = method
 
-    def _decode(
-        self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats
-    ) -> None:
+    def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()
         self.session.reset()
         self.drafter.reset()

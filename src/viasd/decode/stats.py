@@ -25,9 +25,7 @@ class GenerationStats:
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0  # draft tokens proposed
-    evaluated: int = (
-        0  # draft tokens that some verifier looked at (the rest were cut by an earlier rejection)
-    )
+    evaluated: int = 0  # draft tokens that some verifier looked at (the rest were cut by an earlier rejection)
     accepted: int = 0  # draft tokens kept
     target_calls: int = 0  # forward passes of the full target
     drafter_calls: int = 0  # forward passes of the drafter model (0 for model-free drafters)

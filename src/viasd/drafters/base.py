@@ -43,8 +43,6 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Start a new generation."""
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Proposal:
         """Up to k tokens that follow `context` (prompt plus committed tokens)."""
         ...

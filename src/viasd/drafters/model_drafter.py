@@ -30,9 +30,7 @@ class ModelDrafter:
     def reset(self) -> None:
         self.session.reset()
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Proposal:
         if k <= 0:
             return Proposal([])
         logits = self.session.extend_to(context, keep=1)[-1]

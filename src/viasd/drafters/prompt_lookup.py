@@ -39,7 +39,5 @@ class PromptLookupDrafter:
     def reset(self) -> None:
         """Stateless between rounds."""
 
-    def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
-    ) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Proposal:
         return Proposal(lookup_continuation(context, k, self.max_ngram, self.min_ngram))

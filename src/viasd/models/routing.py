@@ -34,9 +34,7 @@ class RoutingMask:
             raise ViasdError("routing mask: the model has no layers")
         # The KV cache reports its length from layer 0, so layer 0's attention must always run.
         if not self.attention[0]:
-            raise ViasdError(
-                "routing mask: the attention of layer 0 must run (the cache length is read from it)"
-            )
+            raise ViasdError("routing mask: the attention of layer 0 must run (the cache length is read from it)")
 
     @classmethod
     def full(cls, num_layers: int) -> RoutingMask:

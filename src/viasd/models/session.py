@@ -43,6 +43,7 @@ class KVSession:
         self.cache = DynamicCache()
         self.tokens: list[int] = []
         self.pending: list[int] = []
+        self.pending_mask: RoutingMask | None = None
         self.forward_passes = 0
 
     @property
@@ -54,6 +55,7 @@ class KVSession:
         self.cache = DynamicCache()
         self.tokens = []
         self.pending = []
+        self.pending_mask = None
 
     def _crop_layers(self, length: int) -> None:
         for layer in self.cache.layers:
@@ -68,6 +70,7 @@ class KVSession:
         self._crop_layers(length)
         del self.tokens[length:]
         self.pending = []
+        self.pending_mask = None
 
     def truncate_pending(self, count: int) -> None:
         """Keep only the first `count` pending tokens."""
@@ -104,13 +107,38 @@ class KVSession:
         return self.forward(sequence[shared:], keep=keep)
 
     def forward_routed(self, ids: Sequence[int], mask: RoutingMask, keep: int = 1) -> torch.Tensor:
-        """Process `ids` after the pending tokens with a sub-view (slim); they become pending."""
+        """Process `ids` after the pending tokens with a sub-view (slim); they become pending.
+
+        Pending entries written by a different sub-view are dropped first: each view's entries are
+        only meaningful to that view.
+        """
         if not ids:
             raise ValueError("forward_routed needs at least one token")
+        if self.pending and mask != self.pending_mask:
+            self.truncate_pending(0)
         keep = min(keep, len(ids))
         logits = self._run(ids, mask, keep)
         self.pending.extend(ids)
+        self.pending_mask = mask
         return logits
+
+    def extend_routed_to(self, sequence: Sequence[int], mask: RoutingMask, keep: int = 1) -> torch.Tensor:
+        """Process `sequence` with the sub-view on top of the committed tokens; logits of the last `keep`.
+
+        Committed tokens that disagree with `sequence` (rejected drafts the full view processed) are cropped;
+        the sub-view never writes below the committed frontier. Pending tokens are reused as far as they
+        agree with `sequence`.
+        """
+        shared = min(common_prefix_length(self.tokens, sequence), len(sequence) - keep)
+        if shared < len(self.tokens):
+            self.truncate(shared)
+        frontier = len(self.tokens)
+        if mask != self.pending_mask:
+            self.truncate_pending(0)
+        tail = sequence[frontier:]
+        reuse = min(common_prefix_length(self.pending, tail), len(tail) - keep)
+        self.truncate_pending(reuse)
+        return self.forward_routed(tail[reuse:], mask, keep=keep)
 
     @property
     def length(self) -> int:

@@ -81,3 +81,17 @@ def verify_block(
         law = residual(target_probs[rejected_at], draft_row, tokens[rejected_at])
         return Verdict(rejected_at, sample(law, generator), True)
     return Verdict(k, sample(target_probs[k], generator), False)
+
+
+def check_token(token: int, draft: torch.Tensor | None, target: torch.Tensor, generator: torch.Generator) -> int | None:
+    """Speculative-sampling check of one draft token against one verifier distribution [V].
+
+    Returns None when the token is kept, else the replacement drawn from the residual.
+    """
+    draft = match_width(draft, target.shape[-1])
+    p = 1.0 if draft is None else float(draft[token])
+    q = float(target[token])
+    u = float(torch.rand((), generator=generator))
+    if p > 0 and u < min(1.0, q / p):
+        return None
+    return sample(residual(target, draft, token), generator)

@@ -1,0 +1,150 @@
+"""Routing profiles: the calibrated slim-verifier masks, gate, draft length and measured costs of a model pair.
+
+A profile is a small JSON file. It names the models it was made for by fingerprint (config plus a
+sample of the weights), so a profile made for other models is refused instead of silently misrouting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from viasd.errors import ViasdError
+from viasd.models.routing import RoutingMask
+from viasd.verify.gates import Gate
+
+FORMAT = "viasd-routing-profile/1"
+DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A stable short hash of a model's architecture and weights (config + strided weight samples)."""
+    config = model.config.to_dict()
+    for volatile in (
+        "_name_or_path",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "architectures",
+        "quantization_config",
+        "_attn_implementation_autoset",
+        "use_cache",
+    ):
+        config.pop(volatile, None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        # Sample in fp32 so the fingerprint does not depend on the dtype the model was loaded in.
+        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+        digest.update(name.encode())
+        digest.update(torch.round(sample * 1024).to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class RoutingProfile:
+    """What `viasd calibrate` produces and `--method via` consumes."""
+
+    target: dict[str, str]  # {"name", "fingerprint"}
+    drafter: dict[str, str] | None  # None: the profile works with any drafter of the target
+    masks: list[RoutingMask]  # slim verifiers, shallowest first
+    gate: Gate = field(default_factory=Gate)
+    gamma: int = 4
+    cap: int = 32  # max tokens committed without the full target before a full pass is forced
+    search: dict[str, Any] = field(default_factory=dict)  # how the masks were found
+    calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
+    created: str = ""
+    format: str = FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["masks"] = [m.to_dict() for m in self.masks]
+        data["gate"] = {"signal": self.gate.signal, "thresholds": list(self.gate.thresholds)}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RoutingProfile:
+        if data.get("format") != FORMAT:
+            raise ViasdError(f"not a routing profile (format {data.get('format')!r}, expected {FORMAT!r})")
+        try:
+            gate = data.get("gate") or {}
+            return cls(
+                target=dict(data["target"]),
+                drafter=dict(data["drafter"]) if data.get("drafter") else None,
+                masks=[RoutingMask.from_dict(m) for m in data["masks"]],
+                gate=Gate(gate.get("signal", "kl"), tuple(float(t) for t in gate.get("thresholds", (0.05, 1.0)))),
+                gamma=int(data.get("gamma", 4)),
+                cap=int(data.get("cap", 32)),
+                search=dict(data.get("search", {})),
+                calibration=dict(data.get("calibration", {})),
+                created=str(data.get("created", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ViasdError(f"malformed routing profile: {exc}") from exc
+
+    def check_models(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
+        """Refuse a profile made for other models."""
+        got = model_fingerprint(target)
+        if self.target.get("fingerprint") != got:
+            raise ViasdError(
+                f"the routing profile was made for target {self.target.get('name')!r} "
+                f"(fingerprint {self.target.get('fingerprint')}), not this target (fingerprint {got}); "
+                "run `viasd calibrate` for this model pair"
+            )
+        for mask in self.masks:
+            if mask.num_layers != len(target.get_decoder().layers):
+                raise ViasdError("the routing profile's masks do not match the target's layer count")
+        if drafter is not None and self.drafter and self.drafter.get("fingerprint") != model_fingerprint(drafter):
+            raise ViasdError(
+                f"the routing profile was calibrated with drafter {self.drafter.get('name')!r}, not this drafter; "
+                "run `viasd calibrate` for this model pair"
+            )
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_profile(profile: RoutingProfile, path: str | os.PathLike[str]) -> None:
+    write_json_atomic(path, profile.to_dict())
+
+
+def load_profile(path: str | os.PathLike[str]) -> RoutingProfile:
+    """Read a profile file; a missing, unreadable or malformed file gives a one-line ViasdError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ViasdError(f"routing profile not found: {path}") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ViasdError(f"cannot read routing profile {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ViasdError(f"cannot read routing profile {path}: not a JSON object")
+    return RoutingProfile.from_dict(data)
+
+
+def shipped_profile_path(name: str = DEFAULT_PROFILE) -> Path | None:
+    """The profile shipped inside the package for a default model pair, if there is one."""
+    candidate = resources.files("viasd") / "profiles" / name
+    return Path(str(candidate)) if candidate.is_file() else None

@@ -1,0 +1,193 @@
+"""VIA-SD tiered decoding: exact mode, gate routing on constructed distributions, caps, N tiers, caches."""
+
+import math
+
+import pytest
+import torch
+from test_session import ATOL, assert_cache_equals, fresh_cache
+from tiny import tiny_model, tiny_tokenizer
+
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.round import route_block
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.decode.tiered import TieredDecoder
+from viasd.drafters.base import Proposal
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.errors import ViasdError
+from viasd.models.routing import RoutingMask
+from viasd.verify.gates import Gate, confidence_signal, kl_signal
+from viasd.verify.sampling import SamplingParams
+
+PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
+GREEDY = SamplingParams()
+
+
+def onehot_logits(rows: list[int], vocab: int = 8, sharp: float = 30.0) -> torch.Tensor:
+    out = torch.zeros(len(rows), vocab)
+    for i, r in enumerate(rows):
+        out[i, r] = sharp
+    return out
+
+
+def proposal(tokens: list[int], vocab: int = 8) -> Proposal:
+    soft = onehot_logits(tokens, vocab, sharp=30.0).softmax(-1)
+    return Proposal(tokens, onehot_logits(tokens, vocab).softmax(-1).round(), soft)
+
+
+def views(*tiers: torch.Tensor):
+    calls: list[int] = []
+
+    def view(j: int) -> torch.Tensor:
+        calls.append(j)
+        return tiers[j - 1]
+
+    return view, calls
+
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def test_all_accepted_takes_the_bonus_from_the_slim_view():
+    view, calls = views(onehot_logits([1, 2, 3, 5]))
+    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (0.5, 5.0)), GREEDY, GEN, budget=32)
+    assert out.committed == [1, 2, 3, 5] and out.decided == {0: 3} and out.full_at is None
+    assert set(calls) == {1}
+
+
+def test_slim_tier_rejection_regenerates_from_the_slim_view():
+    # Signals are moderate (slim less sure than the drafter) -> slim tier; slim's argmax differs at position 1.
+    slim = onehot_logits([1, 4, 3, 5], sharp=4.0)
+    view, _ = views(slim)
+    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (1e-3, 100.0)), GREEDY, GEN, budget=32)
+    assert out.committed == [1, 4] and out.decided == {1: 2} and out.rejected == {1: 1} and out.evaluated == 2
+
+
+def test_uncertain_first_token_goes_to_the_full_target():
+    slim = torch.zeros(3, 8)  # uniform slim distribution: far from a confident drafter
+    view, _ = views(slim)
+    out = route_block(proposal([1, 2]), view, Gate("kl", (0.5, 1.0)), GREEDY, GEN, budget=32)
+    assert out.committed is None and out.full_at == 0
+
+
+def test_last_token_routed_to_full_discards_the_round():
+    slim = onehot_logits([1, 2, 3, 4])
+    slim[2] = 0.0  # last draft position uncertain
+    view, _ = views(slim)
+    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (0.5, 1.0)), GREEDY, GEN, budget=32)
+    assert out.committed is None and out.full_at == 2
+
+
+def test_cap_forces_the_full_tier():
+    view, _ = views(onehot_logits([1, 2, 3, 5]))
+    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (0.5, 5.0)), GREEDY, GEN, budget=3)
+    # Token 0 and 1 can be committed (with the closing token that makes 3); token 2 would exceed it.
+    assert out.committed is None and out.full_at == 2
+
+
+def test_confidence_gate_and_signals():
+    slim = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]])
+    assert torch.allclose(confidence_signal(slim, None, [0, 2]), torch.tensor([0.0, 0.5]))
+    assert kl_signal(slim, None, [0, 2]).isinf().all()
+    assert torch.allclose(kl_signal(slim, slim, [0, 1]), torch.zeros(2), atol=1e-6)
+    view, _ = views(torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])))
+    prop = Proposal([0, 2], None, None)  # model-free drafter: only the confidence gate can clear it
+    out = route_block(prop, view, Gate("confidence", (0.1, 0.6)), GREEDY, GEN, budget=32)
+    # token 0: confidence 0 -> accept; token 2: 0.5 -> slim tier, greedy check fails -> regenerate argmax 1
+    assert out.committed == [0, 1] and out.decided == {0: 1, 1: 1}
+    with pytest.raises(ViasdError, match="signal"):
+        Gate("entropy", (1.0,))
+    with pytest.raises(ViasdError, match="decrease"):
+        Gate("kl", (2.0, 1.0))
+
+
+def test_deeper_slim_tier_runs_only_when_reached():
+    shallow = onehot_logits([1, 2, 3, 5], sharp=3.0)
+    deep = onehot_logits([1, 2, 6, 5])
+    view, calls = views(shallow, deep)
+    prop = proposal([1, 2, 3])
+    out = route_block(prop, view, Gate("kl", (1e-4, 1e-4, 100.0)), GREEDY, GEN, budget=32)
+    # Every signal lands in tier 2 (thresholds 1e-4, 1e-4, 100): the deep view decides and rejects 3 -> 6.
+    assert out.committed == [1, 2, 6] and out.decided == {2: 3} and set(calls) == {1, 2}
+    view, calls = views(shallow, deep)
+    out = route_block(prop, view, Gate("kl", (1e-4, 100.0, 100.0)), GREEDY, GEN, budget=32)
+    assert out.committed == [1, 2, 3, 5] and 2 not in calls
+
+
+def make(arch="llama"):
+    target, tok = tiny_model(arch), tiny_tokenizer(64)
+    drafter = ModelDrafter(tiny_model(arch, layers=2, seed=1))
+    return target, tok, drafter
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11)], ids=["greedy", "sample"])
+def test_exact_mode_reproduces_classic_sd(arch, params):
+    target, tok, drafter = make(arch)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=params)
+    sd = SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config)
+    via = TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [2])], Gate.exact(), gamma=4)
+    out = via.generate(PROMPT, config)
+    assert out.tokens == sd.tokens
+    assert out.stats.target_calls == sd.stats.target_calls and out.stats.slim_calls == 0
+    assert out.stats.unchecked_tokens == 0
+
+
+def test_full_mask_slim_tier_is_lossless_and_catches_up_lazily():
+    """With the full model as 'slim' view and no accept tier, relaxed VIA-SD is exact in greedy mode,
+    while most rounds end without a full-target call (exercising the lazy catch-up and the cap)."""
+    target, tok, drafter = make("qwen2")
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config)
+    for cap in (3, 8, 100):
+        via = TieredDecoder(target, tok, drafter, [RoutingMask.full(4)], Gate("kl", (-1.0, math.inf)), cap=cap)
+        out = via.generate(PROMPT, config)
+        assert out.tokens == plain.tokens, f"cap={cap}"
+        assert out.stats.unchecked_tokens > 0 and out.stats.tiers["slim"].decided > 0
+        assert out.stats.target_calls < plain.stats.target_calls
+    assert out.stats.target_calls <= 1
+
+
+def test_n_tier_with_a_degenerate_extra_tier_equals_three_tiers():
+    target, tok, drafter = make("llama")
+    slim = RoutingMask.skipping(4, [1, 2])
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=3))
+    three = TieredDecoder(target, tok, drafter, [slim], Gate("confidence", (0.05, 0.5))).generate(PROMPT, config)
+    four = TieredDecoder(
+        target, tok, drafter, [slim, RoutingMask.skipping(4, [2])], Gate("confidence", (0.05, 0.5, 0.5))
+    ).generate(PROMPT, config)
+    assert four.tokens == three.tokens
+    assert four.stats.tiers["slim2"].decided == 0 and four.stats.tiers["slim1"].decided == three.stats.tiers["slim"].decided
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_target_cache_equals_fresh_pass_after_relaxed_rounds(arch):
+    target, tok, drafter = make(arch)
+    via = TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate("confidence", (0.02, 0.6)), cap=6)
+    for n in (5, 17, 30):
+        out = via.generate(PROMPT, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+        assert out.stats.tiers["slim"].decided + out.stats.tiers["accept"].decided > 0
+        session = via.session
+        assert session.tokens == (PROMPT + out.tokens)[: len(session.tokens)]
+        assert_cache_equals(session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=ATOL.get(arch, 1e-10))
+
+
+def test_eos_inside_a_slim_block_ends_the_output():
+    target, tok, drafter = make("qwen2")
+    gate = Gate("kl", (-1.0, math.inf))
+    long = PlainDecoder(target, tok).generate(PROMPT, GenerationConfig(max_new_tokens=30, ignore_eos=True))
+    eos = long.tokens[5]
+    target.generation_config.eos_token_id = eos
+    tok.eos_token = f"t{eos}"
+    out = TieredDecoder(target, tok, ModelDrafter(target), [RoutingMask.full(4)], gate).generate(
+        PROMPT, GenerationConfig(max_new_tokens=30)
+    )
+    assert out.tokens == long.tokens[: long.tokens.index(eos)] and out.finish_reason == "eos"
+
+
+def test_bad_configurations_are_refused():
+    target, tok, drafter = make("llama")
+    with pytest.raises(ViasdError, match="thresholds"):
+        TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate("kl", (0.1, 0.2, 0.3)))
+    with pytest.raises(ViasdError, match="cap"):
+        TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate(), cap=0)
