@@ -19,7 +19,7 @@ from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.routing import RoutingMask, num_decoder_layers
 from viasd.prompting import Message, encode_messages
 from viasd.routing.masks import spread_mask
-from viasd.routing.profile import RoutingProfile, load_profile, shipped_profile_path
+from viasd.routing.profile import RoutingProfile, load_profile, model_fingerprint, shipped_profile_path
 from viasd.verify.gates import Gate
 
 # method name -> what it is, for help texts and listings
@@ -75,11 +75,11 @@ class Engine:
 
     def self_mask(self) -> RoutingMask:
         """The routing mask of the self-drafter: the profile's slim mask when there is one, else a spread mask."""
-        if self.spec.profile or shipped_profile_path():
-            try:
-                return self.profile.masks[0]
-            except ViasdError:
-                pass
+        path = self.spec.profile or shipped_profile_path()
+        if path is not None:
+            profile = load_profile(path)
+            if profile.target.get("fingerprint") == model_fingerprint(self.target.model):
+                return profile.masks[0]
         return spread_mask(num_decoder_layers(self.target.model), self.spec.self_skip_ratio)
 
     @property

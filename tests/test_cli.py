@@ -1,0 +1,79 @@
+"""The command line as users run it: a real subprocess, exit codes and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "viasd", *args], input=stdin, capture_output=True, text=True, timeout=timeout, env=ENV
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "message"),
+    [
+        (["generate", ""], None, "the prompt is empty"),
+        (["generate"], "   \n", "the prompt is empty"),
+        (["generate", "hi", "--temperature", "-1"], None, "temperature must be"),
+        (["generate", "hi", "--top-p", "1.5"], None, "top_p must be in (0, 1]"),
+        (["generate", "hi", "--top-p", "0"], None, "top_p must be in (0, 1]"),
+        (["generate", "hi", "-n", "0"], None, "max_new_tokens must be >= 1"),
+        (["generate", "hi", "--target", "no-such-model-xyz/nothing", "--method", "plain"], None, "cannot load model"),
+        (["generate", "hi", "--target", "/does/not/exist.gguf", "--method", "plain"], None, "cannot load model"),
+        (["generate", "hi", "--dtype", "int3", "--method", "plain"], None, "dtype"),
+    ],
+)
+def test_invalid_input_gives_one_line_error(args, stdin, message):
+    result = viasd(*args, stdin=stdin)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_corrupt_model_file_gives_one_line_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(1000))
+    result = viasd("generate", "hi", "--target", str(bad), "--method", "plain")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.real
+def test_mismatched_tokenizers_are_refused():
+    result = viasd("generate", "hi", "--target", "smollm2-135m", "--drafter", "qwen2.5-coder-0.5b", "--method", "sd")
+    assert result.returncode == 2 and "do not share a tokenizer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.real
+def test_generate_json_and_streaming_on_a_real_model():
+    out = viasd("generate", "Say hello.", "--target", "smollm2-135m", "--method", "lookup", "-n", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["stats"]["new_tokens"] == len(data["tokens"]) > 0
+    plain = viasd("generate", "Say hello.", "--target", "smollm2-135m", "--method", "plain", "-n", "12", "--json")
+    streamed = viasd("generate", "-", "--target", "smollm2-135m", "--method", "plain", "-n", "12", stdin="Say hello.")
+    assert streamed.returncode == 0 and streamed.stdout.strip() == json.loads(plain.stdout)["text"].strip()
+    assert "tokens in" in streamed.stderr
+
+
+@pytest.mark.real
+def test_cli_sd_prints_the_same_greedy_text_as_plain_on_the_default_pair():
+    prompt = "Write a Python function that checks whether a string is a palindrome."
+    runs = {
+        m: viasd("generate", prompt, "--method", m, "--dtype", "fp32", "-n", "32", "--json") for m in ("plain", "sd")
+    }
+    for m, r in runs.items():
+        assert r.returncode == 0, f"{m}: {r.stderr}"
+    plain, sd = (json.loads(runs[m].stdout) for m in ("plain", "sd"))
+    assert sd["text"] == plain["text"] and sd["tokens"] == plain["tokens"]
+    assert sd["stats"]["tokens_per_target_call"] > 1.0
+    assert plain["stats"]["tokens_per_target_call"] == 1.0
