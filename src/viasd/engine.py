@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
+from viasd.decode.hf_assisted import HFAssistedDecoder
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.tiered import TieredDecoder
@@ -30,6 +31,7 @@ METHODS: dict[str, str] = {
     "self": "self-speculative decoding: the target under a routing mask drafts (exact)",
     "via": "VIA-SD: drafter -> slim verifier (routed target) -> full target, gated per token (relaxed)",
     "via-exact": "VIA-SD machinery with every token sent to the full target (equals sd)",
+    "hf-assisted": "Hugging Face transformers' assisted generation with the small drafter (reference, exact)",
 }
 
 
@@ -119,6 +121,7 @@ class Engine:
             ),
             "via": lambda: self._via(exact=False),
             "via-exact": lambda: self._via(exact=True),
+            "hf-assisted": lambda: HFAssistedDecoder(target, tok, self.drafter.model, self.spec.gamma),
         }
 
     def decoder(self, method: str) -> Decoder:

@@ -1,0 +1,177 @@
+"""Hugging Face transformers' own assisted generation, behind the Decoder interface: a reference baseline.
+
+`target.generate(..., assistant_model=drafter)` runs the transformers implementation of speculative
+decoding. Wrapping it as a Decoder gives it the same stop conditions, text handling and statistics as
+the other methods. Forward hooks on both models count their forward passes and time them; the draft
+counts are derived from those: in transformers' assisted generation every drafter forward pass proposes
+one draft token and every target pass commits the accepted drafts plus one token of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig as HFGenerationConfig
+from transformers import PreTrainedTokenizerBase
+
+from viasd.decode.base import Decoder
+from viasd.decode.output import OutputSink
+from viasd.decode.stats import GenerationStats
+from viasd.errors import ViasdError
+from viasd.verify.sampling import SamplingParams
+
+
+@dataclass
+class _CallMeter:
+    """Forward passes of one module and the wall-clock seconds spent in them."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    _started: float = 0.0
+
+    def before(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def after(self, *_: Any) -> None:
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._started
+
+
+@contextmanager
+def metered(module: nn.Module) -> Iterator[_CallMeter]:
+    """Count and time the forward passes of `module` while the block runs."""
+    meter = _CallMeter()
+    handles = [module.register_forward_pre_hook(meter.before), module.register_forward_hook(meter.after)]
+    try:
+        yield meter
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def hf_generation_config(
+    params: SamplingParams,
+    max_new_tokens: int,
+    eos_ids: frozenset[int],
+    pad_id: int | None,
+) -> HFGenerationConfig:
+    """A generation config set in full, so that no sampling default of the model's own config leaks in."""
+    options: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=not params.greedy,
+        # Greedy: transformers' defaults (it warns about sampling flags that differ from them).
+        temperature=1.0 if params.greedy else params.temperature,
+        top_p=1.0 if params.greedy else params.top_p,
+        top_k=50 if params.greedy else params.top_k,  # 0 disables top-k, as in SamplingParams
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        num_beams=1,
+        pad_token_id=pad_id,
+        eos_token_id=sorted(eos_ids) if eos_ids else None,
+    )
+    if not eos_ids:  # no EOS stops this generation: keep generate from stopping at the model's own EOS
+        options["min_new_tokens"] = max_new_tokens
+    return HFGenerationConfig(**options)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' advisory warnings for one call: its assisted path warns about its own internals."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+class HFAssistedDecoder(Decoder):
+    """transformers' assisted generation with a small drafter model (exact in greedy decoding).
+
+    gamma None keeps transformers' own draft policy (its default draft length, and a draft that stops
+    early at a low-confidence token); a gamma fixes the draft length.
+    """
+
+    method = "hf-assisted"
+
+    def __init__(
+        self,
+        target: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        drafter: nn.Module,
+        gamma: int | None = None,
+        method: str | None = None,
+    ) -> None:
+        super().__init__(target, tokenizer)
+        if gamma is not None and gamma < 1:
+            raise ViasdError(f"the draft length gamma must be >= 1, got {gamma}")
+        self.drafter = drafter
+        self.gamma = gamma
+        if method:
+            self.method = method
+
+    @contextmanager
+    def _draft_length(self) -> Iterator[None]:
+        """transformers reads the draft policy from the drafter's generation config: fix it to gamma for one call.
+
+        A fixed gamma also turns off transformers' early stop of a draft at a low-confidence token.
+        """
+        config = self.drafter.generation_config
+        names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+        saved = {name: getattr(config, name, None) for name in names}
+        if self.gamma is not None:
+            config.num_assistant_tokens = self.gamma
+            config.num_assistant_tokens_schedule = "constant"
+            config.assistant_confidence_threshold = 0.0
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(config, name, value)
+
+    def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
+        eos = sink.stop.eos_token_ids
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = min(self.eos_ids) if self.eos_ids else 0
+        config = hf_generation_config(params, sink.remaining, eos, pad)
+        device = next(self.target.parameters()).device
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        extra: dict[str, Any] = {}
+        if sink.stop.stop_strings:
+            extra = dict(stop_strings=list(sink.stop.stop_strings), tokenizer=self.tokenizer)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)  # transformers samples from the global generator
+        with (
+            metered(self.target) as target,
+            metered(self.drafter) as drafter,
+            self._draft_length(),
+            quiet_transformers(),
+        ):
+            output = self.target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                assistant_model=self.drafter,
+                generation_config=config,
+                **extra,
+            )
+        sink.push(int(t) for t in output[0, len(prompt) :].tolist())
+        stats.target_calls = target.calls
+        stats.drafter_calls = drafter.calls
+        stats.rounds = target.calls
+        stats.verify_seconds = target.seconds
+        stats.draft_seconds = drafter.seconds
+        # Each drafter pass proposed one token; each target pass kept its accepted drafts plus one token.
+        stats.drafted = stats.evaluated = drafter.calls
+        stats.accepted = min(drafter.calls, max(0, len(sink.tokens) - target.calls))
