@@ -164,5 +164,10 @@ def models(
     Console().print(table)
 
 
+from viasd.serve.command import serve  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("serve")(user_errors(serve))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()

@@ -1,0 +1,406 @@
+"""The OpenAI-compatible HTTP app, built by `create_app` from a loaded engine and the server settings.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not),
+GET /v1/models, /health and /metrics. All state (queue, metrics, executors) lives in the app that the
+factory returns, so two apps in one process share nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from viasd import __version__
+from viasd.decode.base import GenerationConfig, GenerationResult
+from viasd.engine import Engine
+from viasd.errors import ViasdError
+from viasd.prompting import Message, encode_messages
+from viasd.serve.errors import APIError, error_body
+from viasd.serve.generation import GenerationCancelled, GenerationService, Job
+from viasd.serve.metrics import Metrics
+from viasd.serve.middleware import GuardMiddleware
+from viasd.serve.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from viasd.serve.settings import ServeSettings
+from viasd.verify.sampling import SamplingParams
+
+log = logging.getLogger("viasd.serve")
+
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_DISCONNECT_POLL_SECONDS = 0.25
+# our finish reasons -> OpenAI's
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+RequestT = TypeVar("RequestT", bound=BaseModel)
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: BaseModel | dict[str, Any] | str) -> str:
+    """One server-sent event carrying a JSON payload (or the literal [DONE])."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        data = json.dumps(payload)
+    else:
+        data = payload
+    return f"data: {data}\n\n"
+
+
+def validation_message(errors: Sequence[Any]) -> str:
+    """A one-line account of what is wrong with a request body, from pydantic's error list."""
+    problems: list[str] = []
+    for item in errors:
+        if item.get("type") == "json_invalid":
+            detail = str(item.get("msg", "")).removeprefix("Invalid JSON: ")
+            return f"the request body is not valid JSON ({detail})" if detail else "the request body is not valid JSON"
+        loc = [str(part) for part in item.get("loc", ()) if part != "body"]
+        where = ".".join(loc) or "body"
+        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+        problems.append(f"{where}: {message}")
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    return "invalid request: " + "; ".join(problems[:5]) + more
+
+
+async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
+    """The JSON body as `model`, whatever the Content-Type (curl sends form encoding by default)."""
+    body = await request.body()
+    if not body.strip():
+        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_request")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise APIError(400, validation_message(error.errors()), code="invalid_request") from error
+
+
+def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
+    """Build the app. The engine must already hold (or be able to build) a decoder for every method."""
+    metrics = Metrics(settings.methods)
+    service = GenerationService(engine, metrics, settings.max_queue)
+    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-tokenize")
+    watchers: set[asyncio.Task[None]] = set()
+    created = int(time.time())
+    vocab_size = len(engine.tokenizer)
+    context_limit = engine.decoder(settings.default_method).context_limit
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            # Uvicorn has drained the in-flight requests (or given up after its timeout): stop the rest.
+            await asyncio.to_thread(service.close, True)
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="viasd",
+        version=__version__,
+        summary="OpenAI-compatible server for speculative decoding (VIA-SD)",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.add_middleware(
+        GuardMiddleware,
+        metrics=metrics,
+        api_key=settings.api_key,
+        max_body_bytes=settings.max_body_bytes,
+        known_paths=PATHS,
+    )
+
+    # ------------------------------------------------------------------------------------ errors
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, validation_message(exc.errors()), "invalid_request"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ViasdError)
+    async def user_error(request: Request, exc: ViasdError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal server error ({type(exc).__name__})"), status_code=500)
+
+    # ------------------------------------------------------------------------- request handling
+
+    def check_model(model: str | None) -> None:
+        if model and model != settings.model_id:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {settings.model_id!r}",
+                code="model_not_found",
+                param="model",
+            )
+
+    def pick_method(method: str | None) -> str:
+        chosen = method or settings.default_method
+        if chosen not in settings.methods:
+            raise APIError(
+                400,
+                f"method {chosen!r} is not loaded on this server; loaded: {', '.join(settings.methods)}",
+                code="method_not_loaded",
+                param="method",
+            )
+        return chosen
+
+    def generation_config(req: ChatCompletionRequest | CompletionRequest) -> GenerationConfig:
+        max_tokens = req.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = settings.default_max_tokens
+        elif max_tokens > settings.max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens is {max_tokens}; this server allows at most {settings.max_tokens_limit} "
+                "(--max-tokens-limit)",
+                code="max_tokens_too_large",
+                param="max_tokens",
+            )
+        sampling = SamplingParams(
+            temperature=settings.default_temperature if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            seed=req.seed,
+        )
+        return GenerationConfig(
+            max_new_tokens=max_tokens, sampling=sampling, stop_strings=req.stop_strings(), ignore_eos=req.ignore_eos
+        )
+
+    async def encode(messages: Sequence[Message], chat: bool) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(tokenizer_pool, encode_messages, engine.tokenizer, messages, chat)
+
+    def check_prompt(ids: Sequence[int], param: str) -> None:
+        if len(ids) > settings.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; this server accepts at most {settings.max_prompt_tokens} "
+                "(--max-prompt-tokens)",
+                code="prompt_too_long",
+                param=param,
+            )
+        if context_limit is not None and len(ids) >= context_limit:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; the model's context holds {context_limit}",
+                code="prompt_too_long",
+                param=param,
+            )
+
+    async def watch_disconnect(request: Request, job: Job) -> None:
+        """Cancel the job when its client goes away, whether it waits in the queue or generates."""
+        while not job.done():
+            if await request.is_disconnected():
+                log.debug("client went away; cancelling its %s generation", job.method)
+                job.cancel.set()
+                return
+            await asyncio.wait([job.result], timeout=_DISCONNECT_POLL_SECONDS)
+
+    def start(request: Request, prompt: list[int], method: str, config: GenerationConfig) -> Job:
+        job = service.submit(prompt, method, config)
+        watcher = asyncio.create_task(watch_disconnect(request, job))
+        watchers.add(watcher)
+        watcher.add_done_callback(watchers.discard)
+        return job
+
+    async def finish(job: Job) -> GenerationResult:
+        """The job's result; a failure becomes an API error."""
+        try:
+            return await job.result
+        except GenerationCancelled as error:
+            raise APIError(499, "the client closed the request", code="cancelled") from error
+        except ViasdError as error:
+            raise APIError(400, str(error)) from error
+        finally:
+            job.cancel.set()  # no-op when finished; stops the generation if this handler was cancelled
+
+    def usage(prompt: Sequence[int], result: GenerationResult) -> Usage:
+        n = len(result.tokens)
+        return Usage(
+            prompt_tokens=len(prompt),
+            completion_tokens=n,
+            total_tokens=len(prompt) + n,
+            speculative=result.stats.to_dict(),
+        )
+
+    async def stream(
+        job: Job,
+        prompt: Sequence[int],
+        first: str | None,
+        piece_event: Callable[[str], str],
+        finish_event: Callable[[str], str],
+        usage_event: Callable[[Usage], str] | None,
+    ) -> AsyncIterator[str]:
+        """The SSE body: text pieces as they are committed, the finish reason, usage if asked, [DONE]."""
+        try:
+            if first is not None:
+                yield first
+            while (piece := await job.pieces.get()) is not None:
+                yield piece_event(piece)
+            try:
+                result = await job.result
+            except GenerationCancelled:
+                return
+            except Exception as error:
+                if not isinstance(error, ViasdError):
+                    log.error("generation failed mid-stream", exc_info=error)
+                status = 400 if isinstance(error, ViasdError) else 500
+                message = str(error) if isinstance(error, ViasdError) else f"internal error ({type(error).__name__})"
+                yield sse(error_body(status, message))
+                yield sse("[DONE]")
+                return
+            yield finish_event(_FINISH.get(result.finish_reason, result.finish_reason))
+            if usage_event is not None:
+                yield usage_event(usage(prompt, result))
+            yield sse("[DONE]")
+        finally:
+            job.cancel.set()
+
+    # ------------------------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        waiting, running = service.depth()
+        return {
+            "status": "ok",
+            "model": settings.model_id,
+            "methods": list(settings.methods),
+            "queue": {"waiting": waiting, "running": running, "capacity": service.capacity},
+        }
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        waiting, running = service.depth()
+        text = metrics.render(waiting=waiting, running=running, capacity=service.capacity)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=settings.model_id, created=created, methods=list(settings.methods))
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response | ChatCompletion:
+        req = await parse_body(request, ChatCompletionRequest)
+        check_model(req.model)
+        method = pick_method(req.method)
+        config = generation_config(req)
+        prompt = await encode([m.as_prompt_message() for m in req.messages], chat=True)
+        check_prompt(prompt, "messages")
+        job = start(request, prompt, method, config)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not req.stream:
+            result = await finish(job)
+            return ChatCompletion(
+                id=rid,
+                created=now,
+                model=settings.model_id,
+                choices=[
+                    ChatChoice(
+                        message=ChatMessageOut(content=result.text),
+                        finish_reason=_FINISH.get(result.finish_reason, result.finish_reason),
+                    )
+                ],
+                usage=usage(prompt, result),
+            )
+
+        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            return sse(ChatCompletionChunk(id=rid, created=now, model=settings.model_id, choices=[choice]))
+
+        def usage_chunk(u: Usage) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=now, model=settings.model_id, choices=[], usage=u))
+
+        body = stream(
+            job,
+            prompt,
+            first=chunk(ChatDelta(role="assistant", content="")),
+            piece_event=lambda piece: chunk(ChatDelta(content=piece)),
+            finish_event=lambda reason: chunk(ChatDelta(), reason),
+            usage_event=usage_chunk if req.include_usage() else None,
+        )
+        return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response | Completion:
+        req = await parse_body(request, CompletionRequest)
+        check_model(req.model)
+        method = pick_method(req.method)
+        config = generation_config(req)
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+            prompt = [int(t) for t in req.prompt]
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                message = f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+                raise APIError(400, message, param="prompt")
+        else:
+            text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
+            prompt = await encode([{"role": "user", "content": text}], chat=False)
+        check_prompt(prompt, "prompt")
+        job = start(request, prompt, method, config)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def completion(choices: list[CompletionChoice], u: Usage | None = None) -> Completion:
+            return Completion(id=rid, created=now, model=settings.model_id, choices=choices, usage=u)
+
+        if not req.stream:
+            result = await finish(job)
+            reason = _FINISH.get(result.finish_reason, result.finish_reason)
+            return completion([CompletionChoice(text=result.text, finish_reason=reason)], usage(prompt, result))
+        body = stream(
+            job,
+            prompt,
+            first=None,
+            piece_event=lambda piece: sse(completion([CompletionChoice(text=piece)])),
+            finish_event=lambda reason: sse(completion([CompletionChoice(text="", finish_reason=reason)])),
+            usage_event=(lambda u: sse(completion([], u))) if req.include_usage() else None,
+        )
+        return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    return app

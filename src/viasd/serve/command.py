@@ -1,0 +1,174 @@
+"""`viasd serve`: load the models once and serve them over an OpenAI-compatible HTTP API.
+
+Heavy imports (torch, transformers, FastAPI, uvicorn) happen inside the command, so that `viasd --help`
+stays fast. The command is registered in `viasd.cli`, which wraps it in `user_errors`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Annotated
+
+import typer
+
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+API_KEY_ENV = "VIASD_API_KEY"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket up front, so a busy port fails before minutes of model loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ViasdError(f"cannot listen on {host}:{port}: unknown host ({error.strerror})") from error
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise ViasdError(f"cannot listen on {host}:{port}: {error.strerror or error}") from error
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _log_to_stderr(level: str) -> None:
+    """Send the server's own log lines (viasd.*) to stderr in uvicorn's format."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    logger = logging.getLogger("viasd")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def serve(
+    target: Annotated[
+        str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")
+    ] = DEFAULT_TARGET,
+    drafter: Annotated[
+        str, typer.Option("--drafter", "-d", help="Drafter model (same tokenizer as the target).")
+    ] = DEFAULT_DRAFTER,
+    methods: Annotated[
+        str,
+        typer.Option(help="Decoding methods to load, comma-separated; the first is the default, requests pick one."),
+    ] = "sd,plain",
+    profile: Annotated[str | None, typer.Option(help="Routing profile JSON for the via methods.")] = None,
+    gamma: Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind; the default accepts local clients only.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0 picks a free one).")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar=API_KEY_ENV, help="Require 'Authorization: Bearer <key>' (default: no key needed)."),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model id clients use and /v1/models lists (default: the --target value).")
+    ] = None,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted (413 beyond).")] = 1 << 20,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Longest prompt accepted, in tokens (400 beyond).")] = 4096,
+    max_tokens_limit: Annotated[
+        int, typer.Option(help="Largest max_tokens a request may ask for (400 beyond).")
+    ] = 2048,
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.")] = 256,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests that may wait while one generates; more are refused with 503.")
+    ] = 16,
+    shutdown_timeout: Annotated[
+        int, typer.Option(help="Seconds to let in-flight requests finish on Ctrl-C or SIGTERM.")
+    ] = 30,
+    device: Annotated[
+        str | None, typer.Option(help="Device, e.g. cpu, cuda, cuda:1 (default: cuda if present).")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")] = "auto",
+    device_map: Annotated[str | None, typer.Option(help="'auto' spreads a large target over several GPUs.")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = True,
+) -> None:
+    """Serve the target over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
+    from rich.console import Console
+
+    from viasd.serve.settings import ServeSettings, parse_methods
+
+    err = Console(stderr=True)
+    if shutdown_timeout < 0:
+        raise ViasdError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
+    if log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
+        raise ViasdError(f"unknown --log-level {log_level!r} (debug, info, warning or error)")
+    settings = ServeSettings(
+        model_id=served_model_name or target,
+        methods=parse_methods(methods),
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        max_prompt_tokens=max_prompt_tokens,
+        max_tokens_limit=max_tokens_limit,
+        default_max_tokens=min(default_max_tokens, max_tokens_limit),
+        max_queue=max_queue,
+    )
+    sock = bind_socket(host, port)
+    try:
+        import uvicorn
+
+        from viasd.engine import Engine, EngineSpec
+        from viasd.serve.app import create_app
+
+        spec = EngineSpec(
+            target=target,
+            drafter=drafter,
+            device=device,
+            dtype=dtype,
+            device_map=device_map,
+            profile=profile,
+            gamma=gamma,
+        )
+        with err.status(f"loading {target} for {', '.join(settings.methods)}"):
+            engine = Engine(spec)
+            for method in settings.methods:
+                engine.decoder(method)
+        if not is_loopback(host) and settings.api_key is None:
+            err.print(
+                f"[bold yellow]warning:[/] listening on {host} without an API key: anyone who can reach this "
+                f"port can use the model (set --api-key or {API_KEY_ENV})",
+                highlight=False,
+            )
+        _log_to_stderr(log_level)
+        app = create_app(engine, settings)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=sock.getsockname()[1],
+            log_level=log_level.lower(),
+            access_log=access_log,
+            timeout_graceful_shutdown=shutdown_timeout,
+            lifespan="on",
+        )
+        server = uvicorn.Server(config)
+        bound = sock.getsockname()
+        url = f"http://{f'[{bound[0]}]' if ':' in bound[0] else bound[0]}:{bound[1]}"
+        err.print(
+            f"serving {settings.model_id} at {url}/v1 (methods: {', '.join(settings.methods)}; "
+            f"default {settings.default_method}{'; API key required' if settings.api_key else ''})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        raise ViasdError("the server did not start (see the log above)")

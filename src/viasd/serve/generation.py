@@ -1,0 +1,147 @@
+"""Runs generations one at a time on a worker thread, behind a bounded queue, and lets clients cancel them.
+
+A model (and its KV sessions) serves one generation at a time, so every job goes through a single-thread
+executor: jobs queue there in arrival order, and a job keeps the model until its thread really ends, even
+when the request that started it is gone. Admission is bounded: more than `max_queue` waiting jobs and
+new requests are refused at once (503) rather than left to time out. A job is cancelled by setting its
+event; the decoder notices at its next committed text (the `on_text` callback raises) and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from viasd.decode.base import GenerationConfig, GenerationResult
+from viasd.engine import Engine
+from viasd.serve.errors import APIError
+from viasd.serve.metrics import Metrics
+
+log = logging.getLogger("viasd.serve")
+
+
+class GenerationCancelled(Exception):
+    """Raised inside the decoder (from `on_text`) to stop a generation whose client went away."""
+
+
+@dataclass
+class Job:
+    """One submitted generation: text pieces as they are committed, then the result (or an exception)."""
+
+    method: str
+    cancel: threading.Event
+    result: asyncio.Future[GenerationResult]
+    pieces: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)  # None marks the end
+
+    def done(self) -> bool:
+        return self.result.done()
+
+
+def _mark_retrieved(result: asyncio.Future[GenerationResult]) -> None:
+    """Silence "exception never retrieved" for jobs whose client left without awaiting the result."""
+    if not result.cancelled():
+        result.exception()
+
+
+class GenerationService:
+    """The queue in front of the engine: admission, the single worker thread, cancellation, metrics."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-generate")
+        self._lock = threading.Lock()
+        self._pending = 0  # admitted jobs whose thread work has not ended (waiting + running)
+        self._running = 0
+        self._cancels: set[threading.Event] = set()
+        self._closed = False
+
+    @property
+    def capacity(self) -> int:
+        """Jobs that may be in the service at once: one running plus `max_queue` waiting."""
+        return self.max_queue + 1
+
+    def depth(self) -> tuple[int, int]:
+        """(waiting, running) jobs now."""
+        with self._lock:
+            return self._pending - self._running, self._running
+
+    def submit(self, prompt_ids: Sequence[int], method: str, config: GenerationConfig) -> Job:
+        """Queue a generation, or refuse it with 503 when the queue is full; call from the event loop."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", code="shutting_down")
+            if self._pending >= self.capacity:
+                raise APIError(
+                    503,
+                    f"the server is busy: {self._pending} requests are already running or queued "
+                    f"(limit {self.capacity}, --max-queue {self.max_queue}); retry later",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
+            self._pending += 1
+            cancel = threading.Event()
+            self._cancels.add(cancel)
+        prompt = list(prompt_ids)
+
+        def on_text(piece: str) -> None:
+            if cancel.is_set():
+                raise GenerationCancelled
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+        def work() -> GenerationResult:
+            with self._lock:
+                self._running += 1
+            try:
+                if cancel.is_set():
+                    raise GenerationCancelled
+                result = self.engine.generate(prompt, method, config, on_text=on_text)
+            except GenerationCancelled:
+                log.info("stopped a %s generation: its client went away", method)
+                self.metrics.record_cancelled(method)
+                raise
+            except Exception:
+                self.metrics.record_failed(method)
+                raise
+            finally:
+                with self._lock:
+                    self._running -= 1
+            self.metrics.record(method, result.stats)
+            return result
+
+        def finished(future: Future[GenerationResult]) -> None:
+            with self._lock:
+                self._pending -= 1
+                self._cancels.discard(cancel)
+            if future.cancelled():  # dropped from the queue before it started
+                self.metrics.record_cancelled(method)
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                loop.call_soon_threadsafe(pieces.put_nowait, None)
+
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        try:
+            future = self._executor.submit(work)
+        except RuntimeError as error:  # executor shut down between the check above and now
+            with self._lock:
+                self._pending -= 1
+                self._cancels.discard(cancel)
+            raise APIError(503, "the server is shutting down", code="shutting_down") from error
+        future.add_done_callback(finished)
+        result = asyncio.wrap_future(future, loop=loop)
+        result.add_done_callback(_mark_retrieved)
+        return Job(method=method, cancel=cancel, result=result, pieces=pieces)
+
+    def close(self, wait: bool = True) -> None:
+        """Refuse new jobs, cancel the ones still queued or running, and (optionally) wait for the thread."""
+        with self._lock:
+            self._closed = True
+            for cancel in self._cancels:
+                cancel.set()
+        self._executor.shutdown(wait=wait, cancel_futures=True)

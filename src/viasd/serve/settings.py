@@ -1,0 +1,60 @@
+"""Server settings: what is served and the limits that keep one process safe under load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from viasd.engine import METHODS
+from viasd.errors import ViasdError
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything the HTTP app needs besides the engine; validated on construction."""
+
+    model_id: str
+    methods: tuple[str, ...]
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int = 4096
+    max_tokens_limit: int = 2048
+    default_max_tokens: int = 256
+    max_queue: int = 16  # requests that may wait while one generates; more get 503
+    default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ViasdError("no decoding method to serve: pass --methods, e.g. --methods sd,plain")
+        for method in self.methods:
+            if method not in METHODS:
+                raise ViasdError(f"unknown method {method!r} in --methods; choose from: {', '.join(METHODS)}")
+        if len(set(self.methods)) != len(self.methods):
+            raise ViasdError(f"--methods names a method twice: {','.join(self.methods)}")
+        positive = {
+            "--max-body-bytes": self.max_body_bytes,
+            "--max-prompt-tokens": self.max_prompt_tokens,
+            "--max-tokens-limit": self.max_tokens_limit,
+            "--default-max-tokens": self.default_max_tokens,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ViasdError(f"{name} must be >= 1, got {value}")
+        if self.max_queue < 0:
+            raise ViasdError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ViasdError(
+                f"--default-max-tokens ({self.default_max_tokens}) exceeds --max-tokens-limit ({self.max_tokens_limit})"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ViasdError("the API key is empty: pass a non-empty --api-key (or VIASD_API_KEY), or none")
+
+    @property
+    def default_method(self) -> str:
+        return self.methods[0]
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """'sd, plain' -> ('sd', 'plain'); the first is the default method."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
