@@ -169,5 +169,10 @@ from viasd.serve.command import serve  # noqa: E402  (light: heavy imports happe
 app.command("serve")(user_errors(serve))
 
 
+from viasd.bench.command import bench  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("bench")(user_errors(bench))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()

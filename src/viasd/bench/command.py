@@ -1,0 +1,240 @@
+"""`viasd bench`: every method side by side on the same tasks and models, with quality and tier statistics.
+
+Heavy imports (torch, transformers, matplotlib) happen inside the command so that `viasd --help` stays
+fast. The command is registered in `viasd.cli`, which wraps it in `user_errors`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
+# Settings that must be the same for rows of a resumed run to be comparable with the new ones.
+RESUME_KEYS = (
+    "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+    "gamma", "chat",
+)  # fmt: skip
+
+
+def parse_methods(text: str, known: Sequence[str]) -> list[str]:
+    """Comma-separated method names, checked against the known ones, duplicates dropped."""
+    methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not methods:
+        raise ViasdError("no methods given")
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ViasdError(f"unknown method(s) {', '.join(unknown)}; choose from: {', '.join(known)}")
+    return methods
+
+
+def parse_list(text: str | None) -> list[str] | None:
+    return [c.strip() for c in text.split(",") if c.strip()] if text else None
+
+
+def default_out_dir(now: dt.datetime | None = None) -> Path:
+    stamp = (now or dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"bench-{stamp}"
+
+
+def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Refuse to resume a run made with different models or generation settings."""
+    differing = [k for k in RESUME_KEYS if previous.get(k) != current.get(k)]
+    if differing:
+        detail = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing)
+        raise ViasdError(f"cannot resume: the run was made with other settings ({detail})")
+
+
+def bench(
+    methods: Annotated[str, typer.Option(help="Comma-separated methods to compare, baseline 'plain' first.")] = (
+        DEFAULT_METHODS
+    ),
+    questions: Annotated[
+        Path | None, typer.Option(help="Spec-Bench-format JSONL (default: the shipped development half).")
+    ] = None,
+    categories: Annotated[str | None, typer.Option(help="Comma-separated categories (default: all).")] = None,
+    count: Annotated[int, typer.Option(help="Questions per category, spread over it (0: none).")] = 5,
+    humaneval: Annotated[int, typer.Option(help="HumanEval problems, spread over the 164 (0: none).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Token budget per turn.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 means greedy (the default, as in Spec-Bench).")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    gamma: Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")] = None,
+    target: Annotated[str, typer.Option("--target", "-t", help="Target model.")] = DEFAULT_TARGET,
+    drafter: Annotated[str, typer.Option("--drafter", "-d", help="Drafter model.")] = DEFAULT_DRAFTER,
+    profile: Annotated[str | None, typer.Option(help="Routing profile JSON for via and via-exact.")] = None,
+    device: Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda (default: cuda if present).")] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")] = "auto",
+    device_map: Annotated[str | None, typer.Option(help="'auto' spreads a large target over GPUs.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output directory (default: runs/bench-<timestamp>).")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue the run in --out, skipping finished rows.")] = False,
+    warmup: Annotated[bool, typer.Option(help="One untimed generation per method first.")] = True,
+    chat: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
+    humaneval_timeout: Annotated[float, typer.Option(help="Seconds a HumanEval test may run.")] = 10.0,
+) -> None:
+    """Benchmark decoding methods side by side: speed, tier statistics and quality, on Spec-Bench and HumanEval."""
+    from viasd.bench.memory import PeakMemory
+    from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, write_atomic, write_report
+    from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
+    from viasd.bench.tasks import build_tasks, default_questions_path, file_sha256
+    from viasd.engine import METHODS, Engine, EngineSpec
+    from viasd.routing.profile import shipped_profile_path
+    from viasd.verify.sampling import SamplingParams
+
+    err = Console(stderr=True)
+    method_list = parse_methods(methods, list(METHODS))
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    if max_new_tokens < 1:
+        raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    tasks = build_tasks(questions, parse_list(categories), count, humaneval)
+    questions_file = questions or default_questions_path()
+
+    if resume and out is None:
+        raise ViasdError("--resume needs --out: the directory of the run to continue")
+    out_dir = out or default_out_dir()
+    results_path = out_dir / RESULTS_JSONL
+    if results_path.exists() and not resume:
+        raise ViasdError(f"{out_dir} already holds a run: pass --resume to continue it, or another --out")
+    profile_path = profile or shipped_profile_path()
+    settings: dict[str, Any] = {
+        "methods": method_list,
+        "target": target,
+        "drafter": drafter,
+        "profile": str(profile_path) if profile_path else None,
+        "dtype": dtype,
+        "device": device,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "gamma": gamma,
+        "chat": chat,
+        "questions": str(questions_file),
+        "questions_sha256": file_sha256(questions_file) if count else None,
+        "categories": parse_list(categories),
+        "count": count,
+        "humaneval": humaneval,
+        "tasks": len(tasks),
+    }
+    env_path = out_dir / ENV_JSON
+    if resume and env_path.exists():
+        check_resumable(json.loads(env_path.read_text(encoding="utf-8")).get("settings", {}), settings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    spec = EngineSpec(
+        target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
+    )
+    with err.status(f"loading {target}"):
+        engine = Engine(spec)
+    parameter = next(engine.target.model.parameters())
+    models = {
+        "target": target,
+        "target_path": engine.target.path,
+        "drafter": drafter,
+        "profile": settings["profile"],
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "device": str(parameter.device),
+    }
+    env = environment(settings, models)
+    write_atomic(env_path, json.dumps(env, indent=2) + "\n")
+
+    results = ResultsFile(results_path)
+    run_settings = RunSettings(
+        methods=method_list,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        chat=chat,
+        warmup=warmup,
+        humaneval_timeout=humaneval_timeout,
+    )
+    done = [(r["key"], r["method"]) for r in results.load()]
+    total = len(pending_pairs(tasks, method_list, done))
+    err.print(
+        f"{len(tasks)} tasks x {len(method_list)} methods: {total} to run"
+        + (f" ({len(done)} already done)" if done else "")
+        + f"; results in {out_dir}",
+        highlight=False,
+    )
+    interrupted = False
+    try:
+        rows = _run_with_progress(err, total, tasks, engine, run_settings, results, PeakMemory(models["device"]))
+    except KeyboardInterrupt:
+        interrupted = True
+        rows = results.load()
+    wanted = {t.key for t in tasks}
+    rows = [r for r in rows if r["key"] in wanted and r["method"] in method_list]
+    env["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    env["rows"] = len(rows)
+    write_atomic(env_path, json.dumps(env, indent=2) + "\n")
+    if rows:
+        paths = write_report(out_dir, rows, env, baseline="plain")
+        _print_overview(rows)
+        err.print(f"summary: {paths['markdown']}\nplot: {paths['plot']}\nresults: {results_path}", highlight=False)
+    if interrupted:
+        err.print(f"interrupted: continue with --resume --out {out_dir}")
+        raise KeyboardInterrupt
+
+
+def _run_with_progress(
+    err: Console, total: int, tasks: Sequence[Any], engine: Any, settings: Any, results: Any, memory: Any
+) -> list[dict[str, Any]]:
+    """run_benchmark under a rich progress bar on stderr."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from viasd.bench.runner import run_benchmark
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[last]}"),
+    )
+    with Progress(*columns, console=err, transient=False) as progress:
+        bar = progress.add_task("starting", total=total, last="")
+
+        def on_start(task: Any, method: str) -> None:
+            progress.update(bar, description=f"{task.key} {method}")
+
+        def on_row(row: dict[str, Any]) -> None:
+            stats = row.get("stats") or {}
+            last = "error" if row.get("error") else f"{row['method']} {stats.get('tokens_per_second', 0):.2f} tok/s"
+            progress.update(bar, advance=1, last=last)
+
+        return run_benchmark(
+            tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_start=on_start, on_row=on_row
+        )
+
+
+def _print_overview(rows: Sequence[Mapping[str, Any]]) -> None:
+    """The overall table on standard output."""
+    from viasd.bench.metrics import ALL, summarize
+
+    table = Table(title="viasd bench (all tasks)")
+    for column in ("method", "tasks", "tokens/s", "speedup", "tokens/full call", "rejection", "identical to plain"):
+        table.add_column(column)
+    for s in summarize(rows):
+        if s.category != ALL:
+            continue
+        table.add_row(
+            s.method,
+            str(s.prompts),
+            f"{s.tokens_per_second:.2f}",
+            "-" if s.speedup is None else f"{s.speedup:.2f}x",
+            "-" if s.tokens_per_target_call is None else f"{s.tokens_per_target_call:.2f}",
+            "-" if s.rejection_rate is None else f"{100 * s.rejection_rate:.1f}%",
+            "-" if s.identical_to_baseline is None else f"{100 * s.identical_to_baseline:.0f}%",
+        )
+    Console().print(table)

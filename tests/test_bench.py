@@ -1,0 +1,398 @@
+"""The benchmark: task loading and selection, quality metrics, the HumanEval sandbox, the interleaved
+runner with resume, and the report files. Tiny random models only."""
+
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd.bench import metrics
+from viasd.bench.report import environment, markdown, write_report
+from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs, rotation, run_benchmark, run_task
+from viasd.bench.sandbox import check_humaneval, run_program
+from viasd.bench.tasks import (
+    Task,
+    build_tasks,
+    load_humaneval,
+    load_specbench,
+    parse_specbench,
+    select,
+    spread,
+)
+from viasd.decode.base import Decoder, GenerationConfig
+from viasd.decode.hf_assisted import HFAssistedDecoder
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.decode.stats import GenerationStats, TierStats
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.errors import ViasdError
+
+# ------------------------------------------------------------------------------------------- tasks
+
+
+def test_shipped_questions_load():
+    tasks = load_specbench()
+    assert len(tasks) == 240
+    counts = {c: sum(t.category == c for t in tasks) for c in metrics.QUALITY_METRICS}
+    assert counts["translation"] == counts["rag"] == 40
+    writing = [t for t in tasks if t.category == "writing"]
+    assert len(writing) == 5 and all(len(t.turns) == 2 for t in writing)
+    translation = next(t for t in tasks if t.category == "translation")
+    assert isinstance(translation.reference(0), str) and translation.reference(1) is None
+
+
+def test_selection_spreads_and_interleaves_categories():
+    tasks = load_specbench()
+    chosen = select(tasks, ["translation", "writing"], 2)
+    assert [t.category for t in chosen] == ["translation", "writing", "translation", "writing"]
+    translations = [t for t in tasks if t.category == "translation"]
+    assert [chosen[0], chosen[2]] == [translations[0], translations[20]]
+    assert select(tasks, ["translation", "writing"], 2) == chosen  # deterministic
+    assert len(select(tasks, ["writing"], 50)) == 5  # more than there are: all of them
+    assert spread(list(range(10)), 3) == [0, 3, 6] and spread([1, 2], None) == [1, 2] and spread([1], 0) == []
+    with pytest.raises(ViasdError, match="unknown category nope"):
+        select(tasks, ["nope"], 1)
+
+
+def test_bad_question_files_are_refused(tmp_path):
+    with pytest.raises(ViasdError, match="line 2: missing field"):
+        parse_specbench(['{"question_id": 1, "category": "a", "turns": ["x"]}', '{"question_id": 2}'])
+    with pytest.raises(ViasdError, match="not JSON"):
+        parse_specbench(["{oops"])
+    with pytest.raises(ViasdError, match="duplicate"):
+        parse_specbench(['{"question_id": 1, "category": "a", "turns": ["x"]}'] * 2)
+    with pytest.raises(ViasdError, match="cannot read"):
+        load_specbench(tmp_path / "missing.jsonl")
+
+
+def test_humaneval_tasks():
+    problems = load_humaneval()
+    assert len(problems) == 164
+    first = problems[0]
+    assert first.category == "humaneval" and first.prefix.startswith("```python\n")
+    assert first.extra["entry_point"] in first.extra["prompt"] and "\n```" in first.stop
+    tasks = build_tasks(categories=["qa"], count=4, humaneval=2)
+    sources = [t.source[0] for t in tasks]  # s(pecbench) or h(umaneval), spread over the run
+    assert sources == ["s", "h", "s", "s", "h", "s"]
+    with pytest.raises(ViasdError, match="no tasks"):
+        build_tasks(count=0, humaneval=0)
+
+
+# ----------------------------------------------------------------------------------------- metrics
+
+
+def test_text_metrics():
+    sentence = "The cat sat on the mat near the door ."
+    assert metrics.bleu([sentence], [sentence]) == pytest.approx(100.0)
+    assert metrics.sentence_bleu(sentence, sentence) == pytest.approx(100.0)
+    assert metrics.bleu(["completely different words here"], [sentence]) < 10
+    assert metrics.rouge_l(sentence, sentence) == pytest.approx(100.0)
+    assert metrics.rouge_l("alpha beta", "gamma delta") == 0.0
+    # LCS "the cat the mat" (4 of 6 and 4 of 6 tokens) -> F1 = 2/3
+    assert metrics.rouge_l("the cat ate the mat now", "the cat sat on the mat") == pytest.approx(200 / 3, abs=0.01)
+
+
+def test_math_and_reference_matching():
+    assert metrics.final_number("So she practised 3 + 2 = 5 hours.") == 5
+    assert metrics.final_number("It costs $1,234.50 in total") == 1234.5
+    assert metrics.final_number("The probability is 35/36.") == pytest.approx(35 / 36)
+    assert metrics.final_number("-7 degrees") == -7 and metrics.final_number("no digits") is None
+    assert metrics.reference_number("1+2 = <<1+2=3>>3 hours\n#### 5") == 5
+    assert metrics.math_correct("The answer is 5.", "blah 3\n#### 5") is True
+    assert metrics.math_correct("The answer is 6.", "#### 5") is False
+    assert metrics.math_correct("whatever", "no number") is None
+    assert metrics.reference_match("It was sung by George Harrison in 1987.", ["James Ray", "George Harrison"])
+    assert not metrics.reference_match("Nobody knows.", ["James Ray", "George Harrison"])
+    assert metrics.reference_match("The answer: Russia.", ["Russia *"])
+    assert metrics.text_score("reference_match", "x", None) is None
+    assert metrics.text_score("math_accuracy", "so 12000", "12000") == 1.0
+
+
+def test_speedup_statistics():
+    assert metrics.geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+    assert metrics.geometric_mean([]) is None
+    assert metrics.geometric_std([3.0, 3.0]) == pytest.approx(1.0)
+    assert metrics.geometric_std([1.0, 4.0]) == pytest.approx(2.0)  # logs 0 and ln 4: std ln 2
+    assert metrics.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 10) == pytest.approx(1.4)
+    assert metrics.percentile([7.0], 90) == 7.0
+
+
+def _row(key, method, tps, tokens=(1, 2), category="qa", **stats):
+    seconds = len(tokens) / tps
+    base = {"new_tokens": len(tokens), "total_seconds": seconds, "tokens_per_second": tps, "target_calls": 1,
+            "evaluated": 0, "accepted": 0, "tiers": {}, "unchecked_tokens": 0}
+    base.update(stats)
+    return {"key": key, "method": method, "category": category, "stats": base,
+            "turns": [{"text": "x", "tokens": list(tokens)}], "peak_rss_bytes": 100}
+
+
+def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
+    rows = [
+        _row("a", "plain", 10.0, target_calls=2),
+        _row("b", "plain", 20.0, target_calls=2),
+        _row("a", "sd", 20.0, evaluated=4, accepted=3),
+        _row("b", "sd", 80.0, tokens=(9, 9), evaluated=4, accepted=1),
+        _row("a", "via", 30.0, category="qa", evaluated=10, accepted=8,
+             tiers={"accept": {"decided": 5}, "slim": {"decided": 3}, "full": {"decided": 2}}),
+        {"key": "b", "method": "via", "category": "qa", "error": "boom", "stats": {}},
+    ]
+    by = {(s.method, s.category): s for s in metrics.summarize(rows)}
+    sd = by[("sd", metrics.ALL)]
+    assert sd.speedup == pytest.approx(math.sqrt(2 * 4))
+    assert sd.speedup_p10 == pytest.approx(2.2) and sd.speedup_p90 == pytest.approx(3.8)
+    assert sd.rejection_rate == pytest.approx(4 / 8)
+    assert sd.tier_fractions == {"full": 1.0}
+    assert sd.identical_to_baseline == 0.5 and sd.tokens_per_target_call == 2.0
+    assert by[("plain", metrics.ALL)].speedup == pytest.approx(1.0)
+    via = by[("via", "qa")]
+    assert via.prompts == 1 and via.speedup == pytest.approx(3.0)
+    assert via.tier_fractions == pytest.approx({"accept": 0.5, "slim": 0.3, "full": 0.2})
+    assert by[("plain", "qa")].peak_rss_bytes == 100
+
+
+def test_combine_stats_sums_turns():
+    a = GenerationStats(method="via", new_tokens=3, target_calls=1, total_seconds=1.0, finish_reason="eos")
+    a.tiers["slim"] = TierStats(decided=2, accepted=1, rejected=1, calls=1)
+    b = GenerationStats(method="via", new_tokens=5, target_calls=2, total_seconds=1.0, finish_reason="length")
+    b.tiers["slim"] = TierStats(decided=1, calls=1)
+    total = metrics.combine_stats([a, b])
+    assert total.new_tokens == 8 and total.target_calls == 3 and total.tokens_per_second == 4.0
+    assert total.tiers["slim"] == TierStats(decided=3, accepted=1, rejected=1, calls=2)
+
+
+# ----------------------------------------------------------------------------------------- sandbox
+
+
+HE_PROBLEM = {
+    "prompt": "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n",
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+    "entry_point": "add",
+}
+
+
+def test_sandbox_passes_fails_and_times_out():
+    assert check_humaneval(HE_PROBLEM, "    return a + b\n").passed
+    wrong = check_humaneval(HE_PROBLEM, "    return a - b\n")
+    assert not wrong.passed and wrong.status == "failed" and "AssertionError" in wrong.detail
+    looping = check_humaneval(HE_PROBLEM, "    while True:\n        pass\n", timeout=1.0)
+    assert not looping.passed and looping.status == "timed out"
+    assert not check_humaneval(HE_PROBLEM, "    import sys\n    sys.exit(0)\n").passed  # skipping the tests
+
+
+def test_sandbox_contains_side_effects(tmp_path):
+    outside = tmp_path / "written-by-solution"
+    marker = tmp_path / "made-by-os-system"
+    attempts = [
+        f"    open({str(outside)!r}, 'w').write('x')\n    return a + b\n",
+        f"    import os\n    os.system('touch {marker}')\n    return a + b\n",
+        "    import subprocess\n    subprocess.run(['true'])\n    return a + b\n",
+        f"    import os\n    os.remove({str(tmp_path)!r})\n    return a + b\n",
+    ]
+    for completion in attempts:
+        result = check_humaneval(HE_PROBLEM, completion)
+        assert not result.passed and "sandbox" in result.detail
+    assert not outside.exists() and not marker.exists() and tmp_path.exists()
+    # Files inside its own directory are fine.
+    assert run_program("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").passed
+
+
+# ------------------------------------------------------------------------------------------ runner
+
+
+class EchoDecoder(Decoder):
+    """Answers with fixed tokens and records every prompt it was given."""
+
+    def __init__(self, tokenizer, answer, method):
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset()
+        self.context_limit = None
+        self.answer = answer
+        self.method = method
+        self.prompts = []
+
+    def _decode(self, prompt, sink, params, stats):
+        self.prompts.append(prompt)
+        sink.push(self.answer)
+        stats.target_calls = 1
+
+
+def test_multi_turn_answers_are_carried_over_per_method():
+    tok = tiny_tokenizer(64)
+    task = Task("t/1", "specbench", "writing", ("t3 t4", "t5 t6"))
+    settings = RunSettings(methods=["a", "b"], max_new_tokens=8, chat=False)
+    for answer in ([7, 8], [9]):
+        decoder = EchoDecoder(tok, answer, "a")
+        row = run_task(decoder, tok, task, "a", settings)
+        assert decoder.prompts[0] == [3, 4]
+        assert decoder.prompts[1] == [3, 4, *answer, 5, 6]  # the method's own first answer is in the context
+        assert [t["tokens"] for t in row["turns"]] == [answer, answer]
+        assert row["stats"]["new_tokens"] == 2 * len(answer) and row["stats"]["target_calls"] == 2
+
+
+def test_rotation_and_pending_order():
+    assert rotation(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotation(["a", "b", "c"], 4) == ["b", "c", "a"]
+    tasks = [Task(f"k{i}", "s", "qa", ("t3",)) for i in range(2)]
+    order = [(t.key, m) for _, t, m in pending_pairs(tasks, ["a", "b"], [("k0", "a")])]
+    assert order == [("k0", "b"), ("k1", "b"), ("k1", "a")]
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and much faster than on two when the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    target = tiny_model("qwen2", layers=4, seed=0)
+    drafter = tiny_model("qwen2", layers=2, seed=1)
+    return target, drafter, tiny_tokenizer(64)
+
+
+def _decoders(target, drafter, tok):
+    return {
+        "plain": PlainDecoder(target, tok),
+        "sd": SpeculativeDecoder(target, tok, ModelDrafter(drafter, name="small"), 3),
+        "lookup": SpeculativeDecoder(target, tok, PromptLookupDrafter(), 3, method="lookup"),
+        "hf-assisted": HFAssistedDecoder(target, tok, drafter, gamma=3),
+    }
+
+
+TINY_TASKS = [
+    Task("q/1", "specbench", "qa", ("t3 t4 t5 t3 t4",)),
+    Task("q/2", "specbench", "writing", ("t6 t7", "t8 t9")),
+    Task("q/3", "specbench", "qa", ("t10 t11 t12",)),
+]
+
+
+def test_runner_interleaves_resumes_and_reports(tiny_pair, tmp_path):
+    target, drafter, tok = tiny_pair
+    decoders = _decoders(target, drafter, tok)
+    methods = ["plain", "sd", "lookup", "hf-assisted"]
+    settings = RunSettings(methods=methods, max_new_tokens=6, chat=False)
+    results = ResultsFile(tmp_path / "results.jsonl")
+    seen = []
+
+    def stop_after_five(row):
+        seen.append(row)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_benchmark(TINY_TASKS, decoders.__getitem__, tok, settings, results, on_row=stop_after_five)
+    assert len(results.load()) == 5
+    with results.path.open("a") as handle:  # a torn line, as if killed while writing
+        handle.write('{"key": "q/2", "meth')
+    rows = run_benchmark(TINY_TASKS, decoders.__getitem__, tok, settings, results)
+    assert len(rows) == 12
+    on_disk = results.load()
+    assert [(r["key"], r["method"]) for r in on_disk] == [(r["key"], r["method"]) for r in rows]
+    assert len({(r["key"], r["method"]) for r in on_disk}) == 12
+    # Interleaved: each task's methods run in the rotated order.
+    assert [r["method"] for r in on_disk[:4]] == methods
+    assert [r["method"] for r in on_disk[4:8]] == rotation(methods, 1)
+    assert all(r["position"] == rotation(methods, r["task_index"]).index(r["method"]) for r in on_disk)
+    # Greedy exact methods reproduce plain decoding (float64 tiny models).
+    plain = {r["key"]: r["turns"] for r in on_disk if r["method"] == "plain"}
+    for r in on_disk:
+        assert [t["tokens"] for t in r["turns"]] == [t["tokens"] for t in plain[r["key"]]], r["method"]
+    assert run_benchmark(TINY_TASKS, decoders.__getitem__, tok, settings, results) == on_disk  # nothing left
+
+    env = environment({"methods": methods, "max_new_tokens": 6}, {"target": "tiny", "drafter": "tiny"}, ["viasd"])
+    paths = write_report(tmp_path, on_disk, env)
+    text = paths["markdown"].read_text()
+    assert "## Overall" in text and "| hf-assisted |" in text and "Speedup by category" in text
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads(paths["json"].read_text())
+    assert {s["method"] for s in summary} == set(methods)
+    assert all(s["identical_to_baseline"] == 1.0 for s in summary)
+    assert env["machine"]["cpu_count"] == os.cpu_count() and env["versions"]["torch"]
+
+
+def test_hf_assisted_matches_plain_and_counts_calls(tiny_pair):
+    target, drafter, tok = tiny_pair
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompt = [3, 4, 5, 6, 3, 4]
+    want = PlainDecoder(target, tok).generate(prompt, config)
+    got = HFAssistedDecoder(target, tok, drafter, gamma=2).generate(prompt, config)
+    assert got.stats.new_tokens == 12 and got.stats.target_calls >= 1
+    perfect = HFAssistedDecoder(target, tok, _copy(target), gamma=3).generate(prompt, config)
+    assert perfect.tokens == want.tokens
+    assert perfect.stats.target_calls == 3 and perfect.stats.rejection_rate == 0.0  # 4 tokens per call
+    assert got.stats.drafted == got.stats.drafter_calls and got.stats.total_seconds > 0
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_markdown_lists_quality_and_errors():
+    sentence = "the cat sat on the mat"
+    rows = [
+        {**_row("a", "plain", 10.0, category="translation"), "quality": {"metric": "bleu", "scores": [100.0]},
+         "references": [sentence], "turns": [{"text": sentence, "tokens": [1]}]},
+        {"key": "b", "method": "plain", "category": "qa", "error": "too long", "stats": {}},
+    ]
+    text = markdown(metrics.summarize(rows), {"settings": {}, "models": {}}, rows)
+    assert "## Quality" in text and "translation (BLEU)" in text and "100.0 (n=1)" in text
+    assert "b (plain): too long" in text
+
+
+def test_report_with_only_errors(tmp_path):
+    rows = [{"key": "b", "method": "plain", "category": "qa", "error": "too long", "stats": {}}]
+    paths = write_report(tmp_path, rows, {"settings": {}, "models": {}})
+    assert paths["plot"].read_bytes()[:4] == b"\x89PNG" and "too long" in paths["markdown"].read_text()
+
+
+# ---------------------------------------------------------------------------------------- command
+
+
+def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
+    from viasd.cli import app
+    from viasd.models.loading import LoadedModel
+
+    target, drafter, tok = tiny_pair
+    models = {"tiny-target": target, "tiny-drafter": drafter}
+    monkeypatch.setattr("viasd.engine.load_model", lambda name, **_: LoadedModel(models[name], tok, name, name))
+    questions = tmp_path / "q.jsonl"
+    lines = [
+        {"question_id": 1, "category": "translation", "turns": ["t3 t4 t5"], "reference": ["t3 t4"]},
+        {"question_id": 2, "category": "writing", "turns": ["t6 t7", "t8"]},
+    ]
+    questions.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "run"
+    args = ["bench", "--target", "tiny-target", "--drafter", "tiny-drafter",
+            "--dtype", "fp32", "--device", "cpu", "--questions", str(questions), "--methods", "plain,sd,lookup",
+            "--count", "1", "-n", "5", "--out", str(out), "--no-warmup"]
+    runner = CliRunner()
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    for name in ("results.jsonl", "summary.md", "summary.json", "plot.png", "environment.json"):
+        assert (out / name).is_file(), name
+    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    env = json.loads((out / "environment.json").read_text())
+    assert env["settings"]["max_new_tokens"] == 5 and env["models"]["dtype"] == "float64" and env["rows"] == 6
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert not any(r.get("error") for r in rows)
+    assert [len(r["turns"]) for r in rows if r["key"] == "specbench/2"] == [2, 2, 2]
+    assert all(r["quality"]["metric"] == "bleu" for r in rows if r["key"] == "specbench/1")
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "--resume" in again.output
+    resumed = runner.invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0 and "0 to run" in resumed.output
+    changed = runner.invoke(app, [*args[:-1], "--resume", "-n", "6"])
+    assert changed.exit_code == 2 and "max_new_tokens" in changed.output
+    bad = runner.invoke(app, ["bench", "--methods", "plain,warp", "--out", str(tempfile.mkdtemp())])
+    assert bad.exit_code == 2 and "unknown method" in bad.output
