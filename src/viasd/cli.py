@@ -174,5 +174,10 @@ from viasd.bench.command import bench  # noqa: E402  (light: heavy imports happe
 app.command("bench")(user_errors(bench))
 
 
+from viasd.routing.command import calibrate  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("calibrate")(user_errors(calibrate))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()

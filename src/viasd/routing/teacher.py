@@ -1,0 +1,160 @@
+"""Teacher forcing for the mask search and the gate statistics: every model's predictions over fixed tokens.
+
+The full target runs once over a token sequence (its logits and its KV cache are kept). A slim view is
+then scored over the same tokens the way the tiered decoder uses it (DESIGN.md section 4, design b): the
+slim verifier attends to the full target's KV for every position the target has processed (the
+frontier) and to its own entries beyond it. Under teacher forcing the frontier advances in steps of
+`chunk` tokens: positions [start, N) are cut into chunks, and a position in the chunk that starts at `a`
+attends to the full target's KV for [0, a) and to the slim view's own KV for [a, itself]. A chunk of
+about one draft block plus some catch-up (8 tokens) mirrors decoding; a chunk >= N - start is the
+plainest reading (the slim view runs alone after the prompt).
+
+With sdpa or eager attention one forward pass does every chunk at once: the sequence's tokens are fed
+again after the full cache, at their real positions, under a custom 4D attention mask. Other attention
+kernels (flash attention) take one pass per chunk, which gives the same numbers more slowly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from viasd.errors import ViasdError
+from viasd.models.routing import RoutingMask, routed
+
+# Attention implementations that take a custom additive 4D mask as is.
+_MASKABLE = ("sdpa", "eager")
+
+
+@dataclass
+class TeacherSequence:
+    """A token sequence with the full target's pass over it.
+
+    `start` is the first position whose prediction is scored (the first generated token: the prompt is
+    prefilled by the full target in decoding, the slim verifier never processes it). `full_logits` holds
+    the target's float32 logits at positions start..N-1 (on the CPU); `cache` its KV over all N positions.
+    """
+
+    ids: list[int]
+    start: int
+    full_logits: torch.Tensor
+    cache: DynamicCache
+
+    @property
+    def scored(self) -> int:
+        """Number of scored positions."""
+        return len(self.ids) - self.start
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def model_logits(model: nn.Module, ids: Sequence[int], start: int) -> torch.Tensor:
+    """float32 logits [N - start, V] of a plain forward pass at positions start..N-1 (CPU)."""
+    if not 0 <= start < len(ids):
+        raise ViasdError(f"teacher forcing: start {start} outside a sequence of {len(ids)} tokens")
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=len(ids) - start)
+    return out.logits[0].float().cpu()
+
+
+def teacher_force(model: nn.Module, ids: Sequence[int], start: int) -> TeacherSequence:
+    """The full target's pass over `ids`: logits from `start` on, and the KV cache of every position."""
+    if not 0 < start < len(ids):
+        raise ViasdError(f"teacher forcing: start {start} must be inside the sequence (1..{len(ids) - 1})")
+    cache = DynamicCache(config=model.config)
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=len(ids) - start)
+    return TeacherSequence(list(ids), start, out.logits[0].float().cpu(), cache)
+
+
+def _snapshot(cache: DynamicCache) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The cache's layer list and each layer's attributes (tensors by reference: updates replace them)."""
+    return list(cache.layers), [dict(vars(layer)) for layer in cache.layers]
+
+
+def _restore(cache: DynamicCache, snap: tuple[list[Any], list[dict[str, Any]]]) -> None:
+    layers, states = snap
+    cache.layers = list(layers)
+    for layer, state in zip(layers, states, strict=True):
+        vars(layer).clear()
+        vars(layer).update(state)
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions of every layer (the layer's own crop keeps its bookkeeping right)."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+
+
+def frontier_mask(n: int, start: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [1, 1, M, N + M] for re-feeding positions start..N-1 after a cache of N.
+
+    Query i (real position t = start + i, chunk start a) may see cached keys [0, a) and re-fed keys of
+    real positions [a, t]. Pure function; exposed for tests.
+    """
+    pos = torch.arange(start, n)
+    chunk_start = start + ((pos - start) // chunk) * chunk
+    see_full = torch.arange(n)[None, :] < chunk_start[:, None]
+    see_slim = (pos[None, :] >= chunk_start[:, None]) & (pos[None, :] <= pos[:, None])
+    allowed = torch.cat([see_full, see_slim], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def slim_logits(
+    model: nn.Module, mask: RoutingMask | None, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
+) -> torch.Tensor:
+    """float32 logits [N - start, V] of `model` under `mask` at positions start..N-1, with the frontier
+    advancing every `chunk` tokens (see the module docstring). The sequence's cache is left as it was.
+
+    `batched`: one pass with a 4D mask (True) or one pass per chunk (False); None picks by attention kernel.
+    """
+    if chunk < 1:
+        raise ViasdError(f"teacher forcing: chunk must be >= 1, got {chunk}")
+    n, m, device = len(seq.ids), seq.scored, _device(model)
+    snap = _snapshot(seq.cache)
+    try:
+        with torch.inference_mode(), routed(model, mask):
+            if batched is None:
+                batched = model.config._attn_implementation in _MASKABLE
+            if batched:
+                attention = frontier_mask(n, seq.start, chunk, _dtype(model)).to(device)
+                out = model(
+                    input_ids=torch.tensor([seq.ids[seq.start :]], dtype=torch.long, device=device),
+                    position_ids=torch.arange(seq.start, n, device=device)[None],
+                    attention_mask=attention,
+                    cache=seq.cache,
+                    use_cache=True,
+                    logits_to_keep=m,
+                )
+                return out.logits[0].float().cpu()
+            pieces = []
+            for a in range(seq.start, n, chunk):
+                _restore(seq.cache, snap)
+                _crop(seq.cache, a)
+                ids = seq.ids[a : min(a + chunk, n)]
+                out = model(
+                    input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+                    cache=seq.cache,
+                    use_cache=True,
+                    logits_to_keep=len(ids),
+                )
+                pieces.append(out.logits[0].float().cpu())
+            return torch.cat(pieces)
+    finally:
+        _restore(seq.cache, snap)

@@ -1,0 +1,320 @@
+"""Mask search, objectives, teacher forcing, gate calibration and routing profiles, on tiny random models."""
+
+import json
+import math
+import warnings
+
+import optuna
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd.cli import app
+from viasd.engine import Engine, EngineSpec
+from viasd.errors import ViasdError
+from viasd.models.loading import LoadedModel
+from viasd.models.routing import RoutingMask, decoder_layers
+from viasd.routing.calibrate import (
+    NO_ACCEPT,
+    NO_FULL,
+    CalibrationSettings,
+    Costs,
+    Policy,
+    SequenceStats,
+    calibrate_pair,
+    position_stats,
+    select_policy,
+    simulate,
+)
+from viasd.routing.objectives import Scores, kl_target_slim, margin_violation, score, top1_agreement
+from viasd.routing.profile import RoutingProfile, load_profile, model_fingerprint, save_profile
+from viasd.routing.search import mask_evaluator, mask_from_scores, random_baseline, scores_for, search_mask
+from viasd.routing.teacher import slim_logits, teacher_force
+from viasd.verify.gates import Gate
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def logits_from_probs(rows):
+    return torch.tensor(rows, dtype=torch.float64).log()
+
+
+# ------------------------------------------------------------------------------------------ objectives
+
+
+def test_kl_is_zero_iff_the_distributions_are_equal():
+    q = torch.randn(5, 11)
+    assert torch.allclose(kl_target_slim(q, q), torch.zeros(5), atol=1e-6)
+    assert torch.allclose(kl_target_slim(q + 3.0, q), torch.zeros(5), atol=1e-6)  # logits up to a constant
+    s = q.clone()
+    s[2, 0] += 2.0
+    kl = kl_target_slim(s, q)
+    assert kl[2] > 1e-3 and torch.allclose(kl[[0, 1, 3, 4]], torch.zeros(4), atol=1e-6)
+
+
+def test_margin_cost_is_zero_when_the_slim_top_token_leads_by_the_margin():
+    target = logits_from_probs([[0.7, 0.2, 0.1]])
+    leads = logits_from_probs([[0.9, 0.05, 0.05]])  # log(0.9/0.05) = 2.9 nats > margin 1
+    assert float(margin_violation(leads, target, margin=1.0)[0]) == 0.0
+    # Same top token, but a lead of only log(0.5/0.4) = 0.22 nats < min(margin, target gap 1.25).
+    thin = logits_from_probs([[0.5, 0.4, 0.1]])
+    expected = math.log(0.4 / 0.5) + min(1.0, math.log(0.7 / 0.2))
+    assert float(margin_violation(thin, target, margin=1.0)[0]) == pytest.approx(expected, rel=1e-5)
+    # Wrong top token: violations add up over every rival that beats the target's top token.
+    wrong = logits_from_probs([[0.2, 0.7, 0.1]])
+    assert float(margin_violation(wrong, target, margin=1.0)[0]) > float(margin_violation(thin, target, margin=1.0)[0])
+    # A near-tie in the target does not demand a confident slim view: equal probabilities for the tied pair
+    # cost nothing there, and only the clearly worse third token needs the margin.
+    tie = logits_from_probs([[0.45, 0.45, 0.1]])
+    assert float(margin_violation(tie, tie, margin=1.0)[0]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_agreement_counts_matching_top_tokens_and_scores_pool():
+    target = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 1.0]])
+    slim = torch.tensor([[2.0, 1.0, 0.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    assert top1_agreement(slim, target).tolist() == [1.0, 0.0, 1.0]
+    a, b = score(slim[:2], target[:2]), score(slim[2:], target[2:])
+    pooled = a + b
+    assert pooled.count == 3 and pooled.mean("agreement") == pytest.approx(2 / 3)
+    assert pooled.value("agreement") == pytest.approx(1 / 3) and pooled.value("kl") == pooled.mean("kl")
+    with pytest.raises(ViasdError, match="objective"):
+        pooled.value("entropy")
+
+
+# --------------------------------------------------------------------------------------- teacher forcing
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_slim_view_with_every_layer_reproduces_the_full_pass(arch):
+    model = tiny_model(arch, layers=4)
+    seq = teacher_force(model, list(range(3, 30)), 8)
+    for chunk in (1, 5, 100):
+        assert torch.allclose(slim_logits(model, None, seq, chunk), seq.full_logits, atol=1e-5)
+    mask = RoutingMask.skipping(4, [2])
+    batched = slim_logits(model, mask, seq, 4, batched=True)
+    assert torch.allclose(batched, slim_logits(model, mask, seq, 4, batched=False), atol=1e-5)
+    assert not torch.allclose(batched, seq.full_logits, atol=1e-3)
+    assert seq.cache.get_seq_length() == len(seq.ids)  # the full cache is left as it was
+
+
+# ------------------------------------------------------------------------------------------ mask search
+
+
+def planted_model(layers=12, identity=(3, 7, 8)):
+    """A model whose `identity` layers add nothing to the residual stream: skipping them costs nothing."""
+    model = tiny_model("qwen2", layers=layers, hidden=32)
+    with torch.no_grad():
+        for i in identity:
+            layer = decoder_layers(model)[i]
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model
+
+
+def planted_evaluator():
+    model = planted_model()
+    seqs = [teacher_force(model, list(range(3 + i, 30 + i)), 8) for i in range(2)]
+    return mask_evaluator(model, seqs, chunk=4)
+
+
+def test_mask_from_scores_has_the_exact_skip_count_and_keeps_the_ends():
+    mask = mask_from_scores(10, 3, [0.5, 0.1, 0.9, 0.2, 0.3, 0.8, 0.05, 0.7])
+    assert mask.skipped_layers == [2, 4, 7]
+    assert mask_from_scores(10, 3, scores_for(10, [1, 5, 8])).skipped_layers == [1, 5, 8]
+    # A seed built for 2 layers, asked for 3, adds the kept layer with the lowest preference.
+    pref = [0.9, 0.8, 0.7, 0.1, 0.6, 0.5, 0.4, 0.3]
+    assert mask_from_scores(10, 3, scores_for(10, [1, 2], pref)).skipped_layers == [1, 2, 4]
+    with pytest.raises(ViasdError):
+        scores_for(10, [0, 3])
+
+
+@pytest.mark.parametrize("objective", ["margin", "kl", "agreement"])
+def test_search_finds_the_planted_identity_layers(objective):
+    evaluate = planted_evaluator()
+    result = search_mask(evaluate, 12, 3, objective=objective, iterations=30, seed=1)
+    assert result.mask.skipped_layers == [3, 7, 8]
+    assert result.value == pytest.approx(0.0, abs=1e-6)
+    assert result.trials == 30 and len(result.history) == 30
+    for record in result.history:
+        assert len(record["skip"]) == 3 and 0 not in record["skip"] and 11 not in record["skip"]
+    assert {r["sampler"] for r in result.history} == {"random", "bo-tpe"}
+    # The searched mask beats random masks of the same ratio.
+    baseline = random_baseline(evaluate, 12, 3, 4, seed=5)
+    assert all(s.value(objective) > result.value for m, s in baseline if m.skipped_layers != [3, 7, 8])
+
+
+def test_search_resumes_from_its_log(tmp_path):
+    calls = []
+
+    def evaluate(mask):
+        calls.append(mask)
+        return Scores(margin=float(sum(mask.skipped_layers)), kl=0.0, agreement=0.0, count=1)
+
+    db = tmp_path / "search.db"
+    first = search_mask(evaluate, 10, 2, iterations=6, storage=db, study_name="s", seed=3)
+    n_first = len(calls)
+    resumed = search_mask(evaluate, 10, 2, iterations=10, storage=db, study_name="s", seed=3, resume=True)
+    assert resumed.trials == 10 and resumed.history[:6] == first.history
+    assert len(calls) - n_first <= 4  # only the new trials are evaluated (duplicates are not)
+    fresh = search_mask(evaluate, 10, 2, iterations=3, storage=db, study_name="s", seed=3)
+    assert fresh.trials == 3  # without --resume the study starts over
+    # A seeded search starts with the queued seed.
+    seeded = search_mask(evaluate, 10, 2, iterations=2, seeds=[scores_for(10, [1, 2])], seed=3)
+    assert seeded.history[0]["sampler"] == "seed" and seeded.history[0]["skip"] == [1, 2]
+    assert seeded.mask.skipped_layers == [1, 2]
+
+
+def test_a_corrupt_search_log_is_a_one_line_error(tmp_path):
+    db = tmp_path / "search.db"
+    db.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(ViasdError, match="search log"):
+        search_mask(lambda m: Scores(0.0, 0.0, 0.0, 1), 10, 2, iterations=1, storage=db, resume=True)
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+LENGTHS = (1, 2, 4, 8, 16, 64)
+
+
+def costs(draft=0.1, slim=0.15, full=0.2, per_token=0.001):
+    return Costs(
+        LENGTHS,
+        tuple(draft for _ in LENGTHS),
+        tuple(slim + per_token * n for n in LENGTHS),
+        tuple(full + per_token * n for n in LENGTHS),
+    )
+
+
+def test_costs_interpolate_between_measured_lengths():
+    c = Costs((1, 3, 9), (0.1, 0.1, 0.1), (1.0, 2.0, 5.0), (1.0, 3.0, 3.0))
+    assert c.step == 0.1 and c.slim_pass(2) == pytest.approx(1.5) and c.slim_pass(6) == pytest.approx(3.5)
+    assert c.full_pass(12) == pytest.approx(3.0) and c.slim_pass(11) == pytest.approx(6.0)
+
+
+def stats_of(draft_ok, slim_ok=None, kl=None):
+    n = len(draft_ok)
+    slim_ok = slim_ok if slim_ok is not None else [True] * n
+    kl = kl if kl is not None else [0.01 if ok else 3.0 for ok in draft_ok]
+    agrees = [d == s for d, s in zip(draft_ok, slim_ok, strict=True)]
+    return SequenceStats(kl, [0.0 if a else 0.9 for a in agrees], list(draft_ok), list(slim_ok), agrees)
+
+
+def test_replay_of_classic_sd_counts_rounds_and_calls():
+    stats = [stats_of([True, True, False, True, True, True, True, True, True, True])]
+    pred = simulate(stats, Policy(gamma=3, exact=True), costs(per_token=0.0))
+    # Rounds at 0 (accept 2, correct at 2 -> 3 tokens), 3 (3 accepted + bonus -> 4), 7 (2 drafts left: k=2, +1 bonus)
+    assert pred.tokens == 3 + 4 + 3 and pred.target_calls == 3 and pred.errors == 0
+    assert pred.evaluated == 3 + 3 + 2 and pred.accepted == 2 + 3 + 2
+    assert pred.seconds == pytest.approx(8 * 0.1 + 3 * 0.2)
+
+
+def test_replay_of_the_accept_tier_skips_the_full_target_and_counts_errors():
+    stats = [stats_of([True] * 6 + [False] + [True] * 5, kl=[0.01] * 12)]  # the wrong draft looks confident
+    pred = simulate(stats, Policy("kl", 0.05, 1.0, gamma=3, cap=100), costs())
+    assert pred.target_calls == 0 and pred.errors == 1 and pred.decided["full"] == 0
+    guarded = simulate(stats, Policy("kl", NO_ACCEPT, 1.0, gamma=3, cap=100), costs())  # the slim tier catches it
+    assert guarded.errors == 0 and guarded.target_calls == 0 and guarded.decided["slim"] > 0
+    capped = simulate(stats, Policy("kl", 0.05, 1.0, gamma=3, cap=4), costs())
+    assert capped.target_calls > 0  # the cap forces full passes
+
+
+def test_selection_respects_the_quality_budget_and_picks_the_faster_option():
+    # The drafter errs at every 5th position, and there the gate signal is high (the slim view is unsure).
+    draft_ok = [i % 5 != 4 for i in range(60)]
+    kl = [0.01 if ok else 2.0 for ok in draft_ok]
+    wrong_slim = [i % 10 != 9 for i in range(60)]  # the slim view is wrong at some positions too
+    stats = [stats_of(draft_ok, wrong_slim, kl), stats_of(draft_ok, wrong_slim, kl)]
+    cheap_slim = costs(slim=0.05, full=0.4)
+    strict = select_policy(stats, cheap_slim, gammas=(2, 4), caps=(8, 32), quality_budget=0.0)
+    assert strict.prediction.error_rate == 0.0
+    loose = select_policy(stats, cheap_slim, gammas=(2, 4), caps=(8, 32), quality_budget=0.5)
+    assert loose.prediction.tokens_per_second >= strict.prediction.tokens_per_second
+    assert loose.prediction.error_rate <= 0.5
+    assert strict.prediction.tokens_per_second > strict.sd_prediction.tokens_per_second  # slim is cheap here
+    # When the slim pass costs as much as the full pass, the full tier takes every block: no lower-tier
+    # commits, since each would cost a slim pass for nothing.
+    dear_slim = select_policy(stats, costs(slim=0.4, full=0.4), gammas=(2, 4), caps=(8,), quality_budget=0.0)
+    assert dear_slim.prediction.tokens_per_second <= dear_slim.sd_prediction.tokens_per_second
+    for sel in (strict, loose, dear_slim):  # the chosen policy is the fastest feasible one among the candidates
+        policy = sel.policy
+        again = simulate(stats, policy, cheap_slim if sel is not dear_slim else costs(slim=0.4, full=0.4))
+        assert again.tokens_per_second == pytest.approx(sel.prediction.tokens_per_second)
+
+
+def test_position_stats_from_logits():
+    draft = torch.tensor([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
+    slim = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    full = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
+    s = position_stats(draft, slim, full)
+    assert s.draft_ok == [True, False] and s.slim_ok == [True, True] and s.slim_agrees == [True, False]
+    assert s.confidence[0] == 0.0 and s.confidence[1] > 0.9 and s.kl[0] < s.kl[1]
+
+
+# ------------------------------------------------------------------------------------------------ profiles
+
+
+def loaded(model, name):
+    return LoadedModel(model=model, tokenizer=tiny_tokenizer(64), name=name, path=name)
+
+
+def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path):
+    target, drafter = (
+        loaded(tiny_model("qwen2", layers=6), "tiny-target"),
+        loaded(tiny_model("qwen2", layers=2, seed=1), "tiny-drafter"),
+    )
+    settings = CalibrationSettings(
+        skip_ratios=(0.2, 0.34), iterations=4, gammas=(2, 3), caps=(8,), prompts=2, search_prompts=1, held_out=1,
+        new_tokens=12, cost_repeats=1, random_masks=2,
+    )  # fmt: skip
+    profile = calibrate_pair(target, drafter, settings, storage=tmp_path / "p.json.search.db")
+    assert len(profile.masks) == 1 and 0 < len(profile.masks[0].skipped_layers) <= 2
+    assert profile.gamma in (2, 3) and profile.cap == 8 and profile.gate.signal in ("kl", "confidence")
+    assert profile.search["random_baseline"]["values"] and profile.search["held_out"]["random"]["values"]
+    assert profile.calibration["predicted"]["via"]["error_rate"] <= 0.02
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    assert json.loads(path.read_text())["format"] == "viasd-routing-profile/1"
+    again = load_profile(path)
+    assert again.to_dict() == profile.to_dict()
+    again.check_models(target.model, drafter.model)
+    # The engine takes it for --method via.
+    engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target)
+    engine._drafter = drafter
+    assert engine.decoder("via").gamma == profile.gamma
+
+
+def test_a_profile_for_other_models_is_refused(tmp_path):
+    target, other = tiny_model("llama", layers=4), tiny_model("llama", layers=4, seed=7)
+    profile = RoutingProfile(
+        target={"name": "tiny", "fingerprint": model_fingerprint(target)},
+        drafter=None,
+        masks=[RoutingMask.skipping(4, [2])],
+        gate=Gate("kl", (0.1, 1.0)),
+    )
+    profile.check_models(target)
+    with pytest.raises(ViasdError, match="calibrate"):
+        profile.check_models(other)
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    engine = Engine(EngineSpec(target="other", profile=str(path)), target=loaded(other, "other"))
+    engine._drafter = loaded(tiny_model("llama", layers=2, seed=1), "d")
+    with pytest.raises(ViasdError, match="routing profile was made for target"):
+        engine.decoder("via")
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"format": "viasd-routing-profile/1", "masks": 3}', ""])
+def test_a_corrupt_profile_file_is_a_one_line_error(tmp_path, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ViasdError):
+        load_profile(path)
+
+
+def test_calibrate_command_reports_bad_options_in_one_line():
+    result = CliRunner().invoke(app, ["calibrate", "--objective", "entropy"])
+    assert result.exit_code == 2 and "unknown objective" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["calibrate", "--gammas", "2,x"])
+    assert result.exit_code == 2 and "--gammas" in result.output
+    assert NO_FULL > 1e6
