@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping, Sequence
+import signal
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -169,7 +171,8 @@ def bench(
     )
     interrupted = False
     try:
-        rows = _run_with_progress(err, total, tasks, engine, run_settings, results, PeakMemory(models["device"]))
+        with _terminate_as_interrupt():
+            rows = _run_with_progress(err, total, tasks, engine, run_settings, results, PeakMemory(models["device"]))
     except KeyboardInterrupt:
         interrupted = True
         rows = results.load()
@@ -187,6 +190,24 @@ def bench(
         raise KeyboardInterrupt
 
 
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM (a `kill`, a job timeout) like Ctrl-C, so a stopped run still writes its report."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not in the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run_with_progress(
     err: Console, total: int, tasks: Sequence[Any], engine: Any, settings: Any, results: Any, memory: Any
 ) -> list[dict[str, Any]]:
@@ -195,6 +216,19 @@ def _run_with_progress(
 
     from viasd.bench.runner import run_benchmark
 
+    if not err.is_terminal:  # a log file: one plain line per finished row
+        finished = 0
+
+        def log_row(row: dict[str, Any]) -> None:
+            nonlocal finished
+            finished += 1
+            stats = row.get("stats") or {}
+            what = f"error: {row['error']}" if row.get("error") else (
+                f"{stats.get('new_tokens', 0)} tokens, {stats.get('tokens_per_second', 0):.2f} tok/s"
+            )
+            err.print(f"[{finished}/{total}] {row['key']} {row['method']}: {what}", highlight=False, soft_wrap=True)
+
+        return run_benchmark(tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_row=log_row)
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
