@@ -129,7 +129,7 @@ def _row(key, method, tps, tokens=(1, 2), category="qa", **stats):
             "evaluated": 0, "accepted": 0, "tiers": {}, "unchecked_tokens": 0}
     base.update(stats)
     return {"key": key, "method": method, "category": category, "stats": base,
-            "turns": [{"text": "x", "tokens": list(tokens)}], "peak_rss_bytes": 100}
+            "turns": [{"text": " ".join(map(str, tokens)), "tokens": list(tokens)}], "peak_rss_bytes": 100}
 
 
 def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
@@ -306,6 +306,7 @@ def test_runner_interleaves_resumes_and_reports(tiny_pair, tmp_path):
     plain = {r["key"]: r["turns"] for r in on_disk if r["method"] == "plain"}
     for r in on_disk:
         assert [t["tokens"] for t in r["turns"]] == [t["tokens"] for t in plain[r["key"]]], r["method"]
+        assert [t["text"] for t in r["turns"]] == [t["text"] for t in plain[r["key"]]], r["method"]
     assert run_benchmark(TINY_TASKS, decoders.__getitem__, tok, settings, results) == on_disk  # nothing left
 
     env = environment({"methods": methods, "max_new_tokens": 6}, {"target": "tiny", "drafter": "tiny"}, ["viasd"])
@@ -330,6 +331,18 @@ def test_hf_assisted_matches_plain_and_counts_calls(tiny_pair):
     assert perfect.tokens == want.tokens
     assert perfect.stats.target_calls == 3 and perfect.stats.rejection_rate == 0.0  # 4 tokens per call
     assert got.stats.drafted == got.stats.drafter_calls and got.stats.total_seconds > 0
+
+
+def test_hf_assisted_stops_at_stop_strings(tiny_pair):
+    target, drafter, tok = tiny_pair
+    prompt = [3, 4, 5, 6, 3, 4]
+    long = PlainDecoder(target, tok).generate(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True))
+    stop = f" t{long.tokens[4]} "
+    config = GenerationConfig(max_new_tokens=20, stop_strings=(stop,), ignore_eos=True)
+    want = PlainDecoder(target, tok).generate(prompt, config)
+    got = HFAssistedDecoder(target, tok, drafter).generate(prompt, config)
+    assert got.finish_reason == want.finish_reason == "stop" and got.text == want.text
+    assert got.stats.new_tokens < 20
 
 
 def _copy(model):

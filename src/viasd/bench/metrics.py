@@ -216,11 +216,16 @@ class Summary:
     quality_metric: str | None = None
     quality: float | None = None
     quality_n: int = 0
-    identical_to_baseline: float | None = None  # share of tasks whose output equals the baseline's, token for token
+    identical_to_baseline: float | None = None  # share of tasks whose output text equals the baseline's
 
 
-def row_tokens(row: Mapping[str, Any]) -> list[list[int]]:
-    return [list(t.get("tokens", [])) for t in row.get("turns", [])]
+def row_output(row: Mapping[str, Any]) -> list[str]:
+    """A row's output: the text of every turn.
+
+    Texts, not token ids, are compared: methods that commit a block of tokens at once may keep a few
+    tokens past a stop string, which the text (cut at the stop string) does not contain.
+    """
+    return [str(t.get("text", "")) for t in row.get("turns", [])]
 
 
 def per_prompt_speedups(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[tuple[str, str], float]:
@@ -254,7 +259,7 @@ def summarize_group(
     category: str,
     rows: Sequence[Mapping[str, Any]],
     speedups: Mapping[tuple[str, str], float],
-    baseline_tokens: Mapping[str, list[list[int]]],
+    baseline_outputs: Mapping[str, list[str]],
 ) -> Summary:
     """Summary of one method's rows in one category."""
     s = Summary(method=method, category=category, prompts=len(rows))
@@ -289,9 +294,9 @@ def summarize_group(
     if len(metrics) == 1:
         s.quality_metric = metrics.pop()
         s.quality, s.quality_n = quality_value(s.quality_metric, rows)
-    compared = [r for r in rows if r["key"] in baseline_tokens]
+    compared = [r for r in rows if r["key"] in baseline_outputs]
     if compared:
-        same = sum(row_tokens(r) == baseline_tokens[r["key"]] for r in compared)
+        same = sum(row_output(r) == baseline_outputs[r["key"]] for r in compared)
         s.identical_to_baseline = same / len(compared)
     return s
 
@@ -303,15 +308,15 @@ def summarize(rows: Sequence[Mapping[str, Any]], baseline: str = "plain") -> lis
     """
     good = [r for r in rows if not r.get("error")]
     speedups = per_prompt_speedups(good, baseline)
-    baseline_tokens = {r["key"]: row_tokens(r) for r in good if r["method"] == baseline}
+    baseline_outputs = {r["key"]: row_output(r) for r in good if r["method"] == baseline}
     methods = list(dict.fromkeys(r["method"] for r in good))
     categories = list(dict.fromkeys(r["category"] for r in good))
     out: list[Summary] = []
     for method in methods:
         mine = [r for r in good if r["method"] == method]
-        out.append(summarize_group(method, ALL, mine, speedups, baseline_tokens))
+        out.append(summarize_group(method, ALL, mine, speedups, baseline_outputs))
         for category in categories:
             group = [r for r in mine if r["category"] == category]
             if group:
-                out.append(summarize_group(method, category, group, speedups, baseline_tokens))
+                out.append(summarize_group(method, category, group, speedups, baseline_outputs))
     return out

@@ -161,7 +161,7 @@ def markdown(
         f"Speedup: geometric mean over tasks of (tokens/s of the method) / (tokens/s of `{baseline}` on the same "
         "task), with the 10th-90th percentile of the per-task ratios in brackets. Rejection rate: drafted tokens "
         "evaluated and not kept, over drafted tokens evaluated. Tiers: who decided the evaluated draft tokens. "
-        f"Identical: tasks whose output equals `{baseline}` decoding token for token. See docs/benchmarking.md.",
+        f"Identical: tasks whose output text equals `{baseline}` decoding's. See docs/benchmarking.md.",
         "",
         "## Overall",
         "",

@@ -10,7 +10,7 @@ one draft token and every target pass commits the accepted drafts plus one token
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import GenerationConfig as HFGenerationConfig
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
@@ -81,6 +81,24 @@ def hf_generation_config(
     if not eos_ids:  # no EOS stops this generation: keep generate from stopping at the model's own EOS
         options["min_new_tokens"] = max_new_tokens
     return HFGenerationConfig(**options)
+
+
+class StopOnStrings(StoppingCriteria):
+    """Stops the target's generation once its new text contains a stop string.
+
+    transformers' own `stop_strings` option cannot be used here: in assisted generation it is handed on
+    to the drafter's inner `generate`, which has no tokenizer and refuses it.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: Sequence[str], prompt_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        text = self.tokenizer.decode(input_ids[0, self.prompt_length :], skip_special_tokens=True)
+        done = any(stop in text for stop in self.stops)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
 @contextmanager
@@ -150,7 +168,8 @@ class HFAssistedDecoder(Decoder):
         input_ids = torch.tensor([prompt], dtype=torch.long, device=device)
         extra: dict[str, Any] = {}
         if sink.stop.stop_strings:
-            extra = dict(stop_strings=list(sink.stop.stop_strings), tokenizer=self.tokenizer)
+            stop = StopOnStrings(self.tokenizer, sink.stop.stop_strings, len(prompt))
+            extra["stopping_criteria"] = StoppingCriteriaList([stop])
         if params.seed is not None:
             torch.manual_seed(params.seed)  # transformers samples from the global generator
         with (
