@@ -271,4 +271,7 @@ def _print_overview(rows: Sequence[Mapping[str, Any]]) -> None:
             "-" if s.rejection_rate is None else f"{100 * s.rejection_rate:.1f}%",
             "-" if s.identical_to_baseline is None else f"{100 * s.identical_to_baseline:.0f}%",
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: do not squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)
