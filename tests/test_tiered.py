@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+
 from test_session import ATOL, assert_cache_equals, fresh_cache
 from tiny import tiny_model, tiny_tokenizer
-
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.round import route_block
@@ -121,7 +121,9 @@ def make(arch="llama"):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11)], ids=["greedy", "sample"])
+@pytest.mark.parametrize(
+    "params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11)], ids=["greedy", "sample"]
+)
 def test_exact_mode_reproduces_classic_sd(arch, params):
     target, tok, drafter = make(arch)
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=params)
@@ -157,7 +159,10 @@ def test_n_tier_with_a_degenerate_extra_tier_equals_three_tiers():
         target, tok, drafter, [slim, RoutingMask.skipping(4, [2])], Gate("confidence", (0.05, 0.5, 0.5))
     ).generate(PROMPT, config)
     assert four.tokens == three.tokens
-    assert four.stats.tiers["slim2"].decided == 0 and four.stats.tiers["slim1"].decided == three.stats.tiers["slim"].decided
+    assert (
+        four.stats.tiers["slim2"].decided == 0
+        and four.stats.tiers["slim1"].decided == three.stats.tiers["slim"].decided
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -169,11 +174,13 @@ def test_target_cache_equals_fresh_pass_after_relaxed_rounds(arch):
         assert out.stats.tiers["slim"].decided + out.stats.tiers["accept"].decided > 0
         session = via.session
         assert session.tokens == (PROMPT + out.tokens)[: len(session.tokens)]
-        assert_cache_equals(session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=ATOL.get(arch, 1e-10))
+        assert_cache_equals(
+            session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=ATOL.get(arch, 1e-10)
+        )
 
 
 def test_eos_inside_a_slim_block_ends_the_output():
-    target, tok, drafter = make("qwen2")
+    target, tok, _ = make("qwen2")
     gate = Gate("kl", (-1.0, math.inf))
     long = PlainDecoder(target, tok).generate(PROMPT, GenerationConfig(max_new_tokens=30, ignore_eos=True))
     eos = long.tokens[5]
