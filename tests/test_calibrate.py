@@ -71,6 +71,16 @@ def test_margin_cost_is_zero_when_the_slim_top_token_leads_by_the_margin():
     assert float(margin_violation(tie, tie, margin=1.0)[0]) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_margin_cost_of_a_broken_position_is_bounded_by_the_rivals():
+    vocab = 1000
+    target = torch.full((1, vocab), -10.0)
+    target[0, 0] = 10.0
+    flat = torch.zeros(1, vocab)
+    flat[0, 0] = -30.0  # the slim view ranks the target's token below 999 others
+    cost = float(margin_violation(flat, target, margin=1.0, rivals=16)[0])
+    assert cost == pytest.approx(16 * 31.0, rel=1e-4)  # 16 rivals, each 30 nats ahead plus the 1-nat margin
+
+
 def test_agreement_counts_matching_top_tokens_and_scores_pool():
     target = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 1.0]])
     slim = torch.tensor([[2.0, 1.0, 0.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
@@ -241,6 +251,22 @@ def test_selection_respects_the_quality_budget_and_picks_the_faster_option():
         policy = sel.policy
         again = simulate(stats, policy, cheap_slim if sel is not dear_slim else costs(slim=0.4, full=0.4))
         assert again.tokens_per_second == pytest.approx(sel.prediction.tokens_per_second)
+
+
+def test_a_minimum_tier_share_keeps_every_tier_in_use():
+    draft_ok = [i % 5 != 4 for i in range(80)]
+    kl = [0.01 if i % 3 else 0.5 for i in range(80)]  # three signal levels: accept, slim and full all plausible
+    kl = [2.0 if not ok else v for ok, v in zip(draft_ok, kl, strict=True)]
+    stats = [stats_of(draft_ok, None, kl)]
+    c = costs(slim=0.05, full=0.4)
+    sel = select_policy(stats, c, gammas=(3,), caps=(16,), quality_budget=0.05, min_tier_share=0.1)
+    decided = sel.prediction.decided
+    assert min(decided.values()) >= 0.1 * sum(decided.values())
+    _, free_pred = sel.unconstrained
+    assert free_pred.tokens_per_second >= sel.prediction.tokens_per_second
+    assert "via_unconstrained" in sel.to_dict()
+    with pytest.raises(ViasdError, match="tier share"):
+        select_policy(stats, c, min_tier_share=0.5)
 
 
 def test_position_stats_from_logits():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import math
 import os
 import platform
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,9 +53,9 @@ from viasd.models.loading import LoadedModel
 from viasd.models.routing import RoutingMask, num_decoder_layers
 from viasd.models.session import KVSession
 from viasd.prompting import encode_prompt
-from viasd.routing.masks import layers_to_skip
-from viasd.routing.objectives import DEFAULT_MARGIN, OBJECTIVES, Scores
-from viasd.routing.profile import RoutingProfile, model_fingerprint
+from viasd.routing.masks import layers_to_skip, spread_mask
+from viasd.routing.objectives import DEFAULT_MARGIN, DEFAULT_RIVALS, OBJECTIVES, Scores
+from viasd.routing.profile import RoutingProfile, model_fingerprint, write_json_atomic
 from viasd.routing.search import (
     layer_preference,
     mask_evaluator,
@@ -427,16 +429,23 @@ class Selection:
     candidates: int
     feasible: int
     quality_budget: float
+    min_tier_share: float = 0.0
+    unconstrained: tuple[Policy, Prediction] | None = None  # the fastest within the budget, ignoring tier shares
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "quality_budget": self.quality_budget,
+            "min_tier_share": self.min_tier_share,
             "candidates": self.candidates,
             "feasible": self.feasible,
             "via": {"policy": asdict(self.policy), **self.prediction.to_dict()},
             "sd": {"policy": asdict(self.sd_policy), **self.sd_prediction.to_dict()},
             "plain": {"tokens_per_second": self.plain_tokens_per_second},
         }
+        if self.unconstrained is not None:
+            policy, pred = self.unconstrained
+            out["via_unconstrained"] = {"policy": asdict(policy), **pred.to_dict()}
+        return out
 
 
 def select_policy(
@@ -447,20 +456,29 @@ def select_policy(
     quality_budget: float = 0.02,
     signals: Sequence[str] = SIGNALS,
     quantiles: int = 20,
+    min_tier_share: float = 0.0,
 ) -> Selection:
     """The fastest gate (signal, k_accept <= k_full), gamma and cap whose replayed error rate is within
-    `quality_budget`, and the fastest classic SD gamma, under the same costs."""
+    `quality_budget`, and the fastest classic SD gamma, under the same costs.
+
+    `min_tier_share` > 0 also requires each tier (accept, slim, full) to decide at least that share of
+    the draft tokens, for a profile that exercises all three tiers even where fewer would be faster; the
+    fastest policy without that requirement is reported alongside.
+    """
     if not gammas or min(gammas) < 1:
         raise ViasdError("calibration: gammas must be >= 1")
     if not caps or min(caps) < 2:
         raise ViasdError("calibration: caps must be >= 2")
     if not 0.0 <= quality_budget < 1.0:
         raise ViasdError(f"calibration: the quality budget must be in [0, 1), got {quality_budget}")
+    if not 0.0 <= min_tier_share <= 1.0 / 3.0:
+        raise ViasdError(f"calibration: the minimum tier share must be in [0, 1/3], got {min_tier_share}")
     if not sum(len(s) for s in stats):
         raise ViasdError("calibration: no gate statistics to select thresholds from")
     sd = [(Policy(gamma=g, exact=True), simulate(stats, Policy(gamma=g, exact=True), costs)) for g in gammas]
     sd_policy, sd_pred = max(sd, key=lambda pair: pair[1].tokens_per_second)
     best: tuple[Policy, Prediction] | None = None
+    free: tuple[Policy, Prediction] | None = None
     candidates = feasible = 0
     for signal in signals:
         values = threshold_candidates([v for seq in stats for v in seq.signal(signal)], quantiles)
@@ -477,13 +495,23 @@ def select_policy(
                         candidates += 1
                         if pred.error_rate > quality_budget:
                             continue
+                        if free is None or pred.tokens_per_second > free[1].tokens_per_second:
+                            free = (policy, pred)
+                        decided = sum(pred.decided.values())
+                        if min(pred.decided.values()) < min_tier_share * decided:
+                            continue
                         feasible += 1
                         if best is None or pred.tokens_per_second > best[1].tokens_per_second:
                             best = (policy, pred)
-    if best is None:  # cannot happen while a policy that sends everything to the full tier is a candidate
-        raise ViasdError("calibration: no gate configuration meets the quality budget")
+    if best is None:
+        raise ViasdError(
+            "calibration: no gate configuration meets the quality budget"
+            + (" with every tier in use; lower --min-tier-share" if min_tier_share > 0 else "")
+        )
     plain = 1.0 / costs.full_pass(1)
-    return Selection(best[0], best[1], sd_policy, sd_pred, plain, candidates, feasible, quality_budget)
+    return Selection(
+        best[0], best[1], sd_policy, sd_pred, plain, candidates, feasible, quality_budget, min_tier_share, free
+    )
 
 
 def machine_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, Any]:
@@ -534,6 +562,7 @@ class CalibrationSettings:
     random_masks: int = 4
     cost_repeats: int = 5
     preference: bool = True  # seed the search with the layers that are cheapest to skip one at a time
+    min_tier_share: float = 0.0  # > 0: each tier must decide at least this share of draft tokens
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -552,6 +581,8 @@ class CalibrationSettings:
             raise ViasdError(f"--gammas must be >= 1, got {list(self.gammas)}")
         if not 0.0 <= self.quality_budget < 1.0:
             raise ViasdError(f"--quality-budget must be in [0, 1), got {self.quality_budget}")
+        if not 0.0 <= self.min_tier_share <= 1.0 / 3.0:
+            raise ViasdError(f"--min-tier-share must be in [0, 1/3], got {self.min_tier_share}")
 
 
 def _continuations(
@@ -568,13 +599,42 @@ def _continuations(
     return out
 
 
+def _cached_continuations(
+    target: LoadedModel,
+    drafter: LoadedModel,
+    prompts: Sequence[tuple[str, str]],
+    new_tokens: int,
+    work_file: str | os.PathLike[str] | None,
+    resume: bool,
+) -> list[tuple[list[int], list[int]]]:
+    """`_continuations`, kept in `work_file` (JSON, keyed by target, dtype, length and prompts) so that a
+    resumed calibration does not generate them again."""
+    param = next(target.model.parameters())
+    key = hashlib.sha256(
+        json.dumps([model_fingerprint(target.model), str(param.dtype), new_tokens, [t for _, t in prompts]]).encode()
+    ).hexdigest()[:16]
+    cache: dict[str, Any] = {}
+    if work_file is not None and Path(work_file).is_file():
+        try:
+            cache = json.loads(Path(work_file).read_text())
+        except (OSError, ValueError):
+            cache = {}
+    if resume and isinstance(cache.get(key), list):
+        return [(list(p), list(c)) for p, c in cache[key]]
+    pairs = _continuations(target, drafter, prompts, new_tokens)
+    if work_file is not None:
+        cache[key] = pairs
+        write_json_atomic(work_file, cache)
+    return pairs
+
+
 def _teacher(target: nn.Module, pairs: Sequence[tuple[list[int], list[int]]]) -> list[TeacherSequence]:
     return [teacher_force(target, prompt + cont, len(prompt)) for prompt, cont in pairs]
 
 
 def _study_key(fingerprint: str, sequences: Sequence[TeacherSequence], settings: CalibrationSettings) -> str:
     """Identifies what a search scores, so a resumed study never mixes different calibration data."""
-    digest = hashlib.sha256(f"{fingerprint}|{settings.chunk}|{settings.margin}".encode())
+    digest = hashlib.sha256(f"{fingerprint}|{settings.chunk}|{settings.margin}|{DEFAULT_RIVALS}".encode())
     for seq in sequences:
         digest.update(f"{seq.start}:{seq.ids}".encode())
     return digest.hexdigest()[:10]
@@ -598,11 +658,16 @@ def calibrate_pair(
     settings: CalibrationSettings,
     *,
     storage: str | os.PathLike[str] | None = None,
+    work_file: str | os.PathLike[str] | None = None,
     resume: bool = False,
     log: Log = lambda text: None,
     progress: bool = False,
 ) -> RoutingProfile:
-    """Search the slim mask, measure costs, collect gate statistics and pick the gate: a routing profile."""
+    """Search the slim mask, measure costs, collect gate statistics and pick the gate: a routing profile.
+
+    `storage` (SQLite) logs the mask searches and `work_file` (JSON) keeps the generated continuations;
+    with `resume` both are reused. Costs are always measured afresh.
+    """
     settings.check()
     started = time.perf_counter()
     model = target.model
@@ -612,7 +677,7 @@ def calibrate_pair(
     held_prompts = HELD_OUT_PROMPTS[: settings.held_out]
 
     log(f"generating the target's greedy continuations of {len(prompts)} calibration prompts")
-    pairs = _continuations(target, drafter, prompts, settings.new_tokens)
+    pairs = _cached_continuations(target, drafter, prompts, settings.new_tokens, work_file, resume)
     if not pairs:
         raise ViasdError("calibration: the target produced no continuation for any calibration prompt")
     sequences = _teacher(model, pairs)
@@ -637,11 +702,12 @@ def calibrate_pair(
     candidates: list[dict[str, Any]] = []
     previous: RoutingMask | None = None
     for index, count in enumerate(counts):
+        # Equal shares, plus whatever earlier searches left unused: an early overrun cannot starve later ones.
         budget = None
         if settings.time_budget is not None:
             left = settings.time_budget - (time.perf_counter() - search_start)
-            budget = max(left, 1.0) / (len(counts) - index)
-        seeds: list[list[float]] = []
+            budget = max(left / (len(counts) - index), settings.time_budget / len(counts) / 2)
+        seeds: list[list[float]] = [scores_for(num_layers, spread_mask(num_layers, count / num_layers).skipped_layers)]
         if preference is not None:
             order = sorted(middle_layers(num_layers), key=lambda layer: (preference[layer - 1], layer))
             seeds.append(scores_for(num_layers, order[:count], preference))
@@ -694,7 +760,12 @@ def calibrate_pair(
     log("replaying rounds to pick gate thresholds, gamma and cap")
     for i, cand in enumerate(candidates):
         cand["selection"] = select_policy(
-            cand["stats"], table.costs(i), settings.gammas, settings.caps, settings.quality_budget
+            cand["stats"],
+            table.costs(i),
+            settings.gammas,
+            settings.caps,
+            settings.quality_budget,
+            min_tier_share=settings.min_tier_share,
         )
         sel = cand["selection"]
         log(
@@ -709,7 +780,8 @@ def calibrate_pair(
     held: dict[str, Any] = {}
     if held_prompts:
         log(f"checking the mask on {len(held_prompts)} held-out prompts against random masks")
-        held_seqs = _teacher(model, _continuations(target, drafter, held_prompts, settings.new_tokens))
+        held_pairs = _cached_continuations(target, drafter, held_prompts, settings.new_tokens, work_file, resume)
+        held_seqs = _teacher(model, held_pairs)
         if held_seqs:
             held_eval = mask_evaluator(model, held_seqs, settings.chunk, settings.margin)
             count = len(result.mask.skipped_layers)

@@ -59,7 +59,13 @@ def calibrate(
     search_prompts: Annotated[int, typer.Option(help="Of those, how many drive the mask search.")] = 4,
     new_tokens: Annotated[int, typer.Option(help="Target continuation length per prompt.")] = 64,
     sampler: Annotated[str, typer.Option(help="Bayesian sampler interleaved with random search: tpe or gp.")] = "tpe",
-    resume: Annotated[bool, typer.Option(help="Continue the searches logged next to the output.")] = False,
+    min_tier_share: Annotated[
+        float,
+        typer.Option(help="Require each tier (accept, slim, full) to decide at least this share of draft tokens."),
+    ] = 0.0,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the searches and reuse the continuations logged next to the output.")
+    ] = False,
     dtype: Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")] = "auto",
     device: Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda (default: cuda if present).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the search samplers and random baselines.")] = 0,
@@ -86,6 +92,7 @@ def calibrate(
         new_tokens=new_tokens,
         sampler=sampler,
         seed=seed,
+        min_tier_share=min_tier_share,
     )
     settings.check()
     if new_tokens < 8:
@@ -94,6 +101,7 @@ def calibrate(
         raise ViasdError(f"--sampler must be tpe or gp, got {sampler!r}")
     out = output or _default_output(drafter, target)
     storage = out.with_name(out.name + ".search.db")
+    work_file = out.with_name(out.name + ".work.json")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
@@ -105,6 +113,7 @@ def calibrate(
         drafter_model,
         settings,
         storage=storage,
+        work_file=work_file,
         resume=resume,
         log=lambda text: err.print(f"[dim]{text}[/]", highlight=False, soft_wrap=True),
         progress=progress,

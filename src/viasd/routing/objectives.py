@@ -6,13 +6,16 @@ float32 and return one value per position, so callers can sum over many sequence
 * margin (the paper's "sum of margin violations" in ReLU form). With t = argmax q and the log-probability
   gaps d_s(v) = log s(v) - log s(t) and d_q(v) = log q(t) - log q(v) >= 0:
 
-      cost = sum over v of relu(d_s(v) + min(margin, d_q(v)))
+      cost = sum over v in R of relu(d_s(v) + min(margin, d_q(v)))
 
-  The slim view should rank the target's top token t above every rival v by at least the target's own
-  gap, capped at `margin` nats. The cost is zero exactly when s's top token is t and it leads every
-  rival by min(margin, d_q(v)); tokens far below t under s contribute nothing, so the sum is dominated
-  by the few competitive rivals. Capping by d_q does not punish s for a near-tie that q itself has.
-  This is what greedy verification needs (argmax s == argmax q), with a safety margin.
+  where R holds the slim view's `rivals` most likely tokens. The slim view should rank the target's top
+  token t above every rival v by at least the target's own gap, capped at `margin` nats. The cost is
+  zero exactly when s's top token is t and it leads every rival by min(margin, d_q(v)). Capping by d_q
+  does not punish s for a near-tie that q itself has. Summing over s's top tokens rather than the whole
+  vocabulary keeps one broken position (s nearly flat: 10^5 tokens above t) from outweighing hundreds
+  of good ones, so the mean over positions stays a usable ranking of masks; a token outside s's top
+  `rivals` cannot be s's choice anyway. This is what greedy verification needs (argmax s == argmax q),
+  with a safety margin.
 * kl: KL(q || s) in nats, the usual distillation divergence.
 * agreement: 1.0 where argmax s == argmax q (higher is better; the search minimises 1 - agreement).
 """
@@ -27,6 +30,7 @@ from viasd.errors import ViasdError
 
 OBJECTIVES = ("margin", "kl", "agreement")
 DEFAULT_MARGIN = 1.0
+DEFAULT_RIVALS = 16
 _ROWS = 64  # rows per step: bounds the [rows, V] temporaries (V is 150k for Qwen)
 
 
@@ -39,15 +43,19 @@ def _check(slim: torch.Tensor, target: torch.Tensor) -> None:
         raise ViasdError(f"objective: slim {tuple(slim.shape)} and target {tuple(target.shape)} must both be [N, V]")
 
 
-def margin_violation(slim: torch.Tensor, target: torch.Tensor, margin: float = DEFAULT_MARGIN) -> torch.Tensor:
+def margin_violation(
+    slim: torch.Tensor, target: torch.Tensor, margin: float = DEFAULT_MARGIN, rivals: int = DEFAULT_RIVALS
+) -> torch.Tensor:
     """Per-position margin-violation cost [N] (see the module docstring)."""
     _check(slim, target)
     out = []
+    k = min(rivals, slim.shape[-1])
     for i in range(0, slim.shape[0], _ROWS):
         ls, lq = _log_probs(slim[i : i + _ROWS]), _log_probs(target[i : i + _ROWS])
         top = lq.argmax(dim=-1, keepdim=True)
-        d_s = ls - ls.gather(-1, top)
-        d_q = lq.gather(-1, top) - lq
+        best_s, idx = ls.topk(k, dim=-1)
+        d_s = best_s - ls.gather(-1, top)
+        d_q = lq.gather(-1, top) - lq.gather(-1, idx)
         out.append(torch.relu(d_s + d_q.clamp(max=margin)).sum(dim=-1))
     return torch.cat(out) if out else torch.zeros(0)
 

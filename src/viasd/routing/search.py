@@ -38,6 +38,7 @@ from viasd.routing.teacher import TeacherSequence, slim_logits
 
 Evaluator = Callable[[RoutingMask], Scores]
 SAMPLERS = ("tpe", "gp")
+BO_STARTUP = 6  # complete trials before the Bayesian sampler starts modelling (it draws at random until then)
 
 
 def middle_layers(num_layers: int) -> list[int]:
@@ -134,9 +135,9 @@ class SearchResult:
 
 def _bo_sampler(kind: str, seed: int) -> optuna.samplers.BaseSampler:
     if kind == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=BO_STARTUP)
     if kind == "gp":
-        return optuna.samplers.GPSampler(seed=seed, deterministic_objective=True, warn_independent_sampling=False)
+        return optuna.samplers.GPSampler(seed=seed, deterministic_objective=True, n_startup_trials=BO_STARTUP)
     raise ViasdError(f"unknown search sampler {kind!r}; choose one of {', '.join(SAMPLERS)}")
 
 
@@ -241,8 +242,10 @@ def search_mask(
         study.enqueue_trial(params, user_attrs={"sampler": "seed"}, skip_if_exists=True)
 
     done = len(study.get_trials(deepcopy=False, states=(complete,)))
-    random_sampler = optuna.samplers.RandomSampler(seed=seed + done)
-    bo_sampler = _bo_sampler(sampler, seed + done)
+    # Distinct streams: the Bayesian sampler draws at random during its start-up trials, and with the same
+    # seed it would repeat the random sampler's candidates.
+    random_sampler = optuna.samplers.RandomSampler(seed=seed * 7919 + done)
+    bo_sampler = _bo_sampler(sampler, seed * 7919 + done + 104729)
     start = time.perf_counter()
     stopped = "iterations"
     with _progress(progress, iterations, min(done, iterations)) as advance:
