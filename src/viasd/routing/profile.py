@@ -115,6 +115,10 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    # mkstemp creates the file owner-only; a profile is meant to be shared and shipped.
+    os.chmod(tmp, 0o644 & ~umask)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=2)
