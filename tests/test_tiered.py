@@ -147,7 +147,7 @@ def test_full_mask_slim_tier_is_lossless_and_catches_up_lazily():
         assert out.tokens == plain.tokens, f"cap={cap}"
         assert out.stats.unchecked_tokens > 0 and out.stats.tiers["slim"].decided > 0
         assert out.stats.target_calls < plain.stats.target_calls
-    assert out.stats.target_calls <= 1
+    assert out.stats.target_calls <= 2  # the prompt prefill and the last single-token step
 
 
 def test_n_tier_with_a_degenerate_extra_tier_equals_three_tiers():

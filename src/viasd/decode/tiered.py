@@ -122,6 +122,15 @@ class TieredDecoder(Decoder):
         for name in self.names:
             stats.tier(name)
         unchecked = 0  # committed tokens the full target has not verified since its last pass
+        if len(prompt) > 1 and not self.gate.always_full:
+            # Prefill the prompt with the full target first: slim passes then attend to full-model KV for
+            # the whole prompt instead of re-reading it themselves (a slim prefill would be thrown away by
+            # the first full pass). The last prompt token stays out so the first round has a position to score.
+            t0 = time.perf_counter()
+            self.session.forward(prompt[:-1], keep=1)
+            stats.target_calls += 1
+            stats.tier("full").calls += 1
+            stats.verify_seconds += time.perf_counter() - t0
         while not sink.done:
             context = prompt + sink.tokens
             k = draft_length(self.gamma, sink.remaining, len(context), self.context_limit)
