@@ -15,6 +15,7 @@ from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.models.loading import LoadedModel
 from viasd.models.routing import RoutingMask, decoder_layers
+from viasd.routing import calibrate as calibrate_module
 from viasd.routing.calibrate import (
     NO_ACCEPT,
     NO_FULL,
@@ -23,6 +24,7 @@ from viasd.routing.calibrate import (
     Policy,
     SequenceStats,
     calibrate_pair,
+    load_stats,
     position_stats,
     select_policy,
     simulate,
@@ -285,7 +287,7 @@ def loaded(model, name):
     return LoadedModel(model=model, tokenizer=tiny_tokenizer(64), name=name, path=name)
 
 
-def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path):
+def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monkeypatch):
     target, drafter = (
         loaded(tiny_model("qwen2", layers=6), "tiny-target"),
         loaded(tiny_model("qwen2", layers=2, seed=1), "tiny-drafter"),
@@ -294,7 +296,8 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path):
         skip_ratios=(0.2, 0.34), iterations=4, gammas=(2, 3), caps=(8,), prompts=2, search_prompts=1, held_out=1,
         new_tokens=12, cost_repeats=1, random_masks=2,
     )  # fmt: skip
-    profile = calibrate_pair(target, drafter, settings, storage=tmp_path / "p.json.search.db")
+    work = tmp_path / "p.json.work"
+    profile = calibrate_pair(target, drafter, settings, storage=tmp_path / "p.json.search.db", work_file=work)
     assert len(profile.masks) == 1 and 0 < len(profile.masks[0].skipped_layers) <= 2
     assert profile.gamma in (2, 3) and profile.cap == 8 and profile.gate.signal in ("kl", "confidence")
     assert profile.search["random_baseline"]["values"] and profile.search["held_out"]["random"]["values"]
@@ -305,6 +308,15 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path):
     again = load_profile(path)
     assert again.to_dict() == profile.to_dict()
     again.check_models(target.model, drafter.model)
+    stats = load_stats(work, profile.search["study_key"], profile.masks[0])
+    assert stats is not None and sum(len(s) for s in stats) == profile.calibration["positions"]
+    # A resumed calibration reuses the continuations, the layer scores and the finished searches.
+    monkeypatch.setattr(calibrate_module, "_continuations", lambda *a: pytest.fail("generated again"))
+    monkeypatch.setattr(calibrate_module, "layer_preference", lambda *a: pytest.fail("scored layers again"))
+    resumed = calibrate_pair(
+        target, drafter, settings, storage=tmp_path / "p.json.search.db", work_file=work, resume=True
+    )
+    assert resumed.search["trials"] == profile.search["trials"]
     # The engine takes it for --method via.
     engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target)
     engine._drafter = drafter

@@ -57,6 +57,7 @@ from viasd.routing.masks import layers_to_skip, spread_mask
 from viasd.routing.objectives import DEFAULT_MARGIN, DEFAULT_RIVALS, OBJECTIVES, Scores
 from viasd.routing.profile import RoutingProfile, model_fingerprint, write_json_atomic
 from viasd.routing.search import (
+    Evaluator,
     layer_preference,
     mask_evaluator,
     middle_layers,
@@ -599,7 +600,7 @@ def _continuations(
     return out
 
 
-def _cached_continuations(
+def cached_continuations(
     target: LoadedModel,
     drafter: LoadedModel,
     prompts: Sequence[tuple[str, str]],
@@ -613,12 +614,7 @@ def _cached_continuations(
     key = hashlib.sha256(
         json.dumps([model_fingerprint(target.model), str(param.dtype), new_tokens, [t for _, t in prompts]]).encode()
     ).hexdigest()[:16]
-    cache: dict[str, Any] = {}
-    if work_file is not None and Path(work_file).is_file():
-        try:
-            cache = json.loads(Path(work_file).read_text())
-        except (OSError, ValueError):
-            cache = {}
+    cache = _read_work(work_file)
     if resume and isinstance(cache.get(key), list):
         return [(list(p), list(c)) for p, c in cache[key]]
     pairs = _continuations(target, drafter, prompts, new_tokens)
@@ -626,6 +622,52 @@ def _cached_continuations(
         cache[key] = pairs
         write_json_atomic(work_file, cache)
     return pairs
+
+
+def _read_work(work_file: str | os.PathLike[str] | None) -> dict[str, Any]:
+    if work_file is None or not Path(work_file).is_file():
+        return {}
+    try:
+        data = json.loads(Path(work_file).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def stats_key(study_key: str, mask: RoutingMask) -> str:
+    """Where the gate statistics of a mask live in the work file."""
+    return f"stats-{study_key}-skip{'-'.join(map(str, mask.skipped_layers))}"
+
+
+def load_stats(work_file: str | os.PathLike[str], study_key: str, mask: RoutingMask) -> list[SequenceStats] | None:
+    """Gate statistics that a calibration stored in its work file, or None."""
+    data = _read_work(work_file).get(stats_key(study_key, mask))
+    if not isinstance(data, list):
+        return None
+    return [SequenceStats(**seq) for seq in data]
+
+
+def _cached_preference(
+    evaluate: Evaluator,
+    num_layers: int,
+    objective: str,
+    key: str,
+    work_file: str | os.PathLike[str] | None,
+    resume: bool,
+    log: Log,
+) -> list[float]:
+    """`layer_preference`, kept in the work file for a resumed calibration."""
+    name = f"preference-{objective}-{key}"
+    cache = _read_work(work_file)
+    if resume and isinstance(cache.get(name), list) and len(cache[name]) == num_layers - 2:
+        return [float(v) for v in cache[name]]
+    log(f"scoring each of the {num_layers - 2} middle layers skipped alone")
+    preference = layer_preference(evaluate, num_layers, objective)
+    if work_file is not None:
+        cache = _read_work(work_file)
+        cache[name] = preference
+        write_json_atomic(work_file, cache)
+    return preference
 
 
 def _teacher(target: nn.Module, pairs: Sequence[tuple[list[int], list[int]]]) -> list[TeacherSequence]:
@@ -676,8 +718,9 @@ def calibrate_pair(
     prompts = CALIBRATION_PROMPTS[: settings.prompts]
     held_prompts = HELD_OUT_PROMPTS[: settings.held_out]
 
-    log(f"generating the target's greedy continuations of {len(prompts)} calibration prompts")
-    pairs = _cached_continuations(target, drafter, prompts, settings.new_tokens, work_file, resume)
+    reuse = " (reused from the work file when it has them)" if resume else ""
+    log(f"generating the target's greedy continuations of {len(prompts)} calibration prompts{reuse}")
+    pairs = cached_continuations(target, drafter, prompts, settings.new_tokens, work_file, resume)
     if not pairs:
         raise ViasdError("calibration: the target produced no continuation for any calibration prompt")
     sequences = _teacher(model, pairs)
@@ -692,8 +735,7 @@ def calibrate_pair(
 
     preference: list[float] | None = None
     if settings.preference:
-        log(f"scoring each of the {num_layers - 2} middle layers skipped alone")
-        preference = layer_preference(evaluate, num_layers, settings.objective)
+        preference = _cached_preference(evaluate, num_layers, settings.objective, key, work_file, resume, log)
 
     counts = sorted({layers_to_skip(num_layers, r) for r in settings.skip_ratios} - {0})
     if not counts:
@@ -737,6 +779,10 @@ def calibrate_pair(
             for seq, d in zip(sequences, drafter_logits, strict=True)
         ]
         candidates.append({"result": result, "baseline": baseline, "stats": stats})
+        if work_file is not None:  # kept for replays under other budgets or costs (scripts/calibration_whatif.py)
+            cache = _read_work(work_file)
+            cache[stats_key(key, result.mask)] = [asdict(seq) for seq in stats]
+            write_json_atomic(work_file, cache)
         log(
             f"  best {result.mask.describe()}: {settings.objective} {result.value:.4f}, "
             f"agreement {result.scores.mean('agreement'):.3f}; random masks: "
@@ -780,7 +826,7 @@ def calibrate_pair(
     held: dict[str, Any] = {}
     if held_prompts:
         log(f"checking the mask on {len(held_prompts)} held-out prompts against random masks")
-        held_pairs = _cached_continuations(target, drafter, held_prompts, settings.new_tokens, work_file, resume)
+        held_pairs = cached_continuations(target, drafter, held_prompts, settings.new_tokens, work_file, resume)
         held_seqs = _teacher(model, held_pairs)
         if held_seqs:
             held_eval = mask_evaluator(model, held_seqs, settings.chunk, settings.margin)
@@ -806,6 +852,7 @@ def calibrate_pair(
             **result.info(),
             "margin": settings.margin,
             "chunk": settings.chunk,
+            "study_key": key,
             "sampler": f"random interleaved with {settings.sampler} every {settings.bo_every} trials (optuna)",
             "iterations": settings.iterations,
             "random_baseline": _baseline_info(chosen["baseline"], settings.objective),

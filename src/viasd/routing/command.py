@@ -101,7 +101,7 @@ def calibrate(
         raise ViasdError(f"--sampler must be tpe or gp, got {sampler!r}")
     out = output or _default_output(drafter, target)
     storage = out.with_name(out.name + ".search.db")
-    work_file = out.with_name(out.name + ".work.json")
+    work_file = out.with_name(out.name + ".work")  # JSON; not *.json, so package data globs skip it
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
