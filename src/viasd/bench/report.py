@@ -7,13 +7,13 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from viasd.bench.metrics import ALL, Summary, summarize
+from viasd.fileio import write_atomic
 
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
@@ -28,21 +28,6 @@ _METRIC_NAMES = {
     "reference_match": "reference match",
     "pass@1": "pass@1",
 }
-
-
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write a whole file so that readers see the old or the new content, never a half-written one."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------- environment
@@ -166,14 +151,40 @@ def markdown(
         "## Overall",
         "",
     ]
-    header = ["method", "tasks", "tokens/s", "speedup", "tokens/full call", "full calls/token", "rejection",
-              "tiers", "unchecked", f"identical to {baseline}", "peak RSS MiB", "peak CUDA MiB"]
-    out += _table(header, [
-        [s.method, str(s.prompts), _num(s.tokens_per_second), _speedup(s), _num(s.tokens_per_target_call),
-         _num(s.target_calls_per_token, 3), _pct(s.rejection_rate), _tiers(s), _pct(s.unchecked_fraction),
-         _pct(s.identical_to_baseline), _mib(s.peak_rss_bytes), _mib(s.peak_cuda_bytes)]
-        for s in overall
-    ])
+    header = [
+        "method",
+        "tasks",
+        "tokens/s",
+        "speedup",
+        "tokens/full call",
+        "full calls/token",
+        "rejection",
+        "tiers",
+        "unchecked",
+        f"identical to {baseline}",
+        "peak RSS MiB",
+        "peak CUDA MiB",
+    ]
+    out += _table(
+        header,
+        [
+            [
+                s.method,
+                str(s.prompts),
+                _num(s.tokens_per_second),
+                _speedup(s),
+                _num(s.tokens_per_target_call),
+                _num(s.target_calls_per_token, 3),
+                _pct(s.rejection_rate),
+                _tiers(s),
+                _pct(s.unchecked_fraction),
+                _pct(s.identical_to_baseline),
+                _mib(s.peak_rss_bytes),
+                _mib(s.peak_cuda_bytes),
+            ]
+            for s in overall
+        ],
+    )
     metric_of = {
         c: next((by[(m, c)].quality_metric for m in methods if (m, c) in by and by[(m, c)].quality_metric), None)
         for c in categories
@@ -193,9 +204,10 @@ def markdown(
     ]
     for title, cell in per_category:
         out += ["", f"## {title}", ""]
-        out += _table(["method", *categories], [
-            [m] + [cell(by[(m, c)]) if (m, c) in by else "-" for c in categories] for m in methods
-        ])
+        out += _table(
+            ["method", *categories],
+            [[m] + [cell(by[(m, c)]) if (m, c) in by else "-" for c in categories] for m in methods],
+        )
     if errors:
         out += ["", "## Errors", "", f"{len(errors)} task(s) could not run:", ""]
         out += [f"- {r['key']} ({r['method']}): {r['error']}" for r in errors[:20]]

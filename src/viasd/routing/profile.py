@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
+from viasd.fileio import write_atomic
 from viasd.models.routing import RoutingMask
 from viasd.verify.gates import Gate
 
@@ -111,24 +111,8 @@ class RoutingProfile:
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON so that readers see the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    # mkstemp creates the file owner-only; a profile is meant to be shared and shipped.
-    os.chmod(tmp, 0o644 & ~umask)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSON atomically (see viasd.fileio.write_atomic)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def save_profile(profile: RoutingProfile, path: str | os.PathLike[str]) -> None:
