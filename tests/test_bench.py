@@ -60,6 +60,16 @@ def test_selection_spreads_and_interleaves_categories():
         select(tasks, ["nope"], 1)
 
 
+def test_a_category_can_have_its_own_count():
+    tasks = load_specbench()
+    chosen = select(tasks, ["translation:3", "writing:1", "qa"], 2)
+    assert [t.category for t in chosen] == ["translation", "writing", "qa", "translation", "qa", "translation"]
+    assert [t.category for t in build_tasks(categories=["qa:2", "rag"], count=0)] == ["qa", "qa"]
+    for bad in ("qa:x", "qa:-1"):
+        with pytest.raises(ViasdError, match="category count"):
+            select(tasks, [bad], 1)
+
+
 def test_bad_question_files_are_refused(tmp_path):
     with pytest.raises(ViasdError, match="line 2: missing field"):
         parse_specbench(['{"question_id": 1, "category": "a", "turns": ["x"]}', '{"question_id": 2}'])
@@ -233,6 +243,14 @@ def test_multi_turn_answers_are_carried_over_per_method():
         assert decoder.prompts[1] == [3, 4, *answer, 5, 6]  # the method's own first answer is in the context
         assert [t["tokens"] for t in row["turns"]] == [answer, answer]
         assert row["stats"]["new_tokens"] == 2 * len(answer) and row["stats"]["target_calls"] == 2
+
+
+def test_humaneval_answers_can_get_their_own_budget():
+    prose = Task("t/1", "specbench", "writing", ("t3",))
+    code = Task("h/1", "humaneval", "humaneval", ("t3",))
+    settings = RunSettings(methods=["a"], max_new_tokens=8, code_max_new_tokens=20)
+    assert settings.budget(prose) == 8 and settings.budget(code) == 20
+    assert RunSettings(methods=["a"], max_new_tokens=8).budget(code) == 8
 
 
 def test_rotation_and_pending_order():

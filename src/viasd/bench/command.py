@@ -24,8 +24,8 @@ from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
 # Settings that must be the same for rows of a resumed run to be comparable with the new ones.
 RESUME_KEYS = (
-    "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-    "gamma", "chat",
+    "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "code_max_new_tokens", "temperature",
+    "top_p", "top_k", "seed", "gamma", "chat",
 )  # fmt: skip
 
 
@@ -64,10 +64,16 @@ def bench(
     questions: Annotated[
         Path | None, typer.Option(help="Spec-Bench-format JSONL (default: the shipped development half).")
     ] = None,
-    categories: Annotated[str | None, typer.Option(help="Comma-separated categories (default: all).")] = None,
+    categories: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated categories (default: all); name:N gives one category its own count."),
+    ] = None,
     count: Annotated[int, typer.Option(help="Questions per category, spread over it (0: none).")] = 5,
     humaneval: Annotated[int, typer.Option(help="HumanEval problems, spread over the 164 (0: none).")] = 0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Token budget per turn.")] = 128,
+    code_max_new_tokens: Annotated[
+        int | None, typer.Option(help="Token budget for HumanEval answers (default: --max-new-tokens).")
+    ] = None,
     temperature: Annotated[float, typer.Option(help="0 means greedy (the default, as in Spec-Bench).")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
@@ -99,6 +105,8 @@ def bench(
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if max_new_tokens < 1:
         raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if code_max_new_tokens is not None and code_max_new_tokens < 1:
+        raise ViasdError(f"--code-max-new-tokens must be >= 1, got {code_max_new_tokens}")
     tasks = build_tasks(questions, parse_list(categories), count, humaneval)
     questions_file = questions or default_questions_path()
 
@@ -117,6 +125,7 @@ def bench(
         "dtype": dtype,
         "device": device,
         "max_new_tokens": max_new_tokens,
+        "code_max_new_tokens": code_max_new_tokens,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
@@ -156,6 +165,7 @@ def bench(
     run_settings = RunSettings(
         methods=method_list,
         max_new_tokens=max_new_tokens,
+        code_max_new_tokens=code_max_new_tokens,
         sampling=sampling,
         chat=chat,
         warmup=warmup,

@@ -138,7 +138,9 @@ def markdown(
         f"- target: `{models.get('target', '-')}`, drafter: `{models.get('drafter', '-')}`, "
         f"dtype {models.get('dtype', '-')}, device {models.get('device', '-')}",
         f"- routing profile: `{models.get('profile') or '-'}`",
-        f"- tasks: {tasks}, methods: {', '.join(methods)}, max new tokens: {settings.get('max_new_tokens', '-')}, "
+        f"- tasks: {tasks}, methods: {', '.join(methods)}, max new tokens: {settings.get('max_new_tokens', '-')}"
+        + (f" (HumanEval {settings['code_max_new_tokens']})" if settings.get("code_max_new_tokens") else "")
+        + ", "
         f"temperature: {settings.get('temperature', 0)}, gamma: {settings.get('gamma') or 'default'}",
         f"- machine: {env.get('machine', {}).get('cpus_usable', '-')} CPUs usable, "
         f"cuda: {(env.get('machine', {}).get('cuda') or {}).get('devices', 'none')}",

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from viasd.bench.memory import PeakMemory
 from viasd.bench.metrics import QUALITY_METRICS, combine_stats, text_score
 from viasd.bench.sandbox import check_humaneval
-from viasd.bench.tasks import Task
+from viasd.bench.tasks import HUMANEVAL_CATEGORY, Task
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
 from viasd.errors import ViasdError
 from viasd.prompting import Message, encode_messages
@@ -34,10 +34,18 @@ class RunSettings:
 
     methods: Sequence[str]
     max_new_tokens: int = 128
+    # HumanEval answers are whole functions: they may get a larger budget than prose turns (None: the same).
+    code_max_new_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chat: bool = True
     warmup: bool = True
     humaneval_timeout: float = 10.0
+
+    def budget(self, task: Task) -> int:
+        """Token budget per turn of `task`."""
+        if task.category == HUMANEVAL_CATEGORY and self.code_max_new_tokens is not None:
+            return self.code_max_new_tokens
+        return self.max_new_tokens
 
 
 def rotation(methods: Sequence[str], index: int) -> list[str]:
@@ -134,7 +142,7 @@ def run_task(
 ) -> dict[str, Any]:
     """Answer every turn of `task` with one method (its own answers carried over) and return the result row."""
     config = GenerationConfig(
-        max_new_tokens=settings.max_new_tokens, sampling=settings.sampling, stop_strings=task.stop
+        max_new_tokens=settings.budget(task), sampling=settings.sampling, stop_strings=task.stop
     )
     row: dict[str, Any] = {
         "key": task.key,

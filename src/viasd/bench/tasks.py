@@ -147,20 +147,39 @@ def categories_of(tasks: Iterable[Task]) -> list[str]:
     return list(dict.fromkeys(t.category for t in tasks))
 
 
+def parse_category_counts(categories: Sequence[str]) -> dict[str, int | None]:
+    """Category names, each optionally with its own count as `name:N` (None: use the common count)."""
+    counts: dict[str, int | None] = {}
+    for entry in categories:
+        name, sep, number = entry.partition(":")
+        name = name.strip()
+        if not sep:
+            counts[name] = None
+            continue
+        try:
+            counts[name] = int(number)
+        except ValueError:
+            raise ViasdError(f"bad category count {entry!r}: write it as name:N, e.g. translation:10") from None
+        if counts[name] < 0:
+            raise ViasdError(f"category count must be >= 0 in {entry!r}")
+    return counts
+
+
 def select(tasks: Sequence[Task], categories: Sequence[str] | None = None, count: int | None = None) -> list[Task]:
     """Up to `count` tasks per category (spread over the category), categories taken round-robin.
 
-    Round-robin order means an interrupted run has covered every category about equally.
+    A category given as `name:N` gets N tasks instead of `count`. Round-robin order means an interrupted
+    run has covered every category about equally.
     """
     available = categories_of(tasks)
-    wanted = list(dict.fromkeys(categories)) if categories else available
+    wanted = parse_category_counts(categories) if categories else dict.fromkeys(available)
     unknown = [c for c in wanted if c not in available]
     if unknown:
         raise ViasdError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
                          f"available: {', '.join(available)}")
     if count is not None and count < 0:
         raise ViasdError(f"--count must be >= 0, got {count}")
-    groups = [spread([t for t in tasks if t.category == c], count) for c in wanted]
+    groups = [spread([t for t in tasks if t.category == c], count if n is None else n) for c, n in wanted.items()]
     return interleave(groups)
 
 
@@ -184,7 +203,8 @@ def build_tasks(
     """
     if humaneval < 0:
         raise ViasdError(f"--humaneval must be >= 0, got {humaneval}")
-    spec = select(load_specbench(questions), categories, count) if count != 0 else []
+    per_category = any(":" in c for c in categories or ())
+    spec = select(load_specbench(questions), categories, count) if count != 0 or per_category else []
     code = spread(load_humaneval(), humaneval) if humaneval else []
     tasks = _merge_evenly(spec, code)
     if not tasks:
