@@ -166,6 +166,24 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
     assert by[("plain", "qa")].peak_rss_bytes == 100
 
 
+def test_cost_split_per_token():
+    rows = [
+        _row("a", "via", 4.0, tokens=(1, 2, 3, 4), drafted=12, evaluated=6, slim_calls=2,
+             draft_seconds=0.5, slim_seconds=0.2, verify_seconds=0.2),
+        _row("b", "via", 4.0, tokens=(5, 6, 7, 8), drafted=4, evaluated=4, slim_calls=0,
+             draft_seconds=0.3, slim_seconds=0.0, verify_seconds=0.6),
+    ]
+    via = metrics.summarize(rows, baseline="plain")[0]
+    assert via.cost_per_token == pytest.approx(
+        {"drafting": 0.1, "slim verifier": 0.025, "full target": 0.1, "other": 0.025}
+    )
+    assert sum(via.cost_per_token.values()) == pytest.approx(via.seconds / via.new_tokens)
+    assert via.drafted_per_token == 2.0 and via.unevaluated_drafts == pytest.approx(6 / 16)
+    assert via.slim_calls_per_token == 0.25
+    text = markdown(metrics.summarize(rows, baseline="plain"), {"settings": {}, "models": {}}, rows)
+    assert "## Where the time goes" in text and "| via | 0.100 | 0.025 | 0.100 | 0.025 | 0.250 | 2.00 | 37.5% |" in text
+
+
 def test_combine_stats_sums_turns():
     a = GenerationStats(method="via", new_tokens=3, target_calls=1, total_seconds=1.0, finish_reason="eos")
     a.tiers["slim"] = TierStats(decided=2, accepted=1, rejected=1, calls=1)

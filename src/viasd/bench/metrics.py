@@ -217,6 +217,26 @@ class Summary:
     quality: float | None = None
     quality_n: int = 0
     identical_to_baseline: float | None = None  # share of tasks whose output text equals the baseline's
+    # Where the time goes: seconds per committed token spent drafting, in the slim verifier, in the full
+    # target, and elsewhere (sampling, bookkeeping, cache edits).
+    cost_per_token: dict[str, float] = field(default_factory=dict)
+    drafted_per_token: float = 0.0  # draft tokens proposed per committed token
+    unevaluated_drafts: float | None = None  # share of draft tokens cut by an earlier rejection before any check
+    slim_calls_per_token: float = 0.0
+
+
+COST_PARTS = ("drafting", "slim verifier", "full target", "other")
+
+
+def cost_split(stats: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Seconds per committed token by component (COST_PARTS), summed over generations."""
+    tokens = sum(int(x["new_tokens"]) for x in stats)
+    if not tokens:
+        return {}
+    parts = [sum(float(x.get(key, 0.0)) for x in stats) for key in ("draft_seconds", "slim_seconds", "verify_seconds")]
+    total = sum(float(x["total_seconds"]) for x in stats)
+    values = [*parts, max(0.0, total - sum(parts))]
+    return {name: v / tokens for name, v in zip(COST_PARTS, values, strict=True)}
 
 
 def row_output(row: Mapping[str, Any]) -> list[str]:
@@ -284,6 +304,12 @@ def summarize_group(
             decided[name] = decided.get(name, 0) + n
     total_decided = sum(decided.values())
     s.tier_fractions = {k: v / total_decided for k, v in decided.items()} if total_decided else {}
+    s.cost_per_token = cost_split(stats)
+    drafted = sum(int(x.get("drafted", 0)) for x in stats)
+    s.drafted_per_token = drafted / s.new_tokens if s.new_tokens else 0.0
+    s.unevaluated_drafts = (drafted - evaluated) / drafted if drafted else None
+    slim_calls = sum(int(x.get("slim_calls", 0)) for x in stats)
+    s.slim_calls_per_token = slim_calls / s.new_tokens if s.new_tokens else 0.0
     unchecked = sum(int(x.get("unchecked_tokens", 0)) for x in stats)
     s.unchecked_fraction = unchecked / s.new_tokens if s.new_tokens else 0.0
     rss = [int(r["peak_rss_bytes"]) for r in rows if r.get("peak_rss_bytes")]

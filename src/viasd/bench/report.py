@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from viasd.bench.metrics import ALL, Summary, summarize
+from viasd.bench.metrics import ALL, COST_PARTS, Summary, summarize
 from viasd.fileio import write_atomic
 
 SUMMARY_MD = "summary.md"
@@ -187,6 +187,29 @@ def markdown(
             for s in overall
         ],
     )
+    out += [
+        "",
+        "## Where the time goes",
+        "",
+        "Seconds per generated token by component (all tasks), and how much drafting and verifying each token took.",
+        "",
+    ]
+    out += _table(
+        ["method", *(f"{part} s/token" for part in COST_PARTS), "total s/token", "drafted/token",
+         "drafts never checked", "slim passes/token", "full passes/token"],
+        [
+            [
+                s.method,
+                *(_num(s.cost_per_token.get(part), 3) for part in COST_PARTS),
+                _num(sum(s.cost_per_token.values()) if s.cost_per_token else None, 3),
+                _num(s.drafted_per_token),
+                _pct(s.unevaluated_drafts),
+                _num(s.slim_calls_per_token, 3),
+                _num(s.target_calls_per_token, 3),
+            ]
+            for s in overall
+        ],
+    )
     metric_of = {
         c: next((by[(m, c)].quality_metric for m in methods if (m, c) in by and by[(m, c)].quality_metric), None)
         for c in categories
@@ -223,7 +246,7 @@ _TIER_COLOURS = {"accept": "#4daf4a", "slim": "#377eb8", "full": "#ff7f00"}
 
 
 def plot(summaries: Sequence[Summary], path: str | Path) -> None:
-    """Three panels: speedup and rejection rate per method and category, and tier fractions per method."""
+    """Speedup and rejection rate per method and category; tier fractions and the cost split per method."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -238,7 +261,7 @@ def plot(summaries: Sequence[Summary], path: str | Path) -> None:
         fig.text(0.5, 0.5, "no successful generations to plot", ha="center", va="center")
         _save(fig, path)
         return
-    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.9 * len(categories) * max(1, len(methods)) / 3), 13))
+    fig, axes = plt.subplots(4, 1, figsize=(max(10, 0.9 * len(categories) * max(1, len(methods)) / 3), 17))
     width = 0.8 / max(1, len(methods))
     xs = range(len(categories))
     for ax, attr, title, ref in (
@@ -276,6 +299,15 @@ def plot(summaries: Sequence[Summary], path: str | Path) -> None:
     ax.set_title("tier fractions: who decided the evaluated draft tokens (all tasks)")
     if tiers:
         ax.legend(fontsize="small")
+    ax = axes[3]
+    bottoms = [0.0] * len(methods)
+    for part, colour in zip(COST_PARTS, ("#984ea3", "#377eb8", "#ff7f00", "#999999"), strict=True):
+        values = [s.cost_per_token.get(part, 0.0) for s in overall]
+        ax.bar(methods, values, 0.6, bottom=bottoms, label=part, color=colour)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    ax.set_ylabel("seconds per token")
+    ax.set_title("where the time goes: seconds per generated token by component (all tasks)")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     _save(fig, path)
 
