@@ -445,3 +445,10 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     assert changed.exit_code == 2 and "max_new_tokens" in changed.output
     bad = runner.invoke(app, ["bench", "--methods", "plain,warp", "--out", str(tempfile.mkdtemp())])
     assert bad.exit_code == 2 and "unknown method" in bad.output
+    (out / "summary.md").unlink()
+    monkeypatch.setattr("viasd.engine.load_model", lambda *a, **k: pytest.fail("--report-only loads no model"))
+    report = runner.invoke(app, ["bench", "--report-only", "--out", str(out)])
+    assert report.exit_code == 0, report.output
+    assert "## Where the time goes" in (out / "summary.md").read_text()
+    missing = runner.invoke(app, ["bench", "--report-only", "--out", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "holds no benchmark run" in missing.output

@@ -90,6 +90,9 @@ def bench(
     warmup: Annotated[bool, typer.Option(help="One untimed generation per method first.")] = True,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
     humaneval_timeout: Annotated[float, typer.Option(help="Seconds a HumanEval test may run.")] = 10.0,
+    report_only: Annotated[
+        bool, typer.Option(help="Only rewrite the summary and plot of the run in --out from its results.")
+    ] = False,
 ) -> None:
     """Benchmark decoding methods side by side: speed, tier statistics and quality, on Spec-Bench and HumanEval."""
     from viasd.bench.memory import PeakMemory
@@ -101,6 +104,9 @@ def bench(
     from viasd.verify.sampling import SamplingParams
 
     err = Console(stderr=True)
+    if report_only:
+        _report_only(err, out)
+        return
     method_list = parse_methods(methods, list(METHODS))
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if max_new_tokens < 1:
@@ -198,6 +204,28 @@ def bench(
     if interrupted:
         err.print(f"interrupted: continue with --resume --out {out_dir}")
         raise KeyboardInterrupt
+
+
+def _report_only(err: Console, out: Path | None) -> None:
+    """Rewrite the report files of a finished or interrupted run, without loading any model."""
+    from viasd.bench.report import ENV_JSON, RESULTS_JSONL, write_report
+    from viasd.bench.runner import ResultsFile
+
+    if out is None:
+        raise ViasdError("--report-only needs --out: the directory of the run")
+    env_path, results_path = out / ENV_JSON, out / RESULTS_JSONL
+    if not env_path.exists() or not results_path.exists():
+        raise ViasdError(f"{out} holds no benchmark run (no {ENV_JSON} and {RESULTS_JSONL})")
+    try:
+        env = json.loads(env_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ViasdError(f"{env_path} is not valid JSON: {error}") from None
+    rows = ResultsFile(results_path).load()
+    if not rows:
+        raise ViasdError(f"{results_path} holds no results")
+    paths = write_report(out, rows, env, baseline="plain")
+    _print_overview(rows)
+    err.print(f"summary: {paths['markdown']}\nplot: {paths['plot']}", highlight=False)
 
 
 @contextmanager
