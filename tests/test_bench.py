@@ -369,6 +369,25 @@ def test_hf_assisted_matches_plain_and_counts_calls(tiny_pair):
     assert got.stats.drafted == got.stats.drafter_calls and got.stats.total_seconds > 0
 
 
+def test_hf_assisted_counts_drafts_round_by_round_like_sd(tiny_pair):
+    """transformers' rounds, read from hooks, give the same draft counts as our SD with the same drafter."""
+    target, _, tok = tiny_pair
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    prompt = [3, 4, 5, 6, 3, 4]
+    for scale in (0.01, 0.02):  # a drafter close to the target: some drafts accepted, some rejected
+        drafter = _copy(target)
+        noise = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=noise, dtype=p.dtype))
+        hf = HFAssistedDecoder(target, tok, drafter, gamma=3).generate(prompt, config)
+        sd = SpeculativeDecoder(target, tok, ModelDrafter(drafter), 3).generate(prompt, config)
+        assert hf.tokens == sd.tokens
+        counts = [(s.rounds, s.drafted, s.evaluated, s.accepted) for s in (hf.stats, sd.stats)]
+        assert counts[0] == counts[1], counts
+        assert 0 < hf.stats.accepted < hf.stats.evaluated < hf.stats.drafted
+
+
 def test_hf_assisted_stops_at_stop_strings(tiny_pair):
     target, drafter, tok = tiny_pair
     prompt = [3, 4, 5, 6, 3, 4]

@@ -4,7 +4,8 @@
 decoding. Wrapping it as a Decoder gives it the same stop conditions, text handling and statistics as
 the other methods. Forward hooks on both models count their forward passes and time them; the draft
 counts are derived from those: in transformers' assisted generation every drafter forward pass proposes
-one draft token and every target pass commits the accepted drafts plus one token of its own.
+one draft token and every target pass commits the accepted drafts plus one token of its own. A hook on
+the target's inputs reads where each round starts, which gives the accepted drafts of every round.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +54,46 @@ def metered(module: nn.Module) -> Iterator[_CallMeter]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@dataclass
+class _RoundLog:
+    """Per target pass (one round of assisted generation): drafts proposed and committed length before it."""
+
+    drafter: _CallMeter
+    drafts: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    _drafter_seen: int = 0
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            cache = kwargs.get("cache")
+        cached = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        drafts = self.drafter.calls - self._drafter_seen
+        self._drafter_seen = self.drafter.calls
+        self.drafts.append(drafts)
+        # The pass reads the committed tokens the cache lacks, then the drafts.
+        self.starts.append(cached + (int(ids.shape[-1]) if ids is not None else 0) - drafts)
+
+    def rounds(self, final_length: int) -> list[tuple[int, int]]:
+        """(drafted, accepted) per round; a round commits its accepted drafts plus one target token."""
+        ends = [*self.starts[1:], final_length]
+        rounds = zip(self.drafts, self.starts, ends, strict=True)
+        return [(d, max(0, min(d, end - start - 1))) for d, start, end in rounds]
+
+
+def draft_counts(rounds: Sequence[tuple[int, int]]) -> tuple[int, int, int]:
+    """(drafted, evaluated, accepted) over rounds of (drafted, accepted).
+
+    Drafts after the first rejected one in a round are cut off unchecked. The last round is taken as
+    having no rejection: it may have been cut short by the token budget, EOS or a stop string instead.
+    """
+    drafted = sum(d for d, _ in rounds)
+    accepted = sum(a for _, a in rounds)
+    rejections = sum(1 for d, a in rounds[:-1] if a < d)
+    return drafted, accepted + rejections, accepted
 
 
 def hf_generation_config(
@@ -178,19 +219,22 @@ class HFAssistedDecoder(Decoder):
             self._draft_length(),
             quiet_transformers(),
         ):
-            output = self.target.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                assistant_model=self.drafter,
-                generation_config=config,
-                **extra,
-            )
+            log = _RoundLog(drafter)
+            hook = self.target.register_forward_pre_hook(log.before, with_kwargs=True)
+            try:
+                output = self.target.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    assistant_model=self.drafter,
+                    generation_config=config,
+                    **extra,
+                )
+            finally:
+                hook.remove()
         sink.push(int(t) for t in output[0, len(prompt) :].tolist())
         stats.target_calls = target.calls
         stats.drafter_calls = drafter.calls
         stats.rounds = target.calls
         stats.verify_seconds = target.seconds
         stats.draft_seconds = drafter.seconds
-        # Each drafter pass proposed one token; each target pass kept its accepted drafts plus one token.
-        stats.drafted = stats.evaluated = drafter.calls
-        stats.accepted = min(drafter.calls, max(0, len(sink.tokens) - target.calls))
+        stats.drafted, stats.evaluated, stats.accepted = draft_counts(log.rounds(int(output.shape[-1])))

@@ -64,12 +64,13 @@ class SpeculativeDecoder(Decoder):
                 verdict = verify_block(proposal.tokens, proposal.probs, warp_probs(logits, params), generator)
                 committed = [*proposal.tokens[: verdict.accepted], verdict.next_token]
                 stats.accepted += verdict.accepted
+                # Drafts after the first rejected one are cut off unchecked: they count as drafted, not evaluated.
+                stats.evaluated += min(verdict.accepted + 1, len(proposal))
             else:
                 committed = [sample(warp_probs(logits, params)[-1], generator)]
             t2 = time.perf_counter()
             stats.rounds += 1
             stats.drafted += len(proposal)
-            stats.evaluated += len(proposal)
             stats.draft_seconds += t1 - t0
             stats.verify_seconds += t2 - t1
             sink.push(committed)
