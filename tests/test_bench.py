@@ -427,6 +427,18 @@ def test_report_with_only_errors(tmp_path):
 # ---------------------------------------------------------------------------------------- command
 
 
+def test_resuming_compares_the_shipped_profile_by_place_and_content():
+    from viasd.bench.command import check_resumable
+
+    here = {"target": "t", "profile": "/home/a/viasd/src/viasd/profiles/p.json", "profile_sha256": "1"}
+    check_resumable(here, {**here, "profile": "/venv/lib/site-packages/viasd/profiles/p.json"})
+    check_resumable({k: v for k, v in here.items() if k != "profile_sha256"}, here)  # a run from before hashes
+    with pytest.raises(ViasdError, match="profile_sha256"):
+        check_resumable(here, {**here, "profile_sha256": "2"})
+    with pytest.raises(ViasdError, match="profile"):
+        check_resumable(here, {**here, "profile": "/home/a/my-profile.json"})
+
+
 def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     from viasd.cli import app
     from viasd.models.loading import LoadedModel

@@ -49,9 +49,23 @@ def default_out_dir(now: dt.datetime | None = None) -> Path:
     return Path("runs") / f"bench-{stamp}"
 
 
+def _comparable(key: str, value: Any) -> Any:
+    """A setting as resuming compares it: the shipped profile by its place in the package, not its absolute path
+    (a checkout or an installation elsewhere holds the same file)."""
+    if key == "profile" and isinstance(value, str):
+        parts = Path(value).parts
+        if len(parts) >= 3 and parts[-3:-1] == ("viasd", "profiles"):
+            return "/".join(parts[-3:])
+    return value
+
+
 def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse to resume a run made with different models or generation settings."""
-    differing = [k for k in RESUME_KEYS if previous.get(k) != current.get(k)]
+    """Refuse to resume a run made with different models or generation settings.
+
+    The profile's content is compared by hash where both runs recorded one.
+    """
+    keys = [*RESUME_KEYS, *(["profile_sha256"] if previous.get("profile_sha256") else [])]
+    differing = [k for k in keys if _comparable(k, previous.get(k)) != _comparable(k, current.get(k))]
     if differing:
         detail = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing)
         raise ViasdError(f"cannot resume: the run was made with other settings ({detail})")
@@ -128,6 +142,7 @@ def bench(
         "target": target,
         "drafter": drafter,
         "profile": str(profile_path) if profile_path else None,
+        "profile_sha256": file_sha256(profile_path) if profile_path and Path(profile_path).is_file() else None,
         "dtype": dtype,
         "device": device,
         "max_new_tokens": max_new_tokens,
