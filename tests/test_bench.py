@@ -168,9 +168,9 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
 
 def test_cost_split_per_token():
     rows = [
-        _row("a", "via", 4.0, tokens=(1, 2, 3, 4), drafted=12, evaluated=6, slim_calls=2,
+        _row("a", "via", 4.0, tokens=(1, 2, 3, 4), drafted=12, evaluated=6, slim_calls=2, rounds=3,
              draft_seconds=0.5, slim_seconds=0.2, verify_seconds=0.2),
-        _row("b", "via", 4.0, tokens=(5, 6, 7, 8), drafted=4, evaluated=4, slim_calls=0,
+        _row("b", "via", 4.0, tokens=(5, 6, 7, 8), drafted=4, evaluated=4, slim_calls=0, rounds=1,
              draft_seconds=0.3, slim_seconds=0.0, verify_seconds=0.6),
     ]
     via = metrics.summarize(rows, baseline="plain")[0]
@@ -179,9 +179,10 @@ def test_cost_split_per_token():
     )
     assert sum(via.cost_per_token.values()) == pytest.approx(via.seconds / via.new_tokens)
     assert via.drafted_per_token == 2.0 and via.unevaluated_drafts == pytest.approx(6 / 16)
-    assert via.slim_calls_per_token == 0.25
+    assert via.slim_calls_per_token == 0.25 and via.rounds_per_token == 0.5
     text = markdown(metrics.summarize(rows, baseline="plain"), {"settings": {}, "models": {}}, rows)
-    assert "## Where the time goes" in text and "| via | 0.100 | 0.025 | 0.100 | 0.025 | 0.250 | 2.00 | 37.5% |" in text
+    assert "## Where the time goes" in text
+    assert "| via | 0.100 | 0.025 | 0.100 | 0.025 | 0.250 | 2.00 | 37.5% | 0.500 |" in text
 
 
 def test_combine_stats_sums_turns():

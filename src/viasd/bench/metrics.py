@@ -223,6 +223,7 @@ class Summary:
     drafted_per_token: float = 0.0  # draft tokens proposed per committed token
     unevaluated_drafts: float | None = None  # share of draft tokens cut by an earlier rejection before any check
     slim_calls_per_token: float = 0.0
+    rounds_per_token: float = 0.0  # draft-and-verify rounds (plain decoding: one per token)
 
 
 COST_PARTS = ("drafting", "slim verifier", "full target", "other")
@@ -310,6 +311,7 @@ def summarize_group(
     s.unevaluated_drafts = (drafted - evaluated) / drafted if drafted else None
     slim_calls = sum(int(x.get("slim_calls", 0)) for x in stats)
     s.slim_calls_per_token = slim_calls / s.new_tokens if s.new_tokens else 0.0
+    s.rounds_per_token = sum(int(x.get("rounds", 0)) for x in stats) / s.new_tokens if s.new_tokens else 0.0
     unchecked = sum(int(x.get("unchecked_tokens", 0)) for x in stats)
     s.unchecked_fraction = unchecked / s.new_tokens if s.new_tokens else 0.0
     rss = [int(r["peak_rss_bytes"]) for r in rows if r.get("peak_rss_bytes")]

@@ -196,7 +196,7 @@ def markdown(
     ]
     out += _table(
         ["method", *(f"{part} s/token" for part in COST_PARTS), "total s/token", "drafted/token",
-         "drafts never checked", "slim passes/token", "full passes/token"],
+         "drafts never checked", "rounds/token", "slim passes/token", "full passes/token"],
         [
             [
                 s.method,
@@ -204,6 +204,7 @@ def markdown(
                 _num(sum(s.cost_per_token.values()) if s.cost_per_token else None, 3),
                 _num(s.drafted_per_token),
                 _pct(s.unevaluated_drafts),
+                _num(s.rounds_per_token, 3),
                 _num(s.slim_calls_per_token, 3),
                 _num(s.target_calls_per_token, 3),
             ]
