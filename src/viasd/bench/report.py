@@ -289,7 +289,8 @@ def plot(summaries: Sequence[Summary], path: str | Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize="small", ncol=min(len(methods), 7))
     ax = axes[2]
-    tiers = list(dict.fromkeys(t for s in overall for t in s.tier_fractions))
+    seen = dict.fromkeys(t for s in overall for t in s.tier_fractions)
+    tiers = [t for t in _TIER_COLOURS if t in seen] + [t for t in seen if t not in _TIER_COLOURS]  # bottom up
     bottoms = [0.0] * len(methods)
     for k, tier in enumerate(tiers):
         shares = [s.tier_fractions.get(tier, 0.0) for s in overall]
