@@ -268,7 +268,8 @@ d(
     f"  and {pct(facts['unev']['via'])} of them are cut off behind a rejection before anyone checks them (SD: "
     f"{pct(facts['unev']['sd'])}). Even with a free"
 )
-d(f"  slim verifier VIA-SD would spend {no_slim:.3f} s per token against SD's {tot['sd']:.3f}.")
+d(f"  slim verifier VIA-SD would spend {no_slim:.3f} s per token against SD's {tot['sd']:.3f}"
+  + (", still more." if no_slim > tot["sd"] else ": the slim passes are what it loses by."))
 d(f"- **Most rounds still reach the full target.** About {pct(escalated)} of VIA-SD's rounds end in a full pass")
 d("  (full passes minus one prompt prefill per turn, over rounds), and in those rounds the slim pass bought")
 d(
@@ -343,7 +344,8 @@ d("**What would change the picture.** VIA-SD pays off when a full pass is expens
 d("slim pass (large targets on GPUs, as in the paper: 27B-70B, 45% of layers skipped), or when rounds rarely")
 d("escalate. The numbers above suggest two changes worth trying here: skip the slim pass in rounds that will")
 d("escalate anyway (for example when the drafter's own confidence in its first token is low), and let the")
-d("calibration weigh the extra drafting of a longer gamma, which the cost split shows to be the largest loss.")
+d("calibration weigh the extra drafting of a longer gamma, which the cost split shows to be "
+  + ("the largest loss." if via_cost["drafting"] - sd_cost["drafting"] > via_cost["slim verifier"] else "the second loss after the slim passes."))
 d("")
 text = text.replace("<!-- DISCUSSION -->\n", "\n".join(D))
 Path(sys.argv[1] if len(sys.argv) > 1 else repo / "BENCHMARKS.md").write_text(text)
