@@ -129,9 +129,10 @@ w("  within about 2.5 hours on this CPU: every generated token costs about 2 s o
 w("  methods. Files: `benchmarks/2026-11-30-cpu-run/` (`results.jsonl` rows with texts and statistics,")
 w("  `summary.md` with every table below and more, `plot.png`, `environment.json`).")
 if not complete:
-    w("  It continues where it stopped with the same command plus `--resume`. The rows of one task")
-    w("  (HumanEval/131) were measured while a test run shared the CPU; they were taken out of the results file, so")
-    w("  a resumed run measures that task again.")
+    w("  It continues where it stopped with the same command plus `--resume`; a task's six methods are always")
+    w("  measured back to back, so a task left unfinished at a stop was left out of the results file.")
+w("  One task (HumanEval/131) was first measured while a test run shared the CPU; those rows were taken out")
+w("  and the task was measured again by the resumed run.")
 w("- Counting: a draft token counts as *evaluated* when a verifier looked at it; drafts cut off behind an earlier")
 w("  rejection in the same block do not count, for every method alike. (An earlier partial run counted those")
 w("  cut-off drafts as rejected for SD-style methods only, which made classic SD's rejection rate look twice")
