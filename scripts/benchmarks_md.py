@@ -66,11 +66,7 @@ for c in cats:
     metric = by[("plain", c)]["quality_metric"]
     if not metric:
         continue
-    scale = (
-        100.0
-        if metric in ("accuracy", "pass@1", "reference_match", "exact") or by[("plain", c)]["quality"] <= 1
-        else 1.0
-    )
+    scale = 1.0 if metric in ("bleu", "rougeL") else 100.0  # BLEU and ROUGE-L are 0-100 already
     base = by[("plain", c)]["quality"]
     if base is None:
         continue
@@ -96,7 +92,6 @@ per_cat_via_vs_sd = sorted(
     key=lambda t: -t[1],
 )
 via_cost, sd_cost = cost["via"], cost["sd"]
-via_rounds = g("via", "rounds_per_token") if "rounds_per_token" in by[("via", A)] else None
 via_full = g("via", "target_calls_per_token")
 via_slim = g("via", "slim_calls_per_token")
 
@@ -200,27 +195,6 @@ w("### Rejection rate by category\n")
 w(table_only(section("Rejection rate by category")))
 w("")
 w("<!-- DISCUSSION -->\n")
-text = "\n".join(out) + "\n" + kept
-facts = {
-    "via_sd": via_sd,
-    "via_hf": via_hf,
-    "sp": sp,
-    "rej": rej,
-    "cost_via": via_cost,
-    "cost_sd": sd_cost,
-    "tot": tot,
-    "via_rounds": via_rounds,
-    "via_full": via_full,
-    "via_slim": via_slim,
-    "percat": per_cat_via_vs_sd,
-    "drafted": {m: g(m, "drafted_per_token") for m in methods},
-    "unev": {m: g(m, "unevaluated_drafts") for m in methods},
-    "complete": complete,
-    "tasks": tasks,
-    "rows": len(rows),
-}
-Path(sys.argv[1] if len(sys.argv) > 1 else repo / "BENCHMARKS.md").write_text(text)
-print(json.dumps(facts, indent=1, default=str))
 
 # ---- discussion, numbers from the run
 via_rows = [r for r in rows if r["method"] == "via" and not r.get("error")]
@@ -262,12 +236,12 @@ d(
     f"{via_cost['drafting'] - sd_cost['drafting']:+.3f} s"
 )
 d(
-    f"  for drafting: its calibrated draft length of 6 (SD: 4) proposes {facts['drafted']['via']:.2f} draft tokens per"
-    f" committed token against {facts['drafted']['sd']:.2f},"
+    f"  for drafting: its calibrated draft length of 6 (SD: 4) proposes {g('via', 'drafted_per_token'):.2f} draft tokens per"
+    f" committed token against {g('sd', 'drafted_per_token'):.2f},"
 )
 d(
-    f"  and {pct(facts['unev']['via'])} of them are cut off behind a rejection before anyone checks them (SD: "
-    f"{pct(facts['unev']['sd'])}). Even with a free"
+    f"  and {pct(g('via', 'unevaluated_drafts'))} of them are cut off behind a rejection before anyone checks them (SD: "
+    f"{pct(g('sd', 'unevaluated_drafts'))}). Even with a free"
 )
 d(f"  slim verifier VIA-SD would spend {no_slim:.3f} s per token against SD's {tot['sd']:.3f}"
   + (", still more." if no_slim > tot["sd"] else ": the slim passes are what it loses by."))
@@ -348,7 +322,7 @@ d("escalate anyway (for example when the drafter's own confidence in its first t
 d("calibration weigh the extra drafting of a longer gamma, which the cost split shows to be "
   + ("the largest loss." if via_cost["drafting"] - sd_cost["drafting"] > via_cost["slim verifier"] else "the second loss after the slim passes."))
 d("")
-text = text.replace("<!-- DISCUSSION -->\n", "\n".join(D))
+text = "\n".join(out).replace("<!-- DISCUSSION -->\n", "\n".join(D)) + "\n" + kept
 Path(sys.argv[1] if len(sys.argv) > 1 else repo / "BENCHMARKS.md").write_text(text)
 
 # ---- README paragraph
