@@ -76,7 +76,7 @@ for c in cats:
     qual_lines.append((c, metric, base * scale, d_via, d_sd))
 
 
-started = "2026-11-30T09:40:53+00:00"  # the first start; a resumed run rewrites environment.json's date
+started = env.get("date", "-")
 finished = env.get("finished") or (
     f"{_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')} (a snapshot; the run was still going)"
 )

@@ -473,6 +473,8 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     assert again.exit_code == 2 and "--resume" in again.output
     resumed = runner.invoke(app, [*args, "--resume"])
     assert resumed.exit_code == 0 and "0 to run" in resumed.output
+    resumed_env = json.loads((out / "environment.json").read_text())
+    assert resumed_env["date"] == env["date"] and len(resumed_env["resumed"]) == 1  # the first start is kept
     changed = runner.invoke(app, [*args[:-1], "--resume", "-n", "6"])
     assert changed.exit_code == 2 and "max_new_tokens" in changed.output
     bad = runner.invoke(app, ["bench", "--methods", "plain,warp", "--out", str(tempfile.mkdtemp())])

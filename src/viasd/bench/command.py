@@ -161,8 +161,10 @@ def bench(
         "tasks": len(tasks),
     }
     env_path = out_dir / ENV_JSON
+    previous_env: dict[str, Any] = {}
     if resume and env_path.exists():
-        check_resumable(json.loads(env_path.read_text(encoding="utf-8")).get("settings", {}), settings)
+        previous_env = json.loads(env_path.read_text(encoding="utf-8"))
+        check_resumable(previous_env.get("settings", {}), settings)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     spec = EngineSpec(
@@ -180,6 +182,9 @@ def bench(
         "device": str(parameter.device),
     }
     env = environment(settings, models)
+    if previous_env.get("date"):  # a resumed run keeps its first start and lists the resumes
+        env["resumed"] = [*previous_env.get("resumed", []), env["date"]]
+        env["date"] = previous_env["date"]
     write_atomic(env_path, json.dumps(env, indent=2) + "\n")
 
     results = ResultsFile(results_path)
