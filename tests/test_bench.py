@@ -455,19 +455,23 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     questions.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "run"
     args = ["bench", "--target", "tiny-target", "--drafter", "tiny-drafter",
-            "--dtype", "fp32", "--device", "cpu", "--questions", str(questions), "--methods", "plain,sd,lookup",
-            "--count", "1", "-n", "5", "--out", str(out), "--no-warmup"]
+            "--dtype", "fp32", "--device", "cpu", "--questions", str(questions),
+            "--methods", "plain,sd,lookup,sd:gamma=2", "--count", "1", "-n", "5", "--out", str(out), "--no-warmup"]
     runner = CliRunner()
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     for name in ("results.jsonl", "summary.md", "summary.json", "plot.png", "environment.json"):
         assert (out / name).is_file(), name
-    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    assert len((out / "results.jsonl").read_text().splitlines()) == 8
     env = json.loads((out / "environment.json").read_text())
-    assert env["settings"]["max_new_tokens"] == 5 and env["models"]["dtype"] == "float64" and env["rows"] == 6
+    assert env["settings"]["max_new_tokens"] == 5 and env["models"]["dtype"] == "float64" and env["rows"] == 8
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not any(r.get("error") for r in rows)
-    assert [len(r["turns"]) for r in rows if r["key"] == "specbench/2"] == [2, 2, 2]
+    assert [len(r["turns"]) for r in rows if r["key"] == "specbench/2"] == [2, 2, 2, 2]
+    texts = {(r["key"], r["method"]): [t["text"] for t in r["turns"]] for r in rows}
+    for key in ("specbench/1", "specbench/2"):  # the variant of an exact method is labelled as written and exact
+        assert texts[key, "sd:gamma=2"] == texts[key, "plain"]
+    assert "| sd:gamma=2 |" in (out / "summary.md").read_text()
     assert all(r["quality"]["metric"] == "bleu" for r in rows if r["key"] == "specbench/1")
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "--resume" in again.output

@@ -28,6 +28,9 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         (["generate", "hi", "--target", "no-such-model-xyz/nothing", "--method", "plain"], None, "cannot load model"),
         (["generate", "hi", "--target", "/does/not/exist.gguf", "--method", "plain"], None, "cannot load model"),
         (["generate", "hi", "--dtype", "int3", "--method", "plain"], None, "dtype"),
+        (["generate", "hi", "--method", "warp"], None, "unknown method 'warp'"),
+        (["generate", "hi", "--method", "via:gamma=0"], None, "method option gamma must be >= 1"),
+        (["generate", "hi", "--method", "sd:cap=4"], None, "method 'sd' takes no option 'cap'"),
     ],
 )
 def test_invalid_input_gives_one_line_error(args, stdin, message):

@@ -600,9 +600,12 @@ def test_settings_and_requests_are_validated() -> None:
     from viasd.serve.settings import ServeSettings, parse_methods
 
     assert parse_methods(" sd, plain ,") == ("sd", "plain")
+    variant = "via:gamma=4:pregate=0.5"
+    assert ServeSettings(model_id="m", methods=("sd", variant)).methods[1] == variant
     for bad in (
         {"methods": ()},
         {"methods": ("nope",)},
+        {"methods": ("sd:cap=3",)},
         {"methods": ("sd", "sd")},
         {"methods": ("sd",), "default_max_tokens": 10, "max_tokens_limit": 5},
         {"methods": ("sd",), "api_key": " "},

@@ -16,7 +16,7 @@ from viasd.drafters.base import Proposal
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.models.routing import RoutingMask
-from viasd.verify.gates import Gate, confidence_signal, kl_signal
+from viasd.verify.gates import Gate, confidence_signal, drafter_doubts, kl_signal
 from viasd.verify.sampling import SamplingParams
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
@@ -198,3 +198,26 @@ def test_bad_configurations_are_refused():
         TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate("kl", (0.1, 0.2, 0.3)))
     with pytest.raises(ViasdError, match="cap"):
         TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate(), cap=0)
+
+
+def test_drafter_doubts_looks_at_the_least_confident_draft_token():
+    soft = torch.tensor([[0.9, 0.1], [0.55, 0.45], [0.8, 0.2]])
+    assert drafter_doubts(soft, 0.6) and not drafter_doubts(soft, 0.5)
+    assert not drafter_doubts(soft, 0.0) and not drafter_doubts(None, 0.9)  # off, or no distributions
+    assert not drafter_doubts(soft[:0], 0.9)
+
+
+def test_pregate_sends_doubtful_rounds_straight_to_the_full_target():
+    target, tok, drafter = make("qwen2")
+    mask, gate = [RoutingMask.skipping(4, [1])], Gate("confidence", (0.02, 0.6))
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    sd = SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config)
+    # Every drafter distribution has a top probability below 1: pregate 1 skips every slim pass, which is classic SD.
+    always = TieredDecoder(target, tok, drafter, mask, gate, gamma=4, pregate=1.0).generate(PROMPT, config)
+    assert always.tokens == sd.tokens and always.stats.slim_calls == 0 and always.stats.unchecked_tokens == 0
+    assert always.stats.target_calls == sd.stats.target_calls + 1  # plus the prompt prefill
+    free = TieredDecoder(target, tok, drafter, mask, gate, gamma=4).generate(PROMPT, config)
+    some = TieredDecoder(target, tok, drafter, mask, gate, gamma=4, pregate=0.3).generate(PROMPT, config)
+    assert 0 < some.stats.slim_calls < free.stats.slim_calls
+    with pytest.raises(ViasdError, match="pre-gate"):
+        TieredDecoder(target, tok, drafter, mask, gate, pregate=1.5)

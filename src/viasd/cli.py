@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from viasd.errors import ViasdError
+from viasd.methods import parse_method
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 app = typer.Typer(
@@ -67,7 +68,9 @@ def _read_prompt(prompt: str | None) -> str:
 @user_errors
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or nothing reads standard input.")] = None,
-    method: Annotated[str, typer.Option("--method", "-m", help="plain, sd, lookup, self or via.")] = "sd",
+    method: Annotated[
+        str, typer.Option("--method", "-m", help="Decoding method or variant, e.g. via:gamma=4 (`viasd methods`).")
+    ] = "sd",
     target: TargetOpt = DEFAULT_TARGET,
     drafter: DrafterOpt = DEFAULT_DRAFTER,
     profile: Annotated[str | None, typer.Option(help="Routing profile JSON for --method via.")] = None,
@@ -98,7 +101,8 @@ def generate(
     spec = EngineSpec(
         target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
     )
-    with err.status(f"loading {target}" + ("" if method in {"plain", "lookup", "self"} else f" and {drafter}")):
+    method_spec = parse_method(method)  # a bad method name fails before any model loads
+    with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
         engine = Engine(spec)
         decoder = engine.decoder(method)
     ids = encode_prompt(engine.tokenizer, text, chat=chat, system=system)
@@ -117,7 +121,7 @@ def generate(
             "finish_reason": result.finish_reason,
             "stats": result.stats.to_dict(),
         }
-        if method != "plain" and method != "lookup" and method != "self":
+        if method_spec.uses_drafter:
             out["drafter"] = drafter
         print(json.dumps(out, ensure_ascii=False))
         return
@@ -162,6 +166,21 @@ def models(
             status.description,
         )
     Console().print(table)
+
+
+@app.command()
+def methods() -> None:
+    """List the decoding methods and the options their variants take (`via:gamma=4:pregate=0.5`)."""
+    from viasd.methods import ALLOWED, METHODS, OPTIONS
+
+    table = Table(title="decoding methods (variant: METHOD:key=value[:key=value])")
+    for column in ("method", "what it is", "options"):
+        table.add_column(column)
+    for name, what in METHODS.items():
+        table.add_row(name, what, ", ".join(ALLOWED[name]) or "-")
+    Console().print(table)
+    for key, (_, what) in OPTIONS.items():
+        Console().print(f"  {key}: {what}", highlight=False)
 
 
 from viasd.serve.command import serve  # noqa: E402  (light: heavy imports happen inside the command)

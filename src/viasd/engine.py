@@ -15,6 +15,7 @@ from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.errors import ViasdError
+from viasd.methods import MethodSpec, parse_method
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.models.routing import RoutingMask, num_decoder_layers
@@ -22,17 +23,6 @@ from viasd.prompting import Message, encode_messages
 from viasd.routing.masks import spread_mask
 from viasd.routing.profile import RoutingProfile, load_profile, model_fingerprint, shipped_profile_path
 from viasd.verify.gates import Gate
-
-# method name -> what it is, for help texts and listings
-METHODS: dict[str, str] = {
-    "plain": "plain autoregressive decoding of the target (baseline)",
-    "sd": "classic speculative decoding with the small drafter model (exact)",
-    "lookup": "speculative decoding with prompt-lookup (n-gram) drafts (exact)",
-    "self": "self-speculative decoding: the target under a routing mask drafts (exact)",
-    "via": "VIA-SD: drafter -> slim verifier (routed target) -> full target, gated per token (relaxed)",
-    "via-exact": "VIA-SD machinery with every token sent to the full target (equals sd)",
-    "hf-assisted": "Hugging Face transformers' assisted generation with the small drafter (reference, exact)",
-}
 
 
 @dataclass
@@ -57,7 +47,7 @@ class Engine:
         self.target = target or self._load(spec.target)
         self._drafter: LoadedModel | None = None
         self._decoders: dict[str, Decoder] = {}
-        self._profile: RoutingProfile | None = None
+        self._profiles: dict[str, RoutingProfile] = {}
 
     def _load(self, name: str) -> LoadedModel:
         return load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
@@ -84,54 +74,65 @@ class Engine:
                 return profile.masks[0]
         return spread_mask(num_decoder_layers(self.target.model), self.spec.self_skip_ratio)
 
-    @property
-    def profile(self) -> RoutingProfile:
-        """The routing profile for VIA-SD: --profile, else the one shipped for the default pair."""
-        if self._profile is None:
-            path = self.spec.profile or shipped_profile_path()
-            if path is None:
-                raise ViasdError("no routing profile: run `viasd calibrate` for this model pair and pass --profile")
+    def routing_profile(self, path: str | None = None) -> RoutingProfile:
+        """A routing profile for VIA-SD, checked against the loaded models: `path`, else --profile, else the
+        one shipped for the default pair."""
+        path = path or self.spec.profile or shipped_profile_path()
+        if path is None:
+            raise ViasdError("no routing profile: run `viasd calibrate` for this model pair and pass --profile")
+        key = str(path)
+        if key not in self._profiles:
             profile = load_profile(path)
             profile.check_models(self.target.model, self.drafter.model)
-            self._profile = profile
-        return self._profile
+            self._profiles[key] = profile
+        return self._profiles[key]
 
-    def _via(self, exact: bool) -> Decoder:
-        profile = self.profile
-        drafter = ModelDrafter(self.drafter.model, name="small")
+    @property
+    def profile(self) -> RoutingProfile:
+        """The default routing profile (--profile, else the shipped one)."""
+        return self.routing_profile()
+
+    def _via(self, spec: MethodSpec) -> Decoder:
+        profile = self.routing_profile(spec.profile)
+        exact = spec.base == "via-exact"
         return TieredDecoder(
             self.target.model,
             self.target.tokenizer,
-            drafter,
+            ModelDrafter(self.drafter.model, name="small"),
             profile.masks,
             Gate.exact() if exact else profile.gate,
-            gamma=self.spec.gamma or profile.gamma,
-            cap=profile.cap,
-            method="via-exact" if exact else "via",
+            gamma=spec.gamma or self.spec.gamma or profile.gamma,
+            cap=spec.cap or profile.cap,
+            method=spec.name,
+            pregate=spec.pregate or 0.0,
         )
 
-    def _builders(self) -> dict[str, Callable[[], Decoder]]:
-        target, tok, gamma = self.target.model, self.target.tokenizer, self.spec.gamma or 4
-        return {
-            "plain": lambda: PlainDecoder(target, tok),
-            "sd": lambda: SpeculativeDecoder(target, tok, ModelDrafter(self.drafter.model, name="small"), gamma),
-            "lookup": lambda: SpeculativeDecoder(target, tok, PromptLookupDrafter(), gamma, method="lookup"),
-            "self": lambda: SpeculativeDecoder(
-                target, tok, ModelDrafter(target, self.self_mask(), name="self"), gamma, method="self"
-            ),
-            "via": lambda: self._via(exact=False),
-            "via-exact": lambda: self._via(exact=True),
-            "hf-assisted": lambda: HFAssistedDecoder(target, tok, self.drafter.model, self.spec.gamma),
-        }
+    def _build(self, spec: MethodSpec) -> Decoder:
+        target, tok = self.target.model, self.target.tokenizer
+        gamma = spec.gamma or self.spec.gamma or 4
+        name = spec.name
+        match spec.base:
+            case "plain":
+                return PlainDecoder(target, tok)
+            case "sd":
+                drafter = ModelDrafter(self.drafter.model, name="small")
+                return SpeculativeDecoder(target, tok, drafter, gamma, method=name)
+            case "lookup":
+                return SpeculativeDecoder(target, tok, PromptLookupDrafter(), gamma, method=name)
+            case "self":
+                drafter = ModelDrafter(target, self.self_mask(), name="self")
+                return SpeculativeDecoder(target, tok, drafter, gamma, method=name)
+            case "hf-assisted":
+                return HFAssistedDecoder(target, tok, self.drafter.model, spec.gamma or self.spec.gamma, method=name)
+            case _:
+                return self._via(spec)
 
     def decoder(self, method: str) -> Decoder:
-        """The decoder for a method name (built once, then reused)."""
-        if method not in self._decoders:
-            builders = self._builders()
-            if method not in builders:
-                raise ViasdError(f"unknown method {method!r}; choose one of: {', '.join(builders)}")
-            self._decoders[method] = builders[method]()
-        return self._decoders[method]
+        """The decoder for a method name or variant (`via:gamma=4`; built once, then reused)."""
+        spec = parse_method(method)
+        if spec.name not in self._decoders:
+            self._decoders[spec.name] = self._build(spec)
+        return self._decoders[spec.name]
 
     def encode(self, messages: Sequence[Message], chat: bool = True) -> list[int]:
         return encode_messages(self.target.tokenizer, messages, chat=chat)

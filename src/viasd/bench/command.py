@@ -29,17 +29,6 @@ RESUME_KEYS = (
 )  # fmt: skip
 
 
-def parse_methods(text: str, known: Sequence[str]) -> list[str]:
-    """Comma-separated method names, checked against the known ones, duplicates dropped."""
-    methods = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    if not methods:
-        raise ViasdError("no methods given")
-    unknown = [m for m in methods if m not in known]
-    if unknown:
-        raise ViasdError(f"unknown method(s) {', '.join(unknown)}; choose from: {', '.join(known)}")
-    return methods
-
-
 def parse_list(text: str | None) -> list[str] | None:
     return [c.strip() for c in text.split(",") if c.strip()] if text else None
 
@@ -72,9 +61,12 @@ def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
 
 def bench(
-    methods: Annotated[str, typer.Option(help="Comma-separated methods to compare, baseline 'plain' first.")] = (
-        DEFAULT_METHODS
-    ),
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated methods to compare, baseline 'plain' first; variants as via:gamma=4:pregate=0.5."
+        ),
+    ] = DEFAULT_METHODS,
     questions: Annotated[
         Path | None, typer.Option(help="Spec-Bench-format JSONL (default: the shipped development half).")
     ] = None,
@@ -113,7 +105,8 @@ def bench(
     from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, write_atomic, write_report
     from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
     from viasd.bench.tasks import build_tasks, default_questions_path, file_sha256
-    from viasd.engine import METHODS, Engine, EngineSpec
+    from viasd.engine import Engine, EngineSpec
+    from viasd.methods import parse_method_list
     from viasd.routing.profile import shipped_profile_path
     from viasd.verify.sampling import SamplingParams
 
@@ -121,7 +114,7 @@ def bench(
     if report_only:
         _report_only(err, out)
         return
-    method_list = parse_methods(methods, list(METHODS))
+    method_list = [m.name for m in parse_method_list(methods)]
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if max_new_tokens < 1:
         raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -281,8 +274,10 @@ def _run_with_progress(
             nonlocal finished
             finished += 1
             stats = row.get("stats") or {}
-            what = f"error: {row['error']}" if row.get("error") else (
-                f"{stats.get('new_tokens', 0)} tokens, {stats.get('tokens_per_second', 0):.2f} tok/s"
+            what = (
+                f"error: {row['error']}"
+                if row.get("error")
+                else (f"{stats.get('new_tokens', 0)} tokens, {stats.get('tokens_per_second', 0):.2f} tok/s")
             )
             err.print(f"[{finished}/{total}] {row['key']} {row['method']}: {what}", highlight=False, soft_wrap=True)
 

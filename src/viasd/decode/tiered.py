@@ -10,6 +10,11 @@ their own entries only beyond F, as `pending` entries of their kept layers. Inva
   (catches up on) every committed token beyond F together with the new block, so it never sees a
   slim-written entry. At most `cap` tokens are committed without it.
 * The drafter keeps its own cache, resynchronised to the committed tokens each round.
+
+Optional pre-gate (`pregate`): a round whose least confident draft token has a drafter top probability
+under the pre-gate skips the slim pass and goes straight to the full target. It changes only where a round
+is verified, never what a full round commits, so it cannot cost quality; it saves the slim pass of rounds
+that would escalate anyway.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from viasd.errors import ViasdError
 from viasd.models.routing import RoutingMask
 from viasd.models.session import KVSession
 from viasd.verify.acceptance import verify_block
-from viasd.verify.gates import Gate
+from viasd.verify.gates import Gate, drafter_doubts
 from viasd.verify.sampling import SamplingParams, sample, warp_probs
 
 
@@ -57,12 +62,15 @@ class TieredDecoder(Decoder):
         gamma: int = 4,
         cap: int = 32,
         method: str | None = None,
+        pregate: float = 0.0,
     ) -> None:
         super().__init__(target, tokenizer)
         if gamma < 1:
             raise ViasdError(f"the draft length gamma must be >= 1, got {gamma}")
         if cap < 1:
             raise ViasdError(f"the cap on tokens committed without the full target must be >= 1, got {cap}")
+        if not 0.0 <= pregate <= 1.0:
+            raise ViasdError(f"the pre-gate must be a probability in [0, 1], got {pregate}")
         if not gate.always_full:
             if not masks:
                 raise ViasdError("a tiered decoder needs at least one slim routing mask")
@@ -75,6 +83,7 @@ class TieredDecoder(Decoder):
         self.gate = gate
         self.gamma = gamma
         self.cap = cap
+        self.pregate = pregate  # drafter confidence under which a round goes straight to the full target
         self.session = KVSession(target)
         self.names = tier_names(len(self.masks)) if not gate.always_full else ["accept", "full"]
         if method:
@@ -141,7 +150,8 @@ class TieredDecoder(Decoder):
             stats.drafted += len(proposal)
             stats.rounds += 1
             outcome = None
-            if len(proposal) and not self.gate.always_full and self.cap - unchecked >= 2:
+            lower_tiers = not self.gate.always_full and self.cap - unchecked >= 2
+            if len(proposal) and lower_tiers and not drafter_doubts(proposal.soft, self.pregate):
                 views = partial(self._view_logits, context + proposal.tokens, len(proposal), {}, stats)
                 outcome = route_block(proposal, views, self.gate, params, generator, self.cap - unchecked)
                 t2 = time.perf_counter()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from viasd.engine import METHODS
 from viasd.errors import ViasdError
+from viasd.methods import parse_method
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -28,8 +28,7 @@ class ServeSettings:
         if not self.methods:
             raise ViasdError("no decoding method to serve: pass --methods, e.g. --methods sd,plain")
         for method in self.methods:
-            if method not in METHODS:
-                raise ViasdError(f"unknown method {method!r} in --methods; choose from: {', '.join(METHODS)}")
+            parse_method(method)  # unknown methods and bad variant options fail here, before loading models
         if len(set(self.methods)) != len(self.methods):
             raise ViasdError(f"--methods names a method twice: {','.join(self.methods)}")
         positive = {

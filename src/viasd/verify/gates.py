@@ -36,6 +36,18 @@ def confidence_signal(slim: torch.Tensor, draft: torch.Tensor | None, tokens: Se
     return 1.0 - chosen / slim.max(dim=-1).values
 
 
+def drafter_doubts(soft: torch.Tensor | None, threshold: float) -> bool:
+    """Whether the drafter's least confident draft token has a top probability under `threshold`.
+
+    A pre-gate for a round: blocks with a doubtful token mostly reach the full tier anyway, so running the
+    slim verifier on them first would be a wasted pass. Off (False) for threshold 0 or a drafter without
+    distributions.
+    """
+    if threshold <= 0.0 or soft is None or not soft.shape[0]:
+        return False
+    return bool(soft.float().max(dim=-1).values.min() < threshold)
+
+
 @dataclass(frozen=True)
 class Gate:
     """A signal and its tier thresholds (one per boundary; len = number of slim tiers + 1)."""
