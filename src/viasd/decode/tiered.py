@@ -12,9 +12,9 @@ their own entries only beyond F, as `pending` entries of their kept layers. Inva
 * The drafter keeps its own cache, resynchronised to the committed tokens each round.
 
 Optional pre-gate (`pregate`): a round whose least confident draft token has a drafter top probability
-under the pre-gate skips the slim pass and goes straight to the full target. It changes only where a round
-is verified, never what a full round commits, so it cannot cost quality; it saves the slim pass of rounds
-that would escalate anyway.
+under the pre-gate skips the slim pass and goes straight to the full target (a lossless round). It only
+moves rounds from the relaxed tiers to the exact one, and saves the slim pass of rounds that would have
+escalated anyway.
 """
 
 from __future__ import annotations
