@@ -19,6 +19,7 @@ from viasd.routing.calibrate import (
     Costs,
     SequenceStats,
     cached_continuations,
+    has_draft_confidence,
     load_stats,
     position_stats,
     select_policy,
@@ -37,7 +38,7 @@ def main() -> None:
     work = args.work or args.profile.with_name(args.profile.name + ".work")
     cal = profile.calibration
     stats = load_stats(work, profile.search.get("study_key", ""), profile.masks[0])
-    if stats is None:
+    if stats is None or not has_draft_confidence(stats):  # older work files lack the drafter's confidence
         target = load_model(profile.target["name"], dtype=args.dtype)
         drafter = load_model(profile.drafter["name"], dtype=args.dtype)
         prompts = [("", text) for text in cal["prompts"]]
@@ -58,28 +59,33 @@ def main() -> None:
     )
     half = dataclasses.replace(measured, slim=tuple(0.5 * v for v in measured.full))
     perfect = [
-        SequenceStats(s.kl, s.confidence, s.draft_ok, [True] * len(s), list(s.draft_ok)) for s in stats
+        SequenceStats(s.kl, s.confidence, s.draft_ok, [True] * len(s), list(s.draft_ok), s.draft_top) for s in stats
     ]  # a slim verifier that always agrees with the target
+    off, pregates = (0.0,), (0.0, 0.3, 0.5)
     scenarios = [
-        ("as calibrated (budget 2%, every tier >= 5%)", stats, measured, 0.02, 0.05),
-        ("budget 2%, tiers free", stats, measured, 0.02, 0.0),
-        ("budget 5%, tiers free", stats, measured, 0.05, 0.0),
-        ("budget 10%, tiers free", stats, measured, 0.10, 0.0),
-        ("slim pass at half a full pass, budget 2%", stats, half, 0.02, 0.0),
-        ("slim verifier always right, measured cost, budget 2%", perfect, measured, 0.02, 0.0),
-        ("slim always right and at half cost, budget 2%", perfect, half, 0.02, 0.0),
+        ("as calibrated (budget 2%, every tier >= 5%)", stats, measured, 0.02, 0.05, off),
+        ("as calibrated, with pre-gate candidates 0.3 and 0.5", stats, measured, 0.02, 0.05, pregates),
+        ("budget 2%, tiers free", stats, measured, 0.02, 0.0, off),
+        ("budget 2%, tiers free, with pre-gate candidates", stats, measured, 0.02, 0.0, pregates),
+        ("budget 5%, tiers free", stats, measured, 0.05, 0.0, off),
+        ("budget 10%, tiers free", stats, measured, 0.10, 0.0, off),
+        ("slim pass at half a full pass, budget 2%", stats, half, 0.02, 0.0, off),
+        ("slim verifier always right, measured cost, budget 2%", perfect, measured, 0.02, 0.0, off),
+        ("slim always right and at half cost, budget 2%", perfect, half, 0.02, 0.0, off),
     ]
     gammas, caps = tuple(cal["gammas"]), tuple(cal["caps"])
-    print("| scenario | via tok/s | sd tok/s | via/sd | gate | gamma | cap | errors | tiers accept/slim/full |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, data, costs, budget, share in scenarios:
-        sel = select_policy(data, costs, gammas, caps, budget, min_tier_share=share)
+    columns = "scenario | via tok/s | sd tok/s | via/sd | gate | gamma | cap | pre-gate | errors | tiers a/s/f"
+    print(f"| {columns} |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, data, costs, budget, share, gates in scenarios:
+        sel = select_policy(data, costs, gammas, caps, budget, min_tier_share=share, pregates=gates)
         p, pred = sel.policy, sel.prediction
         d = pred.decided
         print(
             f"| {name} | {pred.tokens_per_second:.2f} | {sel.sd_prediction.tokens_per_second:.2f} | "
             f"{pred.tokens_per_second / sel.sd_prediction.tokens_per_second:.2f} | "
-            f"{p.signal} [{p.k_accept:.3g}, {p.k_full:.3g}] | {p.gamma} | {p.cap} | {pred.error_rate:.3f} | "
+            f"{p.signal} [{p.k_accept:.3g}, {p.k_full:.3g}] | {p.gamma} | {p.cap} | {p.pregate:g} | "
+            f"{pred.error_rate:.3f} | "
             f"{d['accept']}/{d['slim']}/{d['full']} |"
         )
 

@@ -271,6 +271,29 @@ def test_a_minimum_tier_share_keeps_every_tier_in_use():
         select_policy(stats, c, min_tier_share=0.5)
 
 
+def test_the_pregate_sends_doubtful_rounds_straight_to_the_full_target():
+    draft_ok = [i % 7 != 6 for i in range(60)]
+    stats = [stats_of(draft_ok, draft_ok)]  # where the drafter errs, the slim view errs with it
+    stats[0].draft_top = [0.9 if ok else 0.2 for ok in draft_ok]  # the drafter doubts exactly where it errs
+    c = costs(slim=0.3, full=0.4)
+    sd = simulate(stats, Policy(gamma=4, exact=True), c)
+    always = simulate(stats, Policy("kl", 0.05, 1.0, gamma=4, cap=32, pregate=1.0), c)
+    assert (always.tokens, always.target_calls, always.slim_calls) == (sd.tokens, sd.target_calls, 0)
+    assert always.seconds == pytest.approx(sd.seconds)
+    relaxed = Policy("kl", 0.05, 1.0, gamma=4, cap=32)
+    plain_gate, gated = simulate(stats, relaxed, c), simulate(stats, Policy(**{**vars(relaxed), "pregate": 0.5}), c)
+    assert 0 < gated.slim_calls < plain_gate.slim_calls and gated.seconds < plain_gate.seconds
+    assert gated.errors == plain_gate.errors == 0
+    # The selection finds the pre-gate worth it here, and never uses it on records without the drafter's confidence.
+    sel = select_policy(stats, c, gammas=(4,), caps=(32,), quality_budget=0.0, pregates=(0.0, 0.5))
+    off = select_policy(stats, c, gammas=(4,), caps=(32,), quality_budget=0.0)
+    assert sel.policy.pregate == 0.5 and sel.prediction.tokens_per_second > off.prediction.tokens_per_second
+    stats[0].draft_top = []
+    assert select_policy(stats, c, gammas=(4,), caps=(32,), pregates=(0.0, 0.5)).policy.pregate == 0.0
+    with pytest.raises(ViasdError, match="pre-gates"):
+        select_policy(stats, c, pregates=(1.5,))
+
+
 def test_position_stats_from_logits():
     draft = torch.tensor([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
     slim = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
@@ -278,6 +301,7 @@ def test_position_stats_from_logits():
     s = position_stats(draft, slim, full)
     assert s.draft_ok == [True, False] and s.slim_ok == [True, True] and s.slim_agrees == [True, False]
     assert s.confidence[0] == 0.0 and s.confidence[1] > 0.9 and s.kl[0] < s.kl[1]
+    assert s.draft_top == pytest.approx(torch.tensor([5.0, 0.0, 0.0]).softmax(-1).max().item() * torch.ones(2))
 
 
 # ------------------------------------------------------------------------------------------------ profiles
@@ -321,6 +345,8 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monk
     engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target)
     engine._drafter = drafter
     assert engine.decoder("via").gamma == profile.gamma
+    assert engine.decoder("via").pregate == profile.pregate in settings.pregates
+    assert engine.decoder("via:pregate=0.7").pregate == 0.7  # a variant overrides the profile
 
 
 def test_a_profile_for_other_models_is_refused(tmp_path):

@@ -104,7 +104,7 @@ class Engine:
             gamma=spec.gamma or self.spec.gamma or profile.gamma,
             cap=spec.cap or profile.cap,
             method=spec.name,
-            pregate=spec.pregate or 0.0,
+            pregate=profile.pregate if spec.pregate is None else spec.pregate,
         )
 
     def _build(self, spec: MethodSpec) -> Decoder:

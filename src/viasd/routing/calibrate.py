@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -230,6 +231,7 @@ class SequenceStats:
     draft_ok: list[bool]  # the drafter's greedy token is the target's
     slim_ok: list[bool]  # the slim view's top token is the target's
     slim_agrees: list[bool]  # the slim view's top token is the drafter's
+    draft_top: list[float] = field(default_factory=list)  # the drafter's top probability (for the pre-gate)
 
     def __len__(self) -> int:
         return len(self.kl)
@@ -256,6 +258,7 @@ def position_stats(drafter_logits: torch.Tensor, slim_logits: torch.Tensor, full
         draft_ok=(x == top_q).tolist(),
         slim_ok=(top_s == top_q).tolist(),
         slim_agrees=(top_s == x).tolist(),
+        draft_top=p.max(dim=-1).values.tolist(),
     )
 
 
@@ -291,6 +294,7 @@ class Policy:
     gamma: int = 4
     cap: int = 32
     exact: bool = False
+    pregate: float = 0.0  # skip the slim pass of a round whose least confident draft has a lower top probability
 
     def tier(self, value: float) -> int:
         """0 accept, 1 slim, 2 full (as Gate.tier: g <= k_accept -> 0, g <= k_full -> 1; NaN -> full)."""
@@ -356,7 +360,7 @@ def simulate(stats: Sequence[SequenceStats], policy: Policy, costs: Costs) -> Pr
             out.rounds += 1
             out.seconds += k * step
             out.drafter_steps += k
-            if not policy.exact and policy.cap - unchecked >= 2:
+            if not policy.exact and policy.cap - unchecked >= 2 and not _pregated(seq, j, k, policy.pregate):
                 out.seconds += costs.slim_pass(k + 1)
                 out.slim_calls += 1
                 budget = policy.cap - unchecked
@@ -406,6 +410,16 @@ def simulate(stats: Sequence[SequenceStats], policy: Policy, costs: Costs) -> Pr
             j += a + 1
             unchecked = 0
     return out
+
+
+def _pregated(seq: SequenceStats, start: int, k: int, pregate: float) -> bool:
+    """Whether the pre-gate sends the round drafting positions start..start+k-1 straight to the full target."""
+    return pregate > 0.0 and bool(seq.draft_top) and min(seq.draft_top[start : start + k]) < pregate
+
+
+def has_draft_confidence(stats: Sequence[SequenceStats]) -> bool:
+    """Whether the records carry the drafter's confidence (work files of older calibrations do not)."""
+    return all(len(seq.draft_top) == len(seq) for seq in stats)
 
 
 def threshold_candidates(values: Sequence[float], count: int = 20) -> list[float]:
@@ -458,11 +472,13 @@ def select_policy(
     signals: Sequence[str] = SIGNALS,
     quantiles: int = 20,
     min_tier_share: float = 0.0,
+    pregates: Sequence[float] = (0.0,),
 ) -> Selection:
     """The fastest gate (signal, k_accept <= k_full), gamma and cap whose replayed error rate is within
     `quality_budget`, and the fastest classic SD gamma, under the same costs.
 
-    `min_tier_share` > 0 also requires each tier (accept, slim, full) to decide at least that share of
+    `pregates` are the pre-gate thresholds to try (0: off); records without the drafter's confidence allow
+    only 0. `min_tier_share` > 0 also requires each tier (accept, slim, full) to decide at least that share of
     the draft tokens, for a profile that exercises all three tiers even where fewer would be faster; the
     fastest policy without that requirement is reported alongside.
     """
@@ -476,6 +492,10 @@ def select_policy(
         raise ViasdError(f"calibration: the minimum tier share must be in [0, 1/3], got {min_tier_share}")
     if not sum(len(s) for s in stats):
         raise ViasdError("calibration: no gate statistics to select thresholds from")
+    if not pregates or not all(0.0 <= v <= 1.0 for v in pregates):
+        raise ViasdError(f"calibration: pre-gates must be in [0, 1], got {list(pregates)}")
+    if not has_draft_confidence(stats):
+        pregates = (0.0,)
     sd = [(Policy(gamma=g, exact=True), simulate(stats, Policy(gamma=g, exact=True), costs)) for g in gammas]
     sd_policy, sd_pred = max(sd, key=lambda pair: pair[1].tokens_per_second)
     best: tuple[Policy, Prediction] | None = None
@@ -487,23 +507,22 @@ def select_policy(
         fulls = [*values, NO_FULL]
         for gamma in gammas:
             for cap in caps:
-                for ka in accepts:
-                    for kf in fulls:
-                        if kf < ka:
-                            continue
-                        policy = Policy(signal, ka, kf, gamma, cap)
-                        pred = simulate(stats, policy, costs)
-                        candidates += 1
-                        if pred.error_rate > quality_budget:
-                            continue
-                        if free is None or pred.tokens_per_second > free[1].tokens_per_second:
-                            free = (policy, pred)
-                        decided = sum(pred.decided.values())
-                        if min(pred.decided.values()) < min_tier_share * decided:
-                            continue
-                        feasible += 1
-                        if best is None or pred.tokens_per_second > best[1].tokens_per_second:
-                            best = (policy, pred)
+                for ka, kf, pregate in itertools.product(accepts, fulls, sorted(set(pregates))):
+                    if kf < ka:
+                        continue
+                    policy = Policy(signal, ka, kf, gamma, cap, pregate=pregate)
+                    pred = simulate(stats, policy, costs)
+                    candidates += 1
+                    if pred.error_rate > quality_budget:
+                        continue
+                    if free is None or pred.tokens_per_second > free[1].tokens_per_second:
+                        free = (policy, pred)
+                    decided = sum(pred.decided.values())
+                    if min(pred.decided.values()) < min_tier_share * decided:
+                        continue
+                    feasible += 1
+                    if best is None or pred.tokens_per_second > best[1].tokens_per_second:
+                        best = (policy, pred)
     if best is None:
         raise ViasdError(
             "calibration: no gate configuration meets the quality budget"
@@ -564,6 +583,7 @@ class CalibrationSettings:
     cost_repeats: int = 5
     preference: bool = True  # seed the search with the layers that are cheapest to skip one at a time
     min_tier_share: float = 0.0  # > 0: each tier must decide at least this share of draft tokens
+    pregates: tuple[float, ...] = (0.0, 0.3, 0.5)  # pre-gate thresholds to try (0: off)
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -584,6 +604,8 @@ class CalibrationSettings:
             raise ViasdError(f"--quality-budget must be in [0, 1), got {self.quality_budget}")
         if not 0.0 <= self.min_tier_share <= 1.0 / 3.0:
             raise ViasdError(f"--min-tier-share must be in [0, 1/3], got {self.min_tier_share}")
+        if not self.pregates or not all(0.0 <= v <= 1.0 for v in self.pregates):
+            raise ViasdError(f"--pregates must be in [0, 1], got {list(self.pregates)}")
 
 
 def _continuations(
@@ -812,6 +834,7 @@ def calibrate_pair(
             settings.caps,
             settings.quality_budget,
             min_tier_share=settings.min_tier_share,
+            pregates=settings.pregates,
         )
         sel = cand["selection"]
         log(
@@ -848,6 +871,7 @@ def calibrate_pair(
         gate=Gate(policy.signal, (policy.k_accept, policy.k_full)),
         gamma=policy.gamma,
         cap=policy.cap,
+        pregate=policy.pregate,
         search={
             **result.info(),
             "margin": settings.margin,

@@ -55,6 +55,9 @@ def calibrate(
         float, typer.Option("--quality-budget", help="Max share of committed tokens that differ from the target's.")
     ] = 0.02,
     gammas: Annotated[str, typer.Option(help="Draft lengths to consider, comma-separated.")] = "2,3,4,5,6,8",
+    pregates: Annotated[
+        str, typer.Option(help="Pre-gate thresholds to consider (drafter confidence; 0 = off), comma-separated.")
+    ] = "0,0.3,0.5",
     prompts: Annotated[int, typer.Option(help="Number of built-in calibration prompts (1-12).")] = 8,
     search_prompts: Annotated[int, typer.Option(help="Of those, how many drive the mask search.")] = 4,
     new_tokens: Annotated[int, typer.Option(help="Target continuation length per prompt.")] = 64,
@@ -87,6 +90,7 @@ def calibrate(
         time_budget=time_budget,
         quality_budget=quality_budget,
         gammas=_numbers(gammas, int, "--gammas"),
+        pregates=_numbers(pregates, float, "--pregates"),
         prompts=prompts,
         search_prompts=search_prompts,
         new_tokens=new_tokens,

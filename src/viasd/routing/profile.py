@@ -60,6 +60,7 @@ class RoutingProfile:
     gate: Gate = field(default_factory=Gate)
     gamma: int = 4
     cap: int = 32  # max tokens committed without the full target before a full pass is forced
+    pregate: float = 0.0  # drafter confidence under which a round skips the slim pass (0: off)
     search: dict[str, Any] = field(default_factory=dict)  # how the masks were found
     calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
     created: str = ""
@@ -84,6 +85,7 @@ class RoutingProfile:
                 gate=Gate(gate.get("signal", "kl"), tuple(float(t) for t in gate.get("thresholds", (0.05, 1.0)))),
                 gamma=int(data.get("gamma", 4)),
                 cap=int(data.get("cap", 32)),
+                pregate=float(data.get("pregate", 0.0)),
                 search=dict(data.get("search", {})),
                 calibration=dict(data.get("calibration", {})),
                 created=str(data.get("created", "")),
