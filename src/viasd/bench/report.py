@@ -195,8 +195,16 @@ def markdown(
         "",
     ]
     out += _table(
-        ["method", *(f"{part} s/token" for part in COST_PARTS), "total s/token", "drafted/token",
-         "drafts never checked", "rounds/token", "slim passes/token", "full passes/token"],
+        [
+            "method",
+            *(f"{part} s/token" for part in COST_PARTS),
+            "total s/token",
+            "drafted/token",
+            "drafts never checked",
+            "rounds/token",
+            "slim passes/token",
+            "full passes/token",
+        ],
         [
             [
                 s.method,

@@ -141,9 +141,7 @@ def run_task(
     memory: PeakMemory | None = None,
 ) -> dict[str, Any]:
     """Answer every turn of `task` with one method (its own answers carried over) and return the result row."""
-    config = GenerationConfig(
-        max_new_tokens=settings.budget(task), sampling=settings.sampling, stop_strings=task.stop
-    )
+    config = GenerationConfig(max_new_tokens=settings.budget(task), sampling=settings.sampling, stop_strings=task.stop)
     row: dict[str, Any] = {
         "key": task.key,
         "source": task.source,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 # Runs first in the child: installs the audit hook, then executes the program file given as argv[1].
-_GUARD = r'''
+_GUARD = r"""
 import os, sys
 _ROOT = os.path.realpath(os.getcwd())
 _BLOCKED = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill",
@@ -66,7 +66,7 @@ except SystemExit as stop:
     sys.stderr.write(f"SystemExit({stop.code!r}) before the tests completed\n")
     sys.stderr.flush()
     os._exit(3)
-'''
+"""
 
 
 @dataclass(frozen=True)

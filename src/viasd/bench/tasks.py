@@ -175,8 +175,10 @@ def select(tasks: Sequence[Task], categories: Sequence[str] | None = None, count
     wanted = parse_category_counts(categories) if categories else dict.fromkeys(available)
     unknown = [c for c in wanted if c not in available]
     if unknown:
-        raise ViasdError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
-                         f"available: {', '.join(available)}")
+        raise ViasdError(
+            f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+            f"available: {', '.join(available)}"
+        )
     if count is not None and count < 0:
         raise ViasdError(f"--count must be >= 0, got {count}")
     groups = [spread([t for t in tasks if t.category == c], count if n is None else n) for c, n in wanted.items()]
