@@ -471,7 +471,10 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     texts = {(r["key"], r["method"]): [t["text"] for t in r["turns"]] for r in rows}
     for key in ("specbench/1", "specbench/2"):  # the variant of an exact method is labelled as written and exact
         assert texts[key, "sd:gamma=2"] == texts[key, "plain"]
-    assert "| sd:gamma=2 |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| sd:gamma=2 |" in summary
+    # The shipped profile is named by its place in the package, not this checkout's absolute path.
+    assert "routing profile: `viasd/profiles/" in summary and "(shipped with the package), sha256 " in summary
     assert all(r["quality"]["metric"] == "bleu" for r in rows if r["key"] == "specbench/1")
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "--resume" in again.output

@@ -39,12 +39,11 @@ def default_out_dir(now: dt.datetime | None = None) -> Path:
 
 
 def _comparable(key: str, value: Any) -> Any:
-    """A setting as resuming compares it: the shipped profile by its place in the package, not its absolute path
-    (a checkout or an installation elsewhere holds the same file)."""
+    """A setting as resuming compares it: the shipped profile by its place in the package, not its absolute path."""
     if key == "profile" and isinstance(value, str):
-        parts = Path(value).parts
-        if len(parts) >= 3 and parts[-3:-1] == ("viasd", "profiles"):
-            return "/".join(parts[-3:])
+        from viasd.routing.profile import shipped_place
+
+        return shipped_place(value) or value
     return value
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from viasd.bench.metrics import ALL, COST_PARTS, Summary, summarize
 from viasd.fileio import write_atomic
+from viasd.routing.profile import shipped_place
 
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
@@ -119,6 +120,15 @@ def _quality_cell(s: Summary | None) -> str:
     return f"{s.quality:.1f} (n={s.quality_n})"
 
 
+def _profile_label(path: str | None, sha256: str | None) -> str:
+    """The routing profile as a reader needs it: the shipped one by its place in the package, and its hash."""
+    if not path:
+        return "-"
+    place = shipped_place(path)
+    label = f"`{place}` (shipped with the package)" if place else f"`{path}`"
+    return label + (f", sha256 {sha256[:12]}" if sha256 else "")
+
+
 def markdown(
     summaries: Sequence[Summary], env: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], baseline: str = "plain"
 ) -> str:
@@ -137,7 +147,7 @@ def markdown(
         f"- date: {env.get('date', '-')}",
         f"- target: `{models.get('target', '-')}`, drafter: `{models.get('drafter', '-')}`, "
         f"dtype {models.get('dtype', '-')}, device {models.get('device', '-')}",
-        f"- routing profile: `{models.get('profile') or '-'}`",
+        f"- routing profile: {_profile_label(models.get('profile'), settings.get('profile_sha256'))}",
         f"- tasks: {tasks}, methods: {', '.join(methods)}, max new tokens: {settings.get('max_new_tokens', '-')}"
         + (f" (HumanEval {settings['code_max_new_tokens']})" if settings.get("code_max_new_tokens") else "")
         + ", "

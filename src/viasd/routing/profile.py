@@ -134,6 +134,13 @@ def load_profile(path: str | os.PathLike[str]) -> RoutingProfile:
     return RoutingProfile.from_dict(data)
 
 
+def shipped_place(path: str | Path) -> str | None:
+    """`viasd/profiles/<file>` when `path` names a profile inside the package (wherever the package lives: a
+    checkout or an installation hold the same file), else None."""
+    parts = Path(path).parts
+    return "/".join(parts[-3:]) if len(parts) >= 3 and parts[-3:-1] == ("viasd", "profiles") else None
+
+
 def shipped_profile_path(name: str = DEFAULT_PROFILE) -> Path | None:
     """The profile shipped inside the package for a default model pair, if there is one."""
     candidate = resources.files("viasd") / "profiles" / name
