@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from viasd.bench.tasks import file_sha256
 from viasd.models.loading import load_model
 from viasd.routing.calibrate import (
     Costs,
@@ -23,9 +24,11 @@ from viasd.routing.calibrate import (
     load_stats,
     position_stats,
     select_policy,
+    utc_now,
 )
-from viasd.routing.profile import load_profile
+from viasd.routing.profile import load_profile, save_profile
 from viasd.routing.teacher import model_logits, slim_logits, teacher_force
+from viasd.verify.gates import Gate
 
 
 def main() -> None:
@@ -33,6 +36,11 @@ def main() -> None:
     parser.add_argument("profile", type=Path)
     parser.add_argument("--work", type=Path, help="work file (default: <profile>.work)")
     parser.add_argument("--dtype", default="bf16")
+    parser.add_argument(
+        "--write",
+        type=Path,
+        help="also write the profile re-selected with pre-gate candidates (same mask, costs, budget and tier shares)",
+    )
     args = parser.parse_args()
     profile = load_profile(args.profile)
     work = args.work or args.profile.with_name(args.profile.name + ".work")
@@ -87,6 +95,25 @@ def main() -> None:
             f"{p.signal} [{p.k_accept:.3g}, {p.k_full:.3g}] | {p.gamma} | {p.cap} | {p.pregate:g} | "
             f"{pred.error_rate:.3f} | "
             f"{d['accept']}/{d['slim']}/{d['full']} |"
+        )
+
+    if args.write:
+        budget, share = cal["quality_budget"], cal["predicted"].get("min_tier_share", 0.0)
+        sel = select_policy(stats, measured, gammas, caps, budget, min_tier_share=share, pregates=pregates)
+        p = sel.policy
+        reselected = {"from_sha256": file_sha256(args.profile), "pregates": list(pregates), "date": utc_now()}
+        new = dataclasses.replace(
+            profile,
+            gate=Gate(p.signal, (p.k_accept, p.k_full)),
+            gamma=p.gamma,
+            cap=p.cap,
+            pregate=p.pregate,
+            calibration={**cal, "predicted": sel.to_dict(), "reselected": reselected},
+        )
+        save_profile(new, args.write)
+        print(
+            f"wrote {args.write}: {p.signal} [{p.k_accept:.3g}, {p.k_full:.3g}], gamma {p.gamma}, cap {p.cap}, "
+            f"pre-gate {p.pregate:g}"
         )
 
 
