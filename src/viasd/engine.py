@@ -87,11 +87,6 @@ class Engine:
             self._profiles[key] = profile
         return self._profiles[key]
 
-    @property
-    def profile(self) -> RoutingProfile:
-        """The default routing profile (--profile, else the shipped one)."""
-        return self.routing_profile()
-
     def _via(self, spec: MethodSpec) -> Decoder:
         profile = self.routing_profile(spec.profile)
         exact = spec.base == "via-exact"

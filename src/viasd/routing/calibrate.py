@@ -494,8 +494,7 @@ def select_policy(
         raise ViasdError("calibration: no gate statistics to select thresholds from")
     if not pregates or not all(0.0 <= v <= 1.0 for v in pregates):
         raise ViasdError(f"calibration: pre-gates must be in [0, 1], got {list(pregates)}")
-    if not has_draft_confidence(stats):
-        pregates = (0.0,)
+    pregate_values = sorted(set(pregates)) if has_draft_confidence(stats) else [0.0]
     sd = [(Policy(gamma=g, exact=True), simulate(stats, Policy(gamma=g, exact=True), costs)) for g in gammas]
     sd_policy, sd_pred = max(sd, key=lambda pair: pair[1].tokens_per_second)
     best: tuple[Policy, Prediction] | None = None
@@ -507,7 +506,7 @@ def select_policy(
         fulls = [*values, NO_FULL]
         for gamma in gammas:
             for cap in caps:
-                for ka, kf, pregate in itertools.product(accepts, fulls, sorted(set(pregates))):
+                for ka, kf, pregate in itertools.product(accepts, fulls, pregate_values):
                     if kf < ka:
                         continue
                     policy = Policy(signal, ka, kf, gamma, cap, pregate=pregate)
