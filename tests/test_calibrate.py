@@ -1,5 +1,6 @@
-"""Mask search, objectives, teacher forcing, gate calibration and routing profiles, on tiny random models."""
+"""Mask search, objectives, teacher forcing, gate records, replay, selection and routing profiles, on tiny models."""
 
+import dataclasses
 import json
 import math
 import warnings
@@ -10,29 +11,23 @@ import torch
 from typer.testing import CliRunner
 
 from tiny import tiny_model, tiny_tokenizer
+from viasd.calibration import pipeline as pipeline_module
+from viasd.calibration.costs import Costs
+from viasd.calibration.objectives import Scores, kl_target_slim, margin_violation, score, top1_agreement
+from viasd.calibration.pipeline import CalibrationSettings, calibrate_pair, profile_records, reselect
+from viasd.calibration.records import GateRecords, gate_records
+from viasd.calibration.replay import replay
+from viasd.calibration.search import mask_evaluator, mask_from_scores, random_baseline, scores_for, search_mask
+from viasd.calibration.selection import NO_ACCEPT, NO_FULL, select_policy
+from viasd.calibration.teacher import slim_logits, teacher_force
+from viasd.calibration.workfile import WorkFile
 from viasd.cli import app
+from viasd.decode.round import RoundPolicy
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
+from viasd.models.layer_skip import LayerMask, decoder_layers
 from viasd.models.loading import LoadedModel
-from viasd.models.routing import RoutingMask, decoder_layers
-from viasd.routing import calibrate as calibrate_module
-from viasd.routing.calibrate import (
-    NO_ACCEPT,
-    NO_FULL,
-    CalibrationSettings,
-    Costs,
-    Policy,
-    SequenceStats,
-    calibrate_pair,
-    load_stats,
-    position_stats,
-    select_policy,
-    simulate,
-)
-from viasd.routing.objectives import Scores, kl_target_slim, margin_violation, score, top1_agreement
-from viasd.routing.profile import RoutingProfile, load_profile, model_fingerprint, save_profile
-from viasd.routing.search import mask_evaluator, mask_from_scores, random_baseline, scores_for, search_mask
-from viasd.routing.teacher import slim_logits, teacher_force
+from viasd.profile import RoutingProfile, load_profile, model_fingerprint, save_profile
 from viasd.verify.gates import Gate
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -104,7 +99,7 @@ def test_slim_view_with_every_layer_reproduces_the_full_pass(arch):
     seq = teacher_force(model, list(range(3, 30)), 8)
     for chunk in (1, 5, 100):
         assert torch.allclose(slim_logits(model, None, seq, chunk), seq.full_logits, atol=1e-5)
-    mask = RoutingMask.skipping(4, [2])
+    mask = LayerMask.skipping(4, [2])
     batched = slim_logits(model, mask, seq, 4, batched=True)
     assert torch.allclose(batched, slim_logits(model, mask, seq, 4, batched=False), atol=1e-5)
     assert not torch.allclose(batched, seq.full_logits, atol=1e-3)
@@ -194,42 +189,60 @@ def costs(draft=0.1, slim=0.15, full=0.2, per_token=0.001):
     return Costs(
         LENGTHS,
         tuple(draft for _ in LENGTHS),
-        tuple(slim + per_token * n for n in LENGTHS),
         tuple(full + per_token * n for n in LENGTHS),
+        (tuple(slim + per_token * n for n in LENGTHS),),
     )
 
 
+def gate(signal="kl", k_accept=NO_ACCEPT, k_full=NO_FULL, gamma=4, cap=32, pregate=0.0):
+    return RoundPolicy(Gate(signal, (k_accept, k_full)), gamma, cap, pregate)
+
+
+def exact(gamma):
+    return RoundPolicy(Gate.exact(), gamma)
+
+
 def test_costs_interpolate_between_measured_lengths():
-    c = Costs((1, 3, 9), (0.1, 0.1, 0.1), (1.0, 2.0, 5.0), (1.0, 3.0, 3.0))
+    c = Costs((1, 3, 9), (0.1, 0.1, 0.1), (1.0, 3.0, 3.0), ((1.0, 2.0, 5.0),))
     assert c.step == 0.1 and c.slim_pass(2) == pytest.approx(1.5) and c.slim_pass(6) == pytest.approx(3.5)
     assert c.full_pass(12) == pytest.approx(3.0) and c.slim_pass(11) == pytest.approx(6.0)
 
 
-def stats_of(draft_ok, slim_ok=None, kl=None):
+def stats_of(draft_ok, slim_ok=None, kl=None, draft_top=None):
     n = len(draft_ok)
     slim_ok = slim_ok if slim_ok is not None else [True] * n
     kl = kl if kl is not None else [0.01 if ok else 3.0 for ok in draft_ok]
     agrees = [d == s for d, s in zip(draft_ok, slim_ok, strict=True)]
-    return SequenceStats(kl, [0.0 if a else 0.9 for a in agrees], list(draft_ok), list(slim_ok), agrees)
+    tops = draft_top if draft_top is not None else [1.0] * n
+    return GateRecords(kl, [0.0 if a else 0.9 for a in agrees], list(draft_ok), tops, [list(slim_ok)], [agrees])
 
 
 def test_replay_of_classic_sd_counts_rounds_and_calls():
     stats = [stats_of([True, True, False, True, True, True, True, True, True, True])]
-    pred = simulate(stats, Policy(gamma=3, exact=True), costs(per_token=0.0))
+    pred = replay(stats, exact(3), costs(per_token=0.0))
     # Rounds at 0 (accept 2, correct at 2 -> 3 tokens), 3 (3 accepted + bonus -> 4), 7 (2 drafts left: k=2, +1 bonus)
-    assert pred.tokens == 3 + 4 + 3 and pred.target_calls == 3 and pred.errors == 0
-    assert pred.evaluated == 3 + 3 + 2 and pred.accepted == 2 + 3 + 2
+    assert pred.tokens == 3 + 4 + 3 and pred.stats.target_calls == 3 and pred.errors == 0
+    assert pred.stats.evaluated == 3 + 3 + 2 and pred.stats.accepted == 2 + 3 + 2
     assert pred.seconds == pytest.approx(8 * 0.1 + 3 * 0.2)
+    # A sequence that ends one position after a round: the last token takes a round with no drafts, as decoding does.
+    short = replay([stats_of([True, True, False, True])], exact(2), costs(per_token=0.0))
+    assert (short.tokens, short.stats.rounds, short.stats.target_calls, short.stats.drafted) == (4, 2, 2, 2)
 
 
 def test_replay_of_the_accept_tier_skips_the_full_target_and_counts_errors():
     stats = [stats_of([True] * 6 + [False] + [True] * 5, kl=[0.01] * 12)]  # the wrong draft looks confident
-    pred = simulate(stats, Policy("kl", 0.05, 1.0, gamma=3, cap=100), costs())
-    assert pred.target_calls == 0 and pred.errors == 1 and pred.decided["full"] == 0
-    guarded = simulate(stats, Policy("kl", NO_ACCEPT, 1.0, gamma=3, cap=100), costs())  # the slim tier catches it
-    assert guarded.errors == 0 and guarded.target_calls == 0 and guarded.decided["slim"] > 0
-    capped = simulate(stats, Policy("kl", 0.05, 1.0, gamma=3, cap=4), costs())
-    assert capped.target_calls > 0  # the cap forces full passes
+    pred = replay(stats, gate("kl", 0.05, 1.0, gamma=3, cap=100), costs())
+    # No draft reaches the full target; its only passes are the prompt prefill and, at most, a last round that had
+    # no position left to draft.
+    assert pred.stats.target_calls <= 2 and pred.errors == 1 and pred.decided["full"] == 0
+    guarded = replay(stats, gate("kl", NO_ACCEPT, 1.0, gamma=3, cap=100), costs())  # the slim tier catches it
+    assert (
+        guarded.errors == 0
+        and guarded.stats.target_calls <= 2
+        and guarded.decided == {"accept": 0, "slim": 9, "full": 0}
+    )
+    capped = replay(stats, gate("kl", 0.05, 1.0, gamma=3, cap=4), costs())
+    assert capped.decided["full"] > 0 and capped.stats.target_calls > 2  # the cap forces full passes
 
 
 def test_selection_respects_the_quality_budget_and_picks_the_faster_option():
@@ -251,7 +264,7 @@ def test_selection_respects_the_quality_budget_and_picks_the_faster_option():
     assert dear_slim.prediction.tokens_per_second <= dear_slim.sd_prediction.tokens_per_second
     for sel in (strict, loose, dear_slim):  # the chosen policy is the fastest feasible one among the candidates
         policy = sel.policy
-        again = simulate(stats, policy, cheap_slim if sel is not dear_slim else costs(slim=0.4, full=0.4))
+        again = replay(stats, policy, cheap_slim if sel is not dear_slim else costs(slim=0.4, full=0.4))
         assert again.tokens_per_second == pytest.approx(sel.prediction.tokens_per_second)
 
 
@@ -273,33 +286,40 @@ def test_a_minimum_tier_share_keeps_every_tier_in_use():
 
 def test_the_pregate_sends_doubtful_rounds_straight_to_the_full_target():
     draft_ok = [i % 7 != 6 for i in range(60)]
-    stats = [stats_of(draft_ok, draft_ok)]  # where the drafter errs, the slim view errs with it
-    stats[0].draft_top = [0.9 if ok else 0.2 for ok in draft_ok]  # the drafter doubts exactly where it errs
+    # Where the drafter errs, the slim view errs with it, and the drafter doubts exactly there.
+    stats = [stats_of(draft_ok, draft_ok, draft_top=[0.9 if ok else 0.2 for ok in draft_ok])]
     c = costs(slim=0.3, full=0.4)
-    sd = simulate(stats, Policy(gamma=4, exact=True), c)
-    always = simulate(stats, Policy("kl", 0.05, 1.0, gamma=4, cap=32, pregate=1.0), c)
-    assert (always.tokens, always.target_calls, always.slim_calls) == (sd.tokens, sd.target_calls, 0)
+    sd = replay(stats, exact(4), c)
+    always = replay(stats, gate("kl", 0.05, 1.0, gamma=4, cap=32, pregate=1.0), c)
+    # Every round goes to the full target: classic SD plus the prompt prefill.
+    assert (always.tokens, always.stats.target_calls, always.stats.slim_calls) == (
+        sd.tokens,
+        sd.stats.target_calls + 1,
+        0,
+    )
     assert always.seconds == pytest.approx(sd.seconds)
-    relaxed = Policy("kl", 0.05, 1.0, gamma=4, cap=32)
-    plain_gate, gated = simulate(stats, relaxed, c), simulate(stats, Policy(**{**vars(relaxed), "pregate": 0.5}), c)
-    assert 0 < gated.slim_calls < plain_gate.slim_calls and gated.seconds < plain_gate.seconds
+    plain_gate = replay(stats, gate("kl", 0.05, 1.0, gamma=4, cap=32), c)
+    gated = replay(stats, gate("kl", 0.05, 1.0, gamma=4, cap=32, pregate=0.5), c)
+    assert 0 < gated.stats.slim_calls < plain_gate.stats.slim_calls and gated.seconds < plain_gate.seconds
     assert gated.errors == plain_gate.errors == 0
     # The selection finds the pre-gate worth it here, and never uses it on records without the drafter's confidence.
     sel = select_policy(stats, c, gammas=(4,), caps=(32,), quality_budget=0.0, pregates=(0.0, 0.5))
     off = select_policy(stats, c, gammas=(4,), caps=(32,), quality_budget=0.0)
     assert sel.policy.pregate == 0.5 and sel.prediction.tokens_per_second > off.prediction.tokens_per_second
-    stats[0].draft_top = []
+    stats[0].draft_top = []  # records without the drafter's confidence
     assert select_policy(stats, c, gammas=(4,), caps=(32,), pregates=(0.0, 0.5)).policy.pregate == 0.0
     with pytest.raises(ViasdError, match="pre-gates"):
         select_policy(stats, c, pregates=(1.5,))
 
 
-def test_position_stats_from_logits():
+def test_gate_records_from_logits():
     draft = torch.tensor([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
     slim = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    deep = torch.tensor([[0.0, 4.0, 0.0], [0.0, 5.0, 0.0]])
     full = torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
-    s = position_stats(draft, slim, full)
-    assert s.draft_ok == [True, False] and s.slim_ok == [True, True] and s.slim_agrees == [True, False]
+    s = gate_records(draft, [slim, deep], full)
+    assert s.draft_ok == [True, False] and s.slim_ok == [[True, True], [False, False]]
+    assert s.slim_agrees == [[True, False], [False, True]]
     assert s.confidence[0] == 0.0 and s.confidence[1] > 0.9 and s.kl[0] < s.kl[1]
     assert s.draft_top == pytest.approx(torch.tensor([5.0, 0.0, 0.0]).softmax(-1).max().item() * torch.ones(2))
 
@@ -332,21 +352,34 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monk
     again = load_profile(path)
     assert again.to_dict() == profile.to_dict()
     again.check_models(target.model, drafter.model)
-    stats = load_stats(work, profile.search["study_key"], profile.masks[0])
-    assert stats is not None and sum(len(s) for s in stats) == profile.calibration["positions"]
-    # A resumed calibration reuses the continuations, the layer scores and the finished searches.
-    monkeypatch.setattr(calibrate_module, "_continuations", lambda *a: pytest.fail("generated again"))
-    monkeypatch.setattr(calibrate_module, "layer_preference", lambda *a: pytest.fail("scored layers again"))
-    resumed = calibrate_pair(
-        target, drafter, settings, storage=tmp_path / "p.json.search.db", work_file=work, resume=True
+    records = profile_records(profile, target, drafter, WorkFile(work))
+    assert sum(len(r) for r in records) == profile.calibration["positions"]
+    # A resumed calibration reuses the continuations, the layer scores, the records and the finished searches.
+    fail = lambda *a, **k: pytest.fail("computed again")  # noqa: E731
+    with monkeypatch.context() as patch:
+        for name in ("SpeculativeDecoder", "layer_preference", "model_logits"):
+            patch.setattr(pipeline_module, name, fail)
+        resumed = calibrate_pair(
+            target, drafter, settings, storage=tmp_path / "p.json.search.db", work_file=work, resume=True
+        )
+    assert resumed.search["trials"] == profile.search["trials"]  # (costs are measured again, so the gate may differ)
+    # Re-selection from the profile alone (no work file: records regenerated) reproduces the profile's policy,
+    # and under other settings picks within them.
+    same = reselect(profile, "sha", target, drafter, settings)
+    assert (same.gate, same.gamma, same.cap, same.pregate) == (
+        profile.gate,
+        profile.gamma,
+        profile.cap,
+        profile.pregate,
     )
-    assert resumed.search["trials"] == profile.search["trials"]
+    assert same.masks == profile.masks and same.calibration["reselected"]["from_sha256"] == "sha"
+    other = reselect(profile, "sha", target, drafter, dataclasses.replace(settings, gammas=(4,), pregates=(0.0,)))
+    assert other.gamma == 4 and other.pregate == 0.0 and other.calibration["costs"] == profile.calibration["costs"]
     # The engine takes it for --method via.
-    engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target)
-    engine._drafter = drafter
-    assert engine.decoder("via").gamma == profile.gamma
-    assert engine.decoder("via").pregate == profile.pregate in settings.pregates
-    assert engine.decoder("via:pregate=0.7").pregate == 0.7  # a variant overrides the profile
+    engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target, drafter=drafter)
+    assert engine.decoder("via").policy.gamma == profile.gamma
+    assert engine.decoder("via").policy.pregate == profile.pregate in settings.pregates
+    assert engine.decoder("via:pregate=0.7").policy.pregate == 0.7  # a variant overrides the profile
 
 
 def test_a_profile_for_other_models_is_refused(tmp_path):
@@ -354,7 +387,7 @@ def test_a_profile_for_other_models_is_refused(tmp_path):
     profile = RoutingProfile(
         target={"name": "tiny", "fingerprint": model_fingerprint(target)},
         drafter=None,
-        masks=[RoutingMask.skipping(4, [2])],
+        masks=[LayerMask.skipping(4, [2])],
         gate=Gate("kl", (0.1, 1.0)),
     )
     profile.check_models(target)
@@ -362,8 +395,8 @@ def test_a_profile_for_other_models_is_refused(tmp_path):
         profile.check_models(other)
     path = tmp_path / "p.json"
     save_profile(profile, path)
-    engine = Engine(EngineSpec(target="other", profile=str(path)), target=loaded(other, "other"))
-    engine._drafter = loaded(tiny_model("llama", layers=2, seed=1), "d")
+    drafter = loaded(tiny_model("llama", layers=2, seed=1), "d")
+    engine = Engine(EngineSpec(target="other", profile=str(path)), target=loaded(other, "other"), drafter=drafter)
     with pytest.raises(ViasdError, match="routing profile was made for target"):
         engine.decoder("via")
 

@@ -29,7 +29,7 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         (["generate", "hi", "--target", "/does/not/exist.gguf", "--method", "plain"], None, "cannot load model"),
         (["generate", "hi", "--dtype", "int3", "--method", "plain"], None, "dtype"),
         (["generate", "hi", "--method", "warp"], None, "unknown method 'warp'"),
-        (["generate", "hi", "--method", "via:gamma=0"], None, "method option gamma must be >= 1"),
+        (["generate", "hi", "--method", "via:gamma=0"], None, "method option gamma must be in 1..64, got 0"),
         (["generate", "hi", "--method", "sd:cap=4"], None, "method 'sd' takes no option 'cap'"),
     ],
 )

@@ -14,7 +14,7 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from viasd.errors import ViasdError
-from viasd.models.routing import RoutingMask
+from viasd.models.layer_skip import LayerMask
 from viasd.verify.sampling import SamplingParams, warp_probs
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
@@ -25,7 +25,7 @@ def drafters(arch, target):
     return {
         "small-model": ModelDrafter(tiny_model(arch, layers=2, seed=1)),
         "prompt-lookup": PromptLookupDrafter(),
-        "self": ModelDrafter(target, RoutingMask.skipping(4, [2]), name="self"),
+        "self": ModelDrafter(target, LayerMask.skipping(4, [2]), name="self"),
         "target-itself": ModelDrafter(target),  # accepts everything: exercises the bonus path
     }
 
@@ -76,9 +76,7 @@ def test_stop_conditions_match_plain_decoding():
     # A stop string cuts the text; max_new_tokens cuts the tokens.
     stop = f" t{long.tokens[3]} "
     for decoder in (PlainDecoder(target, tok), spec):
-        out = decoder.generate(
-            PROMPT, GenerationConfig(max_new_tokens=30, stop_strings=(stop,), ignore_eos=True)
-        )
+        out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=30, stop_strings=(stop,), ignore_eos=True))
         assert out.finish_reason == "stop" and stop not in out.text and long.text.startswith(out.text)
         out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=5, ignore_eos=True))
         assert out.tokens == long.tokens[:5] and out.finish_reason == "length"

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from tiny import ARCHITECTURES, tiny_model
-from viasd.models.routing import RoutingMask
+from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession, common_prefix_length
 
 
@@ -36,7 +36,7 @@ def assert_cache_equals(cache: DynamicCache, reference: DynamicCache, length: in
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_random_extend_crop_slim_sequences_keep_the_invariant(arch):
     model = tiny_model(arch)
-    slim = RoutingMask.skipping(4, [1, 2])
+    slim = LayerMask.skipping(4, [1, 2])
     rng = random.Random(0)
     session = KVSession(model)
     for _ in range(25):
@@ -46,7 +46,7 @@ def test_random_extend_crop_slim_sequences_keep_the_invariant(arch):
         elif op == "crop":
             session.truncate(rng.randint(1, len(session.tokens)))
         elif op == "slim":
-            session.forward_routed([rng.randrange(64) for _ in range(rng.randint(1, 4))], slim)
+            session.forward_slim([rng.randrange(64) for _ in range(rng.randint(1, 4))], slim)
         elif op == "slim_crop":
             session.truncate_pending(rng.randint(0, len(session.pending)))
         else:
@@ -65,14 +65,14 @@ def test_random_extend_crop_slim_sequences_keep_the_invariant(arch):
 def test_slim_entries_equal_a_slim_pass_over_the_full_prefix():
     """Design (b): the slim view attends to the full model's KV for committed positions."""
     model = tiny_model("qwen2")
-    slim = RoutingMask.skipping(4, [2])
+    slim = LayerMask.skipping(4, [2])
     session = KVSession(model)
     session.forward([3, 4, 5, 6])
-    got = session.forward_routed([7, 8], slim, keep=2)
+    got = session.forward_slim([7, 8], slim, keep=2)
     # Reference: full KV for the prefix, then the slim view on top, computed by hand.
     ref = KVSession(model)
     ref.forward([3, 4, 5, 6])
-    want = ref.forward_routed([7], slim)
+    want = ref.forward_slim([7], slim)
     assert torch.allclose(got[0], want[0], atol=1e-10)
 
 

@@ -9,14 +9,14 @@ from test_session import ATOL, assert_cache_equals, fresh_cache
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
-from viasd.decode.round import route_block
+from viasd.decode.round import Round, RoundPolicy, play_round
 from viasd.decode.speculative import SpeculativeDecoder
-from viasd.decode.tiered import TieredDecoder
+from viasd.decode.tiered import SlimViews, TieredDecoder
 from viasd.drafters.base import Proposal
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
-from viasd.models.routing import RoutingMask
-from viasd.verify.gates import Gate, confidence_signal, drafter_doubts, kl_signal
+from viasd.models.layer_skip import LayerMask
+from viasd.verify.gates import Gate, confidence_signal, draft_confidence, kl_signal
 from viasd.verify.sampling import SamplingParams
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
@@ -35,54 +35,72 @@ def proposal(tokens: list[int], vocab: int = 8) -> Proposal:
     return Proposal(tokens, onehot_logits(tokens, vocab).softmax(-1).round(), soft)
 
 
-def views(*tiers: torch.Tensor):
-    calls: list[int] = []
-
-    def view(j: int) -> torch.Tensor:
-        calls.append(j)
-        return tiers[j - 1]
-
-    return view, calls
-
-
 GEN = torch.Generator().manual_seed(0)
 
 
+class ConstructedRound:
+    """A round's parts over a fixed proposal and constructed slim logits; the full target is not run: a round
+    that reaches it commits the marker -1."""
+
+    def __init__(self, prop: Proposal, gate: Gate, *tiers: torch.Tensor) -> None:
+        self.prop = prop
+        self.calls: list[int] = []
+
+        def view(j: int) -> torch.Tensor:
+            self.calls.append(j)
+            return tiers[j - 1]
+
+        self.slim = SlimViews(prop, view, gate, GREEDY, GEN)
+        self.signals, self.check, self.bonus = self.slim.signals, self.slim.check, self.slim.bonus
+
+    def draft(self, k):
+        return self.prop.tokens[:k], draft_confidence(self.prop.soft)
+
+    def verify(self):
+        return [-1], 0
+
+
+def settle(prop: Proposal, gate: Gate, *tiers: torch.Tensor, budget: int = 32) -> tuple[Round, list[int]]:
+    parts = ConstructedRound(prop, gate, *tiers)
+    return play_round(RoundPolicy(gate, gamma=len(prop), cap=budget), parts, len(prop), 0), parts.calls
+
+
 def test_all_accepted_takes_the_bonus_from_the_slim_view():
-    view, calls = views(onehot_logits([1, 2, 3, 5]))
-    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (0.5, 5.0)), GREEDY, GEN, budget=32)
-    assert out.committed == [1, 2, 3, 5] and out.decided == {0: 3} and out.full_at is None
-    assert set(calls) == {1}
+    out, calls = settle(proposal([1, 2, 3]), Gate("kl", (0.5, 5.0)), onehot_logits([1, 2, 3, 5]))
+    assert out.committed == [1, 2, 3, 5] and out.settled == (0, 0, 0) and not out.full
+    assert set(calls) == {1} and (out.evaluated, out.accepted) == (3, 3)
 
 
 def test_slim_tier_rejection_regenerates_from_the_slim_view():
     # Signals are moderate (slim less sure than the drafter) -> slim tier; slim's argmax differs at position 1.
     slim = onehot_logits([1, 4, 3, 5], sharp=4.0)
-    view, _ = views(slim)
-    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (1e-3, 100.0)), GREEDY, GEN, budget=32)
-    assert out.committed == [1, 4] and out.decided == {1: 2} and out.rejected == {1: 1} and out.evaluated == 2
+    out, _ = settle(proposal([1, 2, 3]), Gate("kl", (1e-3, 100.0)), slim)
+    assert out.committed == [1, 4] and out.settled == (1, 1) and out.slim_rejected
+    assert (out.evaluated, out.accepted) == (2, 1)
 
 
 def test_uncertain_first_token_goes_to_the_full_target():
     slim = torch.zeros(3, 8)  # uniform slim distribution: far from a confident drafter
-    view, _ = views(slim)
-    out = route_block(proposal([1, 2]), view, Gate("kl", (0.5, 1.0)), GREEDY, GEN, budget=32)
-    assert out.committed is None and out.full_at == 0
+    out, _ = settle(proposal([1, 2]), Gate("kl", (0.5, 1.0)), slim)
+    assert out.full and out.committed == [-1] and out.views == (1,) and out.settled == ()
 
 
 def test_last_token_routed_to_full_discards_the_round():
     slim = onehot_logits([1, 2, 3, 4])
     slim[2] = 0.0  # last draft position uncertain
-    view, _ = views(slim)
-    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (0.5, 1.0)), GREEDY, GEN, budget=32)
-    assert out.committed is None and out.full_at == 2
+    out, _ = settle(proposal([1, 2, 3]), Gate("kl", (0.5, 1.0)), slim)
+    assert out.full and out.committed == [-1]
 
 
 def test_cap_forces_the_full_tier():
-    view, _ = views(onehot_logits([1, 2, 3, 5]))
-    out = route_block(proposal([1, 2, 3]), view, Gate("kl", (0.5, 5.0)), GREEDY, GEN, budget=3)
+    out, _ = settle(proposal([1, 2, 3]), Gate("kl", (0.5, 5.0)), onehot_logits([1, 2, 3, 5]), budget=3)
     # Token 0 and 1 can be committed (with the closing token that makes 3); token 2 would exceed it.
-    assert out.committed is None and out.full_at == 2
+    assert out.full
+    out, _ = settle(proposal([1, 2, 3]), Gate("kl", (0.5, 5.0)), onehot_logits([1, 2, 3, 5]), budget=4)
+    assert out.committed == [1, 2, 3, 5]
+    # With room for fewer than 2 tokens the round goes straight to the full target: no slim pass at all.
+    out, calls = settle(proposal([1, 2, 3]), Gate("kl", (0.5, 5.0)), onehot_logits([1, 2, 3, 5]), budget=1)
+    assert out.full and out.views == () and calls == []
 
 
 def test_confidence_gate_and_signals():
@@ -90,11 +108,11 @@ def test_confidence_gate_and_signals():
     assert torch.allclose(confidence_signal(slim, None, [0, 2]), torch.tensor([0.0, 0.5]))
     assert kl_signal(slim, None, [0, 2]).isinf().all()
     assert torch.allclose(kl_signal(slim, slim, [0, 1]), torch.zeros(2), atol=1e-6)
-    view, _ = views(torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]])))
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3], [0.3, 0.3, 0.4]]))
     prop = Proposal([0, 2], None, None)  # model-free drafter: only the confidence gate can clear it
-    out = route_block(prop, view, Gate("confidence", (0.1, 0.6)), GREEDY, GEN, budget=32)
+    out, _ = settle(prop, Gate("confidence", (0.1, 0.6)), logits)
     # token 0: confidence 0 -> accept; token 2: 0.5 -> slim tier, greedy check fails -> regenerate argmax 1
-    assert out.committed == [0, 1] and out.decided == {0: 1, 1: 1}
+    assert out.committed == [0, 1] and out.settled == (0, 1) and out.slim_rejected
     with pytest.raises(ViasdError, match="signal"):
         Gate("entropy", (1.0,))
     with pytest.raises(ViasdError, match="decrease"):
@@ -104,13 +122,11 @@ def test_confidence_gate_and_signals():
 def test_deeper_slim_tier_runs_only_when_reached():
     shallow = onehot_logits([1, 2, 3, 5], sharp=3.0)
     deep = onehot_logits([1, 2, 6, 5])
-    view, calls = views(shallow, deep)
     prop = proposal([1, 2, 3])
-    out = route_block(prop, view, Gate("kl", (1e-4, 1e-4, 100.0)), GREEDY, GEN, budget=32)
+    out, calls = settle(prop, Gate("kl", (1e-4, 1e-4, 100.0)), shallow, deep)
     # Every signal lands in tier 2 (thresholds 1e-4, 1e-4, 100): the deep view decides and rejects 3 -> 6.
-    assert out.committed == [1, 2, 6] and out.decided == {2: 3} and set(calls) == {1, 2}
-    view, calls = views(shallow, deep)
-    out = route_block(prop, view, Gate("kl", (1e-4, 100.0, 100.0)), GREEDY, GEN, budget=32)
+    assert out.committed == [1, 2, 6] and out.settled == (2, 2, 2) and set(calls) == {1, 2} and out.views == (1, 2)
+    out, calls = settle(prop, Gate("kl", (1e-4, 100.0, 100.0)), shallow, deep)
     assert out.committed == [1, 2, 3, 5] and 2 not in calls
 
 
@@ -128,7 +144,7 @@ def test_exact_mode_reproduces_classic_sd(arch, params):
     target, tok, drafter = make(arch)
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=params)
     sd = SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config)
-    via = TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [2])], Gate.exact(), gamma=4)
+    via = TieredDecoder(target, tok, drafter, [LayerMask.skipping(4, [2])], RoundPolicy(Gate.exact(), gamma=4))
     out = via.generate(PROMPT, config)
     assert out.tokens == sd.tokens
     assert out.stats.target_calls == sd.stats.target_calls and out.stats.slim_calls == 0
@@ -142,7 +158,9 @@ def test_full_mask_slim_tier_is_lossless_and_catches_up_lazily():
     config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     plain = PlainDecoder(target, tok).generate(PROMPT, config)
     for cap in (3, 8, 100):
-        via = TieredDecoder(target, tok, drafter, [RoutingMask.full(4)], Gate("kl", (-1.0, math.inf)), cap=cap)
+        via = TieredDecoder(
+            target, tok, drafter, [LayerMask.full(4)], RoundPolicy(Gate("kl", (-1.0, math.inf)), cap=cap)
+        )
         out = via.generate(PROMPT, config)
         assert out.tokens == plain.tokens, f"cap={cap}"
         assert out.stats.unchecked_tokens > 0 and out.stats.tiers["slim"].decided > 0
@@ -152,12 +170,13 @@ def test_full_mask_slim_tier_is_lossless_and_catches_up_lazily():
 
 def test_n_tier_with_a_degenerate_extra_tier_equals_three_tiers():
     target, tok, drafter = make("llama")
-    slim = RoutingMask.skipping(4, [1, 2])
+    slim = LayerMask.skipping(4, [1, 2])
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=3))
-    three = TieredDecoder(target, tok, drafter, [slim], Gate("confidence", (0.05, 0.5))).generate(PROMPT, config)
+    three = TieredDecoder(target, tok, drafter, [slim], RoundPolicy(Gate("confidence", (0.05, 0.5))))
     four = TieredDecoder(
-        target, tok, drafter, [slim, RoutingMask.skipping(4, [2])], Gate("confidence", (0.05, 0.5, 0.5))
-    ).generate(PROMPT, config)
+        target, tok, drafter, [slim, LayerMask.skipping(4, [2])], RoundPolicy(Gate("confidence", (0.05, 0.5, 0.5)))
+    )
+    three, four = three.generate(PROMPT, config), four.generate(PROMPT, config)
     assert four.tokens == three.tokens
     assert (
         four.stats.tiers["slim2"].decided == 0
@@ -168,7 +187,8 @@ def test_n_tier_with_a_degenerate_extra_tier_equals_three_tiers():
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_target_cache_equals_fresh_pass_after_relaxed_rounds(arch):
     target, tok, drafter = make(arch)
-    via = TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate("confidence", (0.02, 0.6)), cap=6)
+    policy = RoundPolicy(Gate("confidence", (0.02, 0.6)), cap=6)
+    via = TieredDecoder(target, tok, drafter, [LayerMask.skipping(4, [1])], policy)
     for n in (5, 17, 30):
         out = via.generate(PROMPT, GenerationConfig(max_new_tokens=n, ignore_eos=True))
         assert out.stats.tiers["slim"].decided + out.stats.tiers["accept"].decided > 0
@@ -186,7 +206,7 @@ def test_eos_inside_a_slim_block_ends_the_output():
     eos = long.tokens[5]
     target.generation_config.eos_token_id = eos
     tok.eos_token = f"t{eos}"
-    out = TieredDecoder(target, tok, ModelDrafter(target), [RoutingMask.full(4)], gate).generate(
+    out = TieredDecoder(target, tok, ModelDrafter(target), [LayerMask.full(4)], RoundPolicy(gate)).generate(
         PROMPT, GenerationConfig(max_new_tokens=30)
     )
     assert out.tokens == long.tokens[: long.tokens.index(eos)] and out.finish_reason == "eos"
@@ -195,29 +215,38 @@ def test_eos_inside_a_slim_block_ends_the_output():
 def test_bad_configurations_are_refused():
     target, tok, drafter = make("llama")
     with pytest.raises(ViasdError, match="thresholds"):
-        TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate("kl", (0.1, 0.2, 0.3)))
+        TieredDecoder(target, tok, drafter, [LayerMask.skipping(4, [1])], RoundPolicy(Gate("kl", (0.1, 0.2, 0.3))))
     with pytest.raises(ViasdError, match="cap"):
-        TieredDecoder(target, tok, drafter, [RoutingMask.skipping(4, [1])], Gate(), cap=0)
+        RoundPolicy(Gate(), cap=0)
+    with pytest.raises(ViasdError, match=r"gamma must be in 1\.\.64"):
+        RoundPolicy(Gate(), gamma=1000)
+    with pytest.raises(ViasdError, match="pre-gate"):
+        RoundPolicy(Gate(), pregate=1.5)
 
 
-def test_drafter_doubts_looks_at_the_least_confident_draft_token():
+def test_draft_confidence_is_the_least_top_probability_and_the_pregate_judges_by_it():
     soft = torch.tensor([[0.9, 0.1], [0.55, 0.45], [0.8, 0.2]])
-    assert drafter_doubts(soft, 0.6) and not drafter_doubts(soft, 0.5)
-    assert not drafter_doubts(soft, 0.0) and not drafter_doubts(None, 0.9)  # off, or no distributions
-    assert not drafter_doubts(soft[:0], 0.9)
+    assert draft_confidence(soft) == pytest.approx(0.55)
+    assert draft_confidence(None) is None and draft_confidence(soft[:0]) is None
+    policy = RoundPolicy(Gate(), pregate=0.6)
+    assert not policy.tries_lower_tiers(3, 0, 0.55) and policy.tries_lower_tiers(3, 0, 0.65)
+    assert policy.tries_lower_tiers(3, 0, None)  # no distributions (prompt lookup): the pre-gate cannot judge
+    assert RoundPolicy(Gate()).tries_lower_tiers(3, 0, 0.01)  # pre-gate off
+    assert not RoundPolicy(Gate.exact()).tries_lower_tiers(3, 0, 1.0) and not policy.tries_lower_tiers(0, 0, 1.0)
 
 
 def test_pregate_sends_doubtful_rounds_straight_to_the_full_target():
     target, tok, drafter = make("qwen2")
-    mask, gate = [RoutingMask.skipping(4, [1])], Gate("confidence", (0.02, 0.6))
+    mask, gate = [LayerMask.skipping(4, [1])], Gate("confidence", (0.02, 0.6))
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     sd = SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config)
+
+    def via(pregate: float):
+        return TieredDecoder(target, tok, drafter, mask, RoundPolicy(gate, gamma=4, pregate=pregate))
+
     # Every drafter distribution has a top probability below 1: pregate 1 skips every slim pass, which is classic SD.
-    always = TieredDecoder(target, tok, drafter, mask, gate, gamma=4, pregate=1.0).generate(PROMPT, config)
+    always = via(1.0).generate(PROMPT, config)
     assert always.tokens == sd.tokens and always.stats.slim_calls == 0 and always.stats.unchecked_tokens == 0
     assert always.stats.target_calls == sd.stats.target_calls + 1  # plus the prompt prefill
-    free = TieredDecoder(target, tok, drafter, mask, gate, gamma=4).generate(PROMPT, config)
-    some = TieredDecoder(target, tok, drafter, mask, gate, gamma=4, pregate=0.3).generate(PROMPT, config)
+    free, some = via(0.0).generate(PROMPT, config), via(0.3).generate(PROMPT, config)
     assert 0 < some.stats.slim_calls < free.stats.slim_calls
-    with pytest.raises(ViasdError, match="pre-gate"):
-        TieredDecoder(target, tok, drafter, mask, gate, pregate=1.5)

@@ -12,6 +12,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from viasd.cli_options import (
+    DeviceMapOpt,
+    DeviceOpt,
+    DrafterOpt,
+    DtypeOpt,
+    GammaOpt,
+    ProfileOpt,
+    TargetOpt,
+    engine_spec,
+)
 from viasd.errors import ViasdError
 from viasd.methods import parse_method
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
@@ -44,16 +54,6 @@ def user_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# Options shared by the commands that load models.
-TargetOpt = Annotated[
-    str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")
-]
-DrafterOpt = Annotated[str, typer.Option("--drafter", "-d", help="Drafter model (same tokenizer as the target).")]
-DeviceOpt = Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda, cuda:1 (default: cuda if present).")]
-DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")]
-DeviceMapOpt = Annotated[str | None, typer.Option(help="'auto' spreads a large target over several GPUs.")]
-
-
 def _read_prompt(prompt: str | None) -> str:
     if prompt is None or prompt == "-":
         if sys.stdin.isatty():
@@ -73,8 +73,8 @@ def generate(
     ] = "sd",
     target: TargetOpt = DEFAULT_TARGET,
     drafter: DrafterOpt = DEFAULT_DRAFTER,
-    profile: Annotated[str | None, typer.Option(help="Routing profile JSON for --method via.")] = None,
-    gamma: Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")] = None,
+    profile: ProfileOpt = None,
+    gamma: GammaOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -91,16 +91,14 @@ def generate(
 ) -> None:
     """Generate text for a prompt, streaming it to the terminal."""
     from viasd.decode.base import GenerationConfig
-    from viasd.engine import Engine, EngineSpec
+    from viasd.engine import Engine
     from viasd.prompting import encode_prompt
     from viasd.verify.sampling import SamplingParams
 
     text = _read_prompt(prompt)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop or ()))
-    spec = EngineSpec(
-        target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
-    )
+    spec = engine_spec(target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map)
     method_spec = parse_method(method)  # a bad method name fails before any model loads
     with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
         engine = Engine(spec)
@@ -171,16 +169,18 @@ def models(
 @app.command()
 def methods() -> None:
     """List the decoding methods and the options their variants take (`via:gamma=4:pregate=0.5`)."""
-    from viasd.methods import ALLOWED, METHODS, OPTIONS
+    from viasd.methods import METHODS, OPTIONS
 
     table = Table(title="decoding methods (variant: METHOD:key=value[:key=value])")
-    for column in ("method", "what it is", "options"):
+    for column in ("method", "what it is", "exact", "options"):
         table.add_column(column)
-    for name, what in METHODS.items():
-        table.add_row(name, what, ", ".join(ALLOWED[name]) or "-")
+    for method in METHODS.values():
+        table.add_row(
+            method.name, method.description, "yes" if method.exact else "no", ", ".join(method.options) or "-"
+        )
     Console().print(table)
-    for key, (_, what) in OPTIONS.items():
-        Console().print(f"  {key}: {what}", highlight=False)
+    for option in OPTIONS.values():
+        Console().print(f"  {option.name}: {option.help}", highlight=False)
 
 
 from viasd.serve.command import serve  # noqa: E402  (light: heavy imports happen inside the command)
@@ -193,7 +193,7 @@ from viasd.bench.command import bench  # noqa: E402  (light: heavy imports happe
 app.command("bench")(user_errors(bench))
 
 
-from viasd.routing.command import calibrate  # noqa: E402  (light: heavy imports happen inside the command)
+from viasd.calibration.command import calibrate  # noqa: E402  (light: heavy imports happen inside the command)
 
 app.command("calibrate")(user_errors(calibrate))
 

@@ -1,7 +1,8 @@
-"""Atomic file writes: readers see the old file or the new one, never half of one."""
+"""File helpers: atomic writes (readers see the old file or the new one, never half of one) and content hashes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -25,3 +26,8 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """SHA-256 of a file's bytes, in hex."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

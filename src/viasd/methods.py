@@ -1,38 +1,60 @@
-"""Decoding methods and their variants.
+"""Decoding methods: one registry of their names, options, descriptions and how each builds its decoder.
 
-A method is named `BASE` or `BASE:key=value[:key=value...]`, for example `sd:gamma=6` or
+A method is named `NAME` or `NAME:key=value[:key=value...]`, for example `sd:gamma=6` or
 `via:gamma=4:pregate=0.5`. Variants let one benchmark or server compare settings of the same method side
 by side; the name as written is what rows, tables and metrics are labelled with.
+
+Builders import the decoding modules when they run, so that parsing a method name (the CLI does it before
+loading any model) stays free of torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from viasd.errors import ViasdError
 
-# method name -> what it is, for help texts and listings
-METHODS: dict[str, str] = {
-    "plain": "plain autoregressive decoding of the target (baseline)",
-    "sd": "classic speculative decoding with the small drafter model (exact)",
-    "lookup": "speculative decoding with prompt-lookup (n-gram) drafts (exact)",
-    "self": "self-speculative decoding: the target under a routing mask drafts (exact)",
-    "via": "VIA-SD: drafter -> slim verifier (routed target) -> full target, gated per token (relaxed)",
-    "via-exact": "VIA-SD machinery with every token sent to the full target (equals sd)",
-    "hf-assisted": "Hugging Face transformers' assisted generation with the small drafter (reference, exact)",
-}
+if TYPE_CHECKING:
+    from viasd.decode.base import Decoder
+    from viasd.models.layer_skip import LayerMask
+    from viasd.models.loading import LoadedModel
+    from viasd.profile import RoutingProfile
+
+MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
 
 
-def _int_at_least(low: int) -> Callable[[str, str], int]:
+class Parts(Protocol):
+    """What a method builds its decoder from; the Engine provides it."""
+
+    @property
+    def target(self) -> LoadedModel: ...
+
+    @property
+    def drafter(self) -> LoadedModel: ...
+
+    @property
+    def gamma(self) -> int | None:
+        """The engine-wide draft length (--gamma), if one was given."""
+        ...
+
+    def routing_profile(self, path: str | None = None) -> RoutingProfile: ...
+
+    def self_mask(self) -> LayerMask: ...
+
+
+# ------------------------------------------------------------------------------------------ options
+
+
+def _int_in(low: int, high: int) -> Callable[[str, str], int]:
     def parse(key: str, text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise ViasdError(f"method option {key} must be an integer, got {text!r}") from None
-        if value < low:
-            raise ViasdError(f"method option {key} must be >= {low}, got {value}")
+        if not low <= value <= high:
+            raise ViasdError(f"method option {key} must be in {low}..{high}, got {value}")
         return value
 
     return parse
@@ -54,46 +76,159 @@ def _path(key: str, text: str) -> str:
     return text
 
 
-# option -> (parser, what it sets)
-OPTIONS: dict[str, tuple[Callable[[str, str], Any], str]] = {
-    "gamma": (_int_at_least(1), "draft tokens per round"),
-    "cap": (_int_at_least(1), "most tokens committed without the full target (via)"),
-    "profile": (_path, "routing profile JSON (via)"),
-    "pregate": (_fraction, "drafter confidence under which a round skips the slim pass (via)"),
+@dataclass(frozen=True)
+class Option:
+    """A setting a method variant may override."""
+
+    name: str
+    parse: Callable[[str, str], Any]
+    help: str
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option("gamma", _int_in(1, MAX_GAMMA), "draft tokens per round"),
+        Option("cap", _int_in(1, 1 << 16), "most tokens committed without the full target (via)"),
+        Option("profile", _path, "routing profile JSON (via)"),
+        Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
+    )
 }
-ALLOWED: dict[str, tuple[str, ...]] = {
-    "plain": (),
-    "sd": ("gamma",),
-    "lookup": ("gamma",),
-    "self": ("gamma",),
-    "hf-assisted": ("gamma",),
-    "via": ("gamma", "cap", "profile", "pregate"),
-    "via-exact": ("gamma", "cap", "profile"),
-}
+
+
+# ------------------------------------------------------------------------------------------ methods
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A parsed method name: the base method and the options a variant overrides (None: the default)."""
+    """A parsed method name: the method and the options its variant overrides."""
 
-    name: str
-    base: str
-    gamma: int | None = None
-    cap: int | None = None
-    profile: str | None = None
-    pregate: float | None = None
+    name: str  # as written, e.g. "via:gamma=4"
+    method: Method
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def base(self) -> str:
+        return self.method.name
 
     @property
     def uses_drafter(self) -> bool:
-        """Whether the method needs the small drafter model."""
-        return self.base not in {"plain", "lookup", "self"}
+        return self.method.uses_drafter
+
+    def get(self, key: str) -> Any:
+        """An option's value, or None when the variant leaves it at the method's default."""
+        return self.options.get(key)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method: what it is, which options its variants take, and how its decoder is built."""
+
+    name: str
+    description: str
+    build: Callable[[Parts, MethodSpec], Decoder]
+    options: tuple[str, ...] = ()
+    uses_drafter: bool = False
+    exact: bool = True
+
+
+def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
+    return spec.get("gamma") or parts.gamma or default
+
+
+def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
+    from viasd.decode.plain import PlainDecoder
+
+    return PlainDecoder(parts.target.model, parts.target.tokenizer)
+
+
+def _sd(parts: Parts, spec: MethodSpec) -> Decoder:
+    from viasd.decode.speculative import SpeculativeDecoder
+    from viasd.drafters.model_drafter import ModelDrafter
+
+    drafter = ModelDrafter(parts.drafter.model, name="small")
+    return SpeculativeDecoder(parts.target.model, parts.target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+
+
+def _lookup(parts: Parts, spec: MethodSpec) -> Decoder:
+    from viasd.decode.speculative import SpeculativeDecoder
+    from viasd.drafters.prompt_lookup import PromptLookupDrafter
+
+    target = parts.target
+    return SpeculativeDecoder(target.model, target.tokenizer, PromptLookupDrafter(), _gamma(parts, spec), spec.name)
+
+
+def _self(parts: Parts, spec: MethodSpec) -> Decoder:
+    from viasd.decode.speculative import SpeculativeDecoder
+    from viasd.drafters.model_drafter import ModelDrafter
+
+    target = parts.target
+    drafter = ModelDrafter(target.model, parts.self_mask(), name="self")
+    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+
+
+def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
+    from viasd.decode.hf_assisted import HFAssistedDecoder
+
+    target = parts.target
+    gamma = spec.get("gamma") or parts.gamma  # None keeps transformers' own draft policy
+    return HFAssistedDecoder(target.model, target.tokenizer, parts.drafter.model, gamma, spec.name)
+
+
+def _via(parts: Parts, spec: MethodSpec) -> Decoder:
+    from viasd.decode.round import RoundPolicy
+    from viasd.decode.tiered import TieredDecoder
+    from viasd.drafters.model_drafter import ModelDrafter
+    from viasd.verify.gates import Gate
+
+    profile = parts.routing_profile(spec.get("profile"))
+    policy = profile.policy(gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"))
+    if spec.base == "via-exact":
+        policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap)
+    target = parts.target
+    drafter = ModelDrafter(parts.drafter.model, name="small")
+    return TieredDecoder(target.model, target.tokenizer, drafter, profile.masks, policy, spec.name)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("plain", "plain autoregressive decoding of the target (baseline)", _plain),
+        Method("sd", "classic speculative decoding with the small drafter model (exact)", _sd, ("gamma",), True),
+        Method("lookup", "speculative decoding with prompt-lookup (n-gram) drafts (exact)", _lookup, ("gamma",)),
+        Method("self", "self-speculative decoding: the target with layers skipped drafts (exact)", _self, ("gamma",)),
+        Method(
+            "via",
+            "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
+            _via,
+            ("gamma", "cap", "profile", "pregate"),
+            uses_drafter=True,
+            exact=False,
+        ),
+        Method(
+            "via-exact",
+            "VIA-SD machinery with every token sent to the full target (equals sd)",
+            _via,
+            ("gamma", "cap", "profile"),
+            uses_drafter=True,
+        ),
+        Method(
+            "hf-assisted",
+            "Hugging Face transformers' assisted generation with the small drafter (reference, exact)",
+            _hf_assisted,
+            ("gamma",),
+            uses_drafter=True,
+        ),
+    )
+}
 
 
 def parse_method(text: str) -> MethodSpec:
-    """`BASE[:key=value...]` -> MethodSpec, with a one-line error naming what is wrong."""
+    """`NAME[:key=value...]` -> MethodSpec, with a one-line error naming what is wrong."""
     name = text.strip()
     base, *parts = name.split(":")
-    if base not in METHODS:
+    method = METHODS.get(base)
+    if method is None:
         raise ViasdError(f"unknown method {base!r}; choose one of: {', '.join(METHODS)}")
     options: dict[str, Any] = {}
     for part in parts:
@@ -103,13 +238,13 @@ def parse_method(text: str) -> MethodSpec:
             raise ViasdError(
                 f"bad option {part!r} in method {name!r}: write key=value with key one of {', '.join(OPTIONS)}"
             )
-        if key not in ALLOWED[base]:
-            allowed = ", ".join(ALLOWED[base]) or "none"
+        if key not in method.options:
+            allowed = ", ".join(method.options) or "none"
             raise ViasdError(f"method {base!r} takes no option {key!r} (it takes: {allowed})")
         if key in options:
             raise ViasdError(f"method {name!r} sets {key!r} twice")
-        options[key] = OPTIONS[key][0](key, value)
-    return MethodSpec(name=name, base=base, **options)
+        options[key] = OPTIONS[key].parse(key, value)
+    return MethodSpec(name=name, method=method, options=options)
 
 
 def parse_method_list(text: str) -> list[MethodSpec]:

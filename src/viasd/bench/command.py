@@ -18,6 +18,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from viasd.cli_options import (
+    DeviceMapOpt,
+    DeviceOpt,
+    DrafterOpt,
+    DtypeOpt,
+    GammaOpt,
+    ProfileOpt,
+    TargetOpt,
+    engine_spec,
+)
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -41,7 +51,7 @@ def default_out_dir(now: dt.datetime | None = None) -> Path:
 def _comparable(key: str, value: Any) -> Any:
     """A setting as resuming compares it: the shipped profile by its place in the package, not its absolute path."""
     if key == "profile" and isinstance(value, str):
-        from viasd.routing.profile import shipped_place
+        from viasd.profile import shipped_place
 
         return shipped_place(value) or value
     return value
@@ -83,13 +93,13 @@ def bench(
     top_p: Annotated[float, typer.Option()] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
-    gamma: Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")] = None,
-    target: Annotated[str, typer.Option("--target", "-t", help="Target model.")] = DEFAULT_TARGET,
-    drafter: Annotated[str, typer.Option("--drafter", "-d", help="Drafter model.")] = DEFAULT_DRAFTER,
-    profile: Annotated[str | None, typer.Option(help="Routing profile JSON for via and via-exact.")] = None,
-    device: Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda (default: cuda if present).")] = None,
-    dtype: Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")] = "auto",
-    device_map: Annotated[str | None, typer.Option(help="'auto' spreads a large target over GPUs.")] = None,
+    gamma: GammaOpt = None,
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
+    profile: ProfileOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
     out: Annotated[Path | None, typer.Option(help="Output directory (default: runs/bench-<timestamp>).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out, skipping finished rows.")] = False,
     warmup: Annotated[bool, typer.Option(help="One untimed generation per method first.")] = True,
@@ -98,20 +108,34 @@ def bench(
     report_only: Annotated[
         bool, typer.Option(help="Only rewrite the summary and plot of the run in --out from its results.")
     ] = False,
+    into: Annotated[
+        Path | None,
+        typer.Option(help="With --report-only: also put the summary into this markdown file (e.g. BENCHMARKS.md)."),
+    ] = None,
+    compare: Annotated[
+        str | None,
+        typer.Option(help="METHOD,BASELINE: per-task speed ratio of two methods of the run in --out (no models)."),
+    ] = None,
 ) -> None:
     """Benchmark decoding methods side by side: speed, tier statistics and quality, on Spec-Bench and HumanEval."""
     from viasd.bench.memory import PeakMemory
-    from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, write_atomic, write_report
+    from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, load_average, write_atomic, write_report
     from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
-    from viasd.bench.tasks import build_tasks, default_questions_path, file_sha256
-    from viasd.engine import Engine, EngineSpec
+    from viasd.bench.tasks import build_tasks, default_questions_path
+    from viasd.engine import Engine
+    from viasd.fileio import file_sha256
     from viasd.methods import parse_method_list
-    from viasd.routing.profile import shipped_profile_path
+    from viasd.profile import shipped_profile_path
     from viasd.verify.sampling import SamplingParams
 
     err = Console(stderr=True)
+    if compare is not None:
+        _compare(out, compare)
+        return
+    if into is not None and not report_only:
+        raise ViasdError("--into needs --report-only: it writes a finished run's summary into a document")
     if report_only:
-        _report_only(err, out)
+        _report_only(err, out, into)
         return
     method_list = [m.name for m in parse_method_list(methods)]
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -159,9 +183,7 @@ def bench(
         check_resumable(previous_env.get("settings", {}), settings)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    spec = EngineSpec(
-        target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
-    )
+    spec = engine_spec(target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map)
     with err.status(f"loading {target}"):
         engine = Engine(spec)
     parameter = next(engine.target.model.parameters())
@@ -207,6 +229,7 @@ def bench(
     wanted = {t.key for t in tasks}
     rows = [r for r in rows if r["key"] in wanted and r["method"] in method_list]
     env["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    env["load_average_at_finish"] = load_average()
     env["rows"] = len(rows)
     write_atomic(env_path, json.dumps(env, indent=2) + "\n")
     if rows:
@@ -218,13 +241,13 @@ def bench(
         raise KeyboardInterrupt
 
 
-def _report_only(err: Console, out: Path | None) -> None:
-    """Rewrite the report files of a finished or interrupted run, without loading any model."""
-    from viasd.bench.report import ENV_JSON, RESULTS_JSONL, write_report
+def _load_run(out: Path | None, option: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The environment record and result rows of the run in `out`, without loading any model."""
+    from viasd.bench.report import ENV_JSON, RESULTS_JSONL
     from viasd.bench.runner import ResultsFile
 
     if out is None:
-        raise ViasdError("--report-only needs --out: the directory of the run")
+        raise ViasdError(f"{option} needs --out: the directory of the run")
     env_path, results_path = out / ENV_JSON, out / RESULTS_JSONL
     if not env_path.exists() or not results_path.exists():
         raise ViasdError(f"{out} holds no benchmark run (no {ENV_JSON} and {RESULTS_JSONL})")
@@ -235,9 +258,32 @@ def _report_only(err: Console, out: Path | None) -> None:
     rows = ResultsFile(results_path).load()
     if not rows:
         raise ViasdError(f"{results_path} holds no results")
+    return env, rows
+
+
+def _report_only(err: Console, out: Path | None, into: Path | None) -> None:
+    """Rewrite the report files of a finished or interrupted run (and embed its summary in a document)."""
+    from viasd.bench.report import embed, write_report
+
+    env, rows = _load_run(out, "--report-only")
+    assert out is not None
     paths = write_report(out, rows, env, baseline="plain")
     _print_overview(rows)
     err.print(f"summary: {paths['markdown']}\nplot: {paths['plot']}", highlight=False)
+    if into is not None:
+        embed(into, out, paths["markdown"].read_text(encoding="utf-8"))
+        err.print(f"wrote the summary into {into}", highlight=False)
+
+
+def _compare(out: Path | None, pair: str) -> None:
+    """`--compare METHOD,BASELINE`: one line on standard output."""
+    from viasd.bench.report import comparison
+
+    names = [name.strip() for name in pair.split(",")]
+    if len(names) != 2 or not all(names):
+        raise ViasdError(f"--compare takes two methods of the run, METHOD,BASELINE; got {pair!r}")
+    _, rows = _load_run(out, "--compare")
+    print(comparison(rows, names[0], names[1]))
 
 
 @contextmanager

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from viasd.bench.metrics import ALL, COST_PARTS, Summary, summarize
+from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
-from viasd.routing.profile import shipped_place
+from viasd.profile import shipped_place
 
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
@@ -69,8 +70,16 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none): whether the machine was idle."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def environment(settings: Mapping[str, Any], models: Mapping[str, Any], argv: Sequence[str] | None = None) -> dict:
-    """The environment record of a run: settings, models, machine, versions, command line and date."""
+    """The environment record of a run: settings, models, machine, versions, command line, date and load."""
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": list(sys.argv if argv is None else argv),
@@ -78,7 +87,31 @@ def environment(settings: Mapping[str, Any], models: Mapping[str, Any], argv: Se
         "models": dict(models),
         "machine": machine(),
         "versions": _versions(),
+        "load_average_at_start": load_average(),
     }
+
+
+def command_line(env: Mapping[str, Any]) -> str:
+    """The run's command as a user would type it (`viasd bench ...`), from the recorded argv."""
+    argv = [str(a) for a in env.get("command", [])]
+    if not argv:
+        return "-"
+    return " ".join(["viasd", *(f"'{a}'" if not a or " " in a else a for a in argv[1:])])
+
+
+def _machine_line(env: Mapping[str, Any]) -> str:
+    m, v = env.get("machine", {}), env.get("versions", {})
+    memory = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "memory -"
+    cuda = (m.get("cuda") or {}).get("devices") or "no GPU"
+    load = env.get("load_average_at_start")
+    loads = f"; load average (1/5/15 min) at start {load}" if load else ""
+    if env.get("load_average_at_finish"):
+        loads += f", at finish {env['load_average_at_finish']}"
+    return (
+        f"- machine: {m.get('cpus_usable', '-')} CPUs usable ({m.get('processor') or m.get('machine', '-')}), "
+        f"{memory}, {cuda}; torch {v.get('torch', '-')}, transformers {v.get('transformers', '-')}, "
+        f"Python {v.get('python', '-')}{loads}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ markdown
@@ -144,7 +177,9 @@ def markdown(
     out = [
         "# viasd bench",
         "",
-        f"- date: {env.get('date', '-')}",
+        f"- date: {env.get('date', '-')} to {env.get('finished', '-')}"
+        + (f" (resumed {', '.join(env['resumed'])})" if env.get("resumed") else ""),
+        f"- command: `{command_line(env)}`",
         f"- target: `{models.get('target', '-')}`, drafter: `{models.get('drafter', '-')}`, "
         f"dtype {models.get('dtype', '-')}, device {models.get('device', '-')}",
         f"- routing profile: {_profile_label(models.get('profile'), settings.get('profile_sha256'))}",
@@ -152,8 +187,7 @@ def markdown(
         + (f" (HumanEval {settings['code_max_new_tokens']})" if settings.get("code_max_new_tokens") else "")
         + ", "
         f"temperature: {settings.get('temperature', 0)}, gamma: {settings.get('gamma') or 'default'}",
-        f"- machine: {env.get('machine', {}).get('cpus_usable', '-')} CPUs usable, "
-        f"cuda: {(env.get('machine', {}).get('cuda') or {}).get('devices', 'none')}",
+        _machine_line(env),
         "",
         f"Speedup: geometric mean over tasks of (tokens/s of the method) / (tokens/s of `{baseline}` on the same "
         "task), with the 10th-90th percentile of the per-task ratios in brackets. Rejection rate: drafted tokens "
@@ -356,3 +390,53 @@ def write_report(
     write_atomic(paths["json"], json.dumps([asdict(s) for s in summaries], indent=2) + "\n")
     plot(summaries, paths["plot"])
     return paths
+
+
+# ------------------------------------------------------------------------------------- comparisons
+
+
+def comparison(rows: Sequence[Mapping[str, Any]], method: str, baseline: str) -> str:
+    """One method against another over the tasks both ran: geometric mean of per-task speed ratios, their
+    10th-90th percentile, and on how many tasks the method was faster."""
+    from viasd.bench.metrics import per_prompt_speedups
+
+    methods = {r["method"] for r in rows}
+    missing = [m for m in (method, baseline) if m not in methods]
+    if missing:
+        raise ViasdError(f"the run has no rows for {', '.join(missing)}; its methods: {', '.join(sorted(methods))}")
+    good = [r for r in rows if not r.get("error")]
+    ratios = [v for (m, _), v in per_prompt_speedups(good, baseline).items() if m == method]
+    if not ratios:
+        raise ViasdError(f"{method} and {baseline} share no task that both finished")
+    s = next(s for s in summarize(good, baseline) if s.method == method and s.category == ALL)
+    faster = sum(v > 1.0 for v in ratios)
+    return (
+        f"{method} over {baseline}: {s.speedup:.3f}x (geometric mean over {len(ratios)} tasks), "
+        f"10th-90th percentile {s.speedup_p10:.2f}-{s.speedup_p90:.2f}x, faster on {faster} of {len(ratios)} tasks"
+    )
+
+
+# ------------------------------------------------------------------------------ embedding in a document
+
+
+def embed(document: str | Path, run: str | Path, summary: str) -> None:
+    """Put a run's summary into a markdown document between markers naming the run, replacing what was there.
+
+    The first time, the block is appended. Headings are demoted two levels, so the summary sits under a
+    section of the document.
+    """
+    path = Path(document)
+    begin, end = f"<!-- viasd bench --out {run}: begin -->", f"<!-- viasd bench --out {run}: end -->"
+    note = f"(Written from the run's files by `viasd bench --report-only --out {run} --into {path.name}`.)"
+    body = "\n".join("##" + line if line.startswith("#") else line for line in summary.rstrip().splitlines())
+    block = f"{begin}\n{note}\n\n{body}\n\n{end}"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    start = text.find(begin)
+    if start >= 0:
+        stop = text.find(end, start)
+        if stop < 0:
+            raise ViasdError(f"{path}: the block of {run} has no end marker; fix or remove it by hand")
+        text = text[:start] + block + text[stop + len(end) :]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+    write_atomic(path, text)

@@ -8,7 +8,6 @@ are one-turn tasks whose answer is prefilled with the function signature, so the
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,10 +47,6 @@ class Task:
 def default_questions_path() -> Path:
     """The Spec-Bench development questions shipped with the package."""
     return Path(str(resources.files("viasd.bench").joinpath("data", DEFAULT_QUESTIONS)))
-
-
-def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def parse_specbench_record(record: Mapping[str, Any], where: str) -> Task:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
+from viasd.decode.round import Round
 from viasd.decode.stats import GenerationStats
 from viasd.models.session import KVSession
 from viasd.verify.sampling import SamplingParams, sample, warp_probs
@@ -26,15 +25,11 @@ class PlainDecoder(Decoder):
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()
         self.session.reset()
-        calls_before = self.session.forward_passes
-        t0 = time.perf_counter()
-        logits = self.session.extend_to(prompt, keep=1)
-        while True:
-            token = sample(warp_probs(logits, params)[-1], generator)
-            sink.push([token])
-            stats.rounds += 1
-            if sink.done:
-                break
-            logits = self.session.forward([token], keep=1)
-        stats.verify_seconds = time.perf_counter() - t0
-        stats.target_calls = self.session.forward_passes - calls_before
+        with stats.timed("verify"):
+            logits = self.session.extend_to(prompt, keep=1)
+            while True:
+                token = sample(warp_probs(logits, params)[-1], generator)
+                stats.record(Round([token], 0, full_kept=0), sink.push([token]))
+                if sink.done:
+                    break
+                logits = self.session.forward([token], keep=1)

@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
-import time
-
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
+from viasd.decode.round import MAX_GAMMA, Round, draft_length
 from viasd.decode.stats import GenerationStats
-from viasd.drafters.base import Drafter
+from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
 from viasd.models.session import KVSession
 from viasd.verify.acceptance import verify_block
 from viasd.verify.sampling import SamplingParams, sample, warp_probs
 
 
-def draft_length(gamma: int, remaining: int, context_len: int, context_limit: int | None) -> int:
-    """Draft tokens worth proposing this round: a round commits at most k + 1 tokens, within the context."""
-    k = min(gamma, remaining - 1)
-    if context_limit is not None:
-        k = min(k, context_limit - context_len - 1)
-    return max(k, 0)
+def verify_with_target(
+    session: KVSession, context: list[int], proposal: Proposal, params: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], int]:
+    """Verify a draft block against the full target: one pass over every token it has not processed yet plus
+    the block, then speculative sampling. Returns the committed tokens and how many drafts were kept."""
+    probs = warp_probs(session.extend_to(context + proposal.tokens, keep=len(proposal) + 1), params)
+    if not len(proposal):
+        return [sample(probs[-1], generator)], 0
+    verdict = verify_block(proposal.tokens, proposal.probs, probs, generator)
+    return [*proposal.tokens[: verdict.accepted], verdict.next_token], verdict.accepted
 
 
 class SpeculativeDecoder(Decoder):
@@ -39,8 +43,8 @@ class SpeculativeDecoder(Decoder):
         method: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer)
-        if gamma < 1:
-            raise ViasdError(f"the draft length gamma must be >= 1, got {gamma}")
+        if not 1 <= gamma <= MAX_GAMMA:
+            raise ViasdError(f"the draft length gamma must be in 1..{MAX_GAMMA}, got {gamma}")
         self.drafter = drafter
         self.gamma = gamma
         self.session = KVSession(target)
@@ -51,28 +55,13 @@ class SpeculativeDecoder(Decoder):
         generator = params.generator()
         self.session.reset()
         self.drafter.reset()
-        target_before = self.session.forward_passes
         drafter_before = self.drafter.forward_passes
         while not sink.done:
             context = prompt + sink.tokens
             k = draft_length(self.gamma, sink.remaining, len(context), self.context_limit)
-            t0 = time.perf_counter()
-            proposal = self.drafter.propose(context, k, params, generator)
-            t1 = time.perf_counter()
-            logits = self.session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
-            if len(proposal):
-                verdict = verify_block(proposal.tokens, proposal.probs, warp_probs(logits, params), generator)
-                committed = [*proposal.tokens[: verdict.accepted], verdict.next_token]
-                stats.accepted += verdict.accepted
-                # Drafts after the first rejected one are cut off unchecked: they count as drafted, not evaluated.
-                stats.evaluated += min(verdict.accepted + 1, len(proposal))
-            else:
-                committed = [sample(warp_probs(logits, params)[-1], generator)]
-            t2 = time.perf_counter()
-            stats.rounds += 1
-            stats.drafted += len(proposal)
-            stats.draft_seconds += t1 - t0
-            stats.verify_seconds += t2 - t1
-            sink.push(committed)
-        stats.target_calls = self.session.forward_passes - target_before
+            with stats.timed("draft"):
+                proposal = self.drafter.propose(context, k, params, generator)
+            with stats.timed("verify"):
+                committed, kept = verify_with_target(self.session, context, proposal, params, generator)
+            stats.record(Round(committed, len(proposal), full_kept=kept), sink.push(committed))
         stats.drafter_calls = self.drafter.forward_passes - drafter_before

@@ -1,9 +1,14 @@
-"""Per-generation statistics shared by every decoding method."""
+"""Per-generation statistics shared by every decoding method, counted from the rounds they play."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from viasd.decode.round import Round
 
 
 @dataclass
@@ -29,7 +34,6 @@ class GenerationStats:
     accepted: int = 0  # draft tokens kept
     target_calls: int = 0  # forward passes of the full target
     drafter_calls: int = 0  # forward passes of the drafter model (0 for model-free drafters)
-    slim_calls: int = 0  # forward passes of the slim verifier
     unchecked_tokens: int = 0  # committed tokens that the full target never verified (lossy tiers)
     draft_seconds: float = 0.0
     slim_seconds: float = 0.0
@@ -56,8 +60,61 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
 
+    @property
+    def slim_calls(self) -> int:
+        """Forward passes of the slim views, all tiers together."""
+        return sum(t.calls for name, t in self.tiers.items() if name not in ("accept", "full"))
+
     def tier(self, name: str) -> TierStats:
         return self.tiers.setdefault(name, TierStats())
+
+    def record_prefill(self, tiers: Sequence[str] = ()) -> None:
+        """A full-target pass over the prompt outside any round."""
+        self.target_calls += 1
+        if tiers:
+            self.tier("full").calls += 1
+
+    def record(self, played: Round[Any], taken: int, tiers: Sequence[str] = ()) -> None:
+        """Count one round. `taken`: how many of its committed tokens the output kept (a stop may cut the
+        rest). `tiers`: the tier names of a tiered method (accept, slim..., full), whose tiers are counted."""
+        self.rounds += 1
+        self.drafted += played.drafted
+        self.evaluated += played.evaluated
+        self.accepted += played.accepted
+        if played.full:
+            self.target_calls += 1
+        else:
+            self.unchecked_tokens += taken
+        if not tiers:
+            return
+        for name in tiers:
+            self.tier(name)
+        for view in played.views:
+            self.tier(tiers[view]).calls += 1
+        if played.full:
+            full = self.tier("full")
+            full.calls += 1
+            full.decided += played.evaluated
+            full.accepted += played.accepted
+            full.rejected += played.evaluated - played.accepted
+            return
+        for i, index in enumerate(played.settled):
+            record = self.tier(tiers[index])
+            record.decided += 1
+            if played.slim_rejected and i == len(played.settled) - 1:
+                record.rejected += 1
+            else:
+                record.accepted += 1
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the block's wall-clock time to `<part>_seconds` (draft, slim or verify)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"{part}_seconds"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -66,5 +123,6 @@ class GenerationStats:
             tokens_per_target_call=self.tokens_per_target_call if self.target_calls else None,
             target_calls_per_token=self.target_calls_per_token,
             tokens_per_second=self.tokens_per_second,
+            slim_calls=self.slim_calls,
         )
         return data

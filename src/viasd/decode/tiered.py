@@ -1,8 +1,11 @@
-"""VIA-SD: drafter -> slim verifier(s) (the target under routing masks) -> full target.
+"""VIA-SD: drafter -> slim verifier(s) (the target with layers skipped) -> full target.
 
-Cache design (DESIGN.md section 4, option b): the slim verifiers share the target's KVSession. They
-attend to the full target's KV for the positions it has processed (the committed frontier F) and keep
-their own entries only beyond F, as `pending` entries of their kept layers. Invariants:
+The round itself (which tier settles which draft token) is `decode.round.play_round`; this module gives
+it real model passes and keeps the caches right.
+
+Cache design (docs/design.md, "Caches"): the slim views share the target's KVSession. They attend to
+the full target's KV for the positions it has processed (the committed frontier F) and keep their own
+entries only beyond F, as `pending` entries of their kept layers. Invariants:
 
 * The full target's cache over [0, F) always equals a fresh full forward pass over those tokens:
   slim passes never write below F, and every full pass first crops the pending slim entries.
@@ -10,18 +13,11 @@ their own entries only beyond F, as `pending` entries of their kept layers. Inva
   (catches up on) every committed token beyond F together with the new block, so it never sees a
   slim-written entry. At most `cap` tokens are committed without it.
 * The drafter keeps its own cache, resynchronised to the committed tokens each round.
-
-Optional pre-gate (`pregate`): a round whose least confident draft token has a drafter top probability
-under the pre-gate skips the slim pass and goes straight to the full target (a lossless round). It only
-moves rounds from the relaxed tiers to the exact one, and saves the slim pass of rounds that would have
-escalated anyway.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -29,26 +25,20 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
-from viasd.decode.round import route_block
-from viasd.decode.speculative import draft_length
+from viasd.decode.round import Round, RoundPolicy, draft_length, play_round
+from viasd.decode.speculative import verify_with_target
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
-from viasd.models.routing import RoutingMask
+from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
-from viasd.verify.acceptance import verify_block
-from viasd.verify.gates import Gate, drafter_doubts
-from viasd.verify.sampling import SamplingParams, sample, warp_probs
-
-
-def tier_names(slim_tiers: int) -> list[str]:
-    """Names of the tiers in order: accept, slim (or slim1..slimN), full."""
-    slims = ["slim"] if slim_tiers == 1 else [f"slim{j}" for j in range(1, slim_tiers + 1)]
-    return ["accept", *slims, "full"]
+from viasd.verify.acceptance import check_token
+from viasd.verify.gates import Gate, draft_confidence
+from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
 
 
 class TieredDecoder(Decoder):
-    """Multi-tier speculative decoding with gated routing of each draft token."""
+    """Multi-tier speculative decoding: each draft token routed by a gate to accept, a slim view or the target."""
 
     method = "via"
 
@@ -57,120 +47,153 @@ class TieredDecoder(Decoder):
         target: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         drafter: Drafter,
-        masks: Sequence[RoutingMask],
-        gate: Gate,
-        gamma: int = 4,
-        cap: int = 32,
+        masks: Sequence[LayerMask],
+        policy: RoundPolicy,
         method: str | None = None,
-        pregate: float = 0.0,
     ) -> None:
         super().__init__(target, tokenizer)
-        if gamma < 1:
-            raise ViasdError(f"the draft length gamma must be >= 1, got {gamma}")
-        if cap < 1:
-            raise ViasdError(f"the cap on tokens committed without the full target must be >= 1, got {cap}")
-        if not 0.0 <= pregate <= 1.0:
-            raise ViasdError(f"the pre-gate must be a probability in [0, 1], got {pregate}")
-        if not gate.always_full:
+        if not policy.gate.always_full:
             if not masks:
-                raise ViasdError("a tiered decoder needs at least one slim routing mask")
-            if len(gate.thresholds) != len(masks) + 1:
+                raise ViasdError("a tiered decoder needs at least one slim layer mask")
+            if policy.slim_tiers != len(masks):
                 raise ViasdError(
-                    f"{len(masks)} slim tier(s) need {len(masks) + 1} gate thresholds, got {len(gate.thresholds)}"
+                    f"{len(masks)} slim tier(s) need {len(masks) + 1} gate thresholds, "
+                    f"got {len(policy.gate.thresholds)}"
                 )
         self.drafter = drafter
         self.masks = list(masks)
-        self.gate = gate
-        self.gamma = gamma
-        self.cap = cap
-        self.pregate = pregate  # drafter confidence under which a round goes straight to the full target
+        self.policy = policy
         self.session = KVSession(target)
-        self.names = tier_names(len(self.masks)) if not gate.always_full else ["accept", "full"]
         if method:
             self.method = method
-
-    def _view_logits(
-        self, block: list[int], k: int, computed: dict[int, torch.Tensor], stats: GenerationStats, tier: int
-    ) -> torch.Tensor:
-        """Logits [k + 1, V] of slim view `tier` over the block, computed once per round."""
-        if tier not in computed:
-            computed[tier] = self.session.extend_routed_to(block, self.masks[tier - 1], keep=k + 1)
-            stats.slim_calls += 1
-            stats.tier(self.names[tier]).calls += 1
-        return computed[tier]
-
-    def _full_round(
-        self,
-        context: list[int],
-        proposal: Proposal,
-        params: SamplingParams,
-        generator: torch.Generator,
-        stats: GenerationStats,
-    ) -> list[int]:
-        """Classic speculative sampling of the whole block against the full target (lossless round)."""
-        logits = self.session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
-        stats.target_calls += 1
-        full = stats.tier("full")
-        full.calls += 1
-        if not len(proposal):
-            return [sample(warp_probs(logits, params)[-1], generator)]
-        verdict = verify_block(proposal.tokens, proposal.probs, warp_probs(logits, params), generator)
-        evaluated = min(verdict.accepted + 1, len(proposal))
-        stats.evaluated += evaluated
-        stats.accepted += verdict.accepted
-        full.decided += evaluated
-        full.accepted += verdict.accepted
-        full.rejected += int(verdict.rejected)
-        return [*proposal.tokens[: verdict.accepted], verdict.next_token]
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()
         self.session.reset()
         self.drafter.reset()
         drafter_before = self.drafter.forward_passes
-        for name in self.names:
+        names = self.policy.tier_names
+        for name in names:
             stats.tier(name)
-        unchecked = 0  # committed tokens the full target has not verified since its last pass
-        if len(prompt) > 1 and not self.gate.always_full:
+        if len(prompt) > 1 and not self.policy.gate.always_full:
             # Prefill the prompt with the full target first: slim passes then attend to full-model KV for
             # the whole prompt instead of re-reading it themselves (a slim prefill would be thrown away by
             # the first full pass). The last prompt token stays out so the first round has a position to score.
-            t0 = time.perf_counter()
-            self.session.forward(prompt[:-1], keep=1)
-            stats.target_calls += 1
-            stats.tier("full").calls += 1
-            stats.verify_seconds += time.perf_counter() - t0
+            with stats.timed("verify"):
+                self.session.forward(prompt[:-1], keep=1)
+            stats.record_prefill(names)
+        unchecked = 0  # committed tokens the full target has not verified since its last pass
         while not sink.done:
             context = prompt + sink.tokens
-            k = draft_length(self.gamma, sink.remaining, len(context), self.context_limit)
-            t0 = time.perf_counter()
-            proposal = self.drafter.propose(context, k, params, generator)
-            t1 = time.perf_counter()
-            stats.draft_seconds += t1 - t0
-            stats.drafted += len(proposal)
-            stats.rounds += 1
-            outcome = None
-            lower_tiers = not self.gate.always_full and self.cap - unchecked >= 2
-            if len(proposal) and lower_tiers and not drafter_doubts(proposal.soft, self.pregate):
-                views = partial(self._view_logits, context + proposal.tokens, len(proposal), {}, stats)
-                outcome = route_block(proposal, views, self.gate, params, generator, self.cap - unchecked)
-                t2 = time.perf_counter()
-                stats.slim_seconds += t2 - t1
-                t1 = t2
-            if outcome is not None and outcome.committed is not None:
-                stats.evaluated += outcome.evaluated
-                stats.accepted += outcome.accepted
-                for tier, n in outcome.decided.items():
-                    record = stats.tier(self.names[tier])
-                    record.decided += n
-                    record.accepted += outcome.kept.get(tier, 0)
-                    record.rejected += outcome.rejected.get(tier, 0)
-                taken = sink.push(outcome.committed)
-                unchecked += taken
-                stats.unchecked_tokens += taken
-            else:
-                committed = self._full_round(context, proposal, params, generator, stats)
-                stats.verify_seconds += time.perf_counter() - t1
-                unchecked = 0
-                sink.push(committed)
+            k = draft_length(self.policy.gamma, sink.remaining, len(context), self.context_limit)
+            played = self.round(context, k, unchecked, params, generator, stats)
+            taken = sink.push(played.committed)
+            unchecked = 0 if played.full else unchecked + taken
+            stats.record(played, taken, names)
         stats.drafter_calls = self.drafter.forward_passes - drafter_before
+
+    def round(
+        self,
+        context: list[int],
+        k: int,
+        unchecked: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        stats: GenerationStats,
+    ) -> Round[int]:
+        """One VIA-SD round after `context` with up to k draft tokens (see decode.round)."""
+        return play_round(self.policy, _ModelPasses(self, context, params, generator, stats), k, unchecked)
+
+
+class SlimViews:
+    """The slim tiers' side of a round over one draft block: gate signals, checks and the bonus token.
+
+    `view_logits(j)` gives slim view j's logits [k + 1, V] over the block; it is called lazily and once per
+    view, so a deeper view runs only when a token reaches its tier.
+    """
+
+    def __init__(
+        self,
+        proposal: Proposal,
+        view_logits: Callable[[int], torch.Tensor],
+        gate: Gate,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> None:
+        self.proposal = proposal
+        self.view_logits = view_logits
+        self.gate = gate
+        self.params = params
+        self.generator = generator
+        self.computed: dict[int, torch.Tensor] = {}
+
+    def view(self, tier: int) -> torch.Tensor:
+        if tier not in self.computed:
+            self.computed[tier] = self.view_logits(tier)
+        return self.computed[tier]
+
+    def signals(self) -> list[float]:
+        slim = soft_probs(self.view(1)[: len(self.proposal)], self.params)
+        return self.gate.signals(slim, self.proposal.soft, self.proposal.tokens).tolist()
+
+    def check(self, i: int, tier: int) -> int | None:
+        verifier = warp_probs(self.view(tier)[i : i + 1], self.params)[0]
+        draft = None if self.proposal.probs is None else self.proposal.probs[i]
+        return check_token(self.proposal.tokens[i], draft, verifier, self.generator)
+
+    def bonus(self, tier: int) -> int:
+        k = len(self.proposal)
+        return sample(warp_probs(self.view(tier)[k : k + 1], self.params)[0], self.generator)
+
+
+class _ModelPasses:
+    """A round's model work for `play_round`: the drafter, the slim views on the target's session, the target."""
+
+    def __init__(
+        self,
+        decoder: TieredDecoder,
+        context: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        stats: GenerationStats,
+    ) -> None:
+        self.decoder = decoder
+        self.context = context
+        self.params = params
+        self.generator = generator
+        self.stats = stats
+        self.proposal = Proposal([])
+        self.slim: SlimViews | None = None
+
+    def draft(self, k: int) -> tuple[list[int], float | None]:
+        with self.stats.timed("draft"):
+            self.proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator)
+        block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
+        masks = self.decoder.masks
+        self.slim = SlimViews(
+            self.proposal,
+            lambda tier: session.extend_slim_to(block, masks[tier - 1], keep=keep),
+            self.decoder.policy.gate,
+            self.params,
+            self.generator,
+        )
+        return self.proposal.tokens, draft_confidence(self.proposal.soft)
+
+    def signals(self) -> list[float]:
+        assert self.slim is not None
+        with self.stats.timed("slim"):
+            return self.slim.signals()
+
+    def check(self, i: int, tier: int) -> int | None:
+        assert self.slim is not None
+        with self.stats.timed("slim"):
+            return self.slim.check(i, tier)
+
+    def bonus(self, tier: int) -> int:
+        assert self.slim is not None
+        with self.stats.timed("slim"):
+            return self.slim.bonus(tier)
+
+    def verify(self) -> tuple[list[int], int]:
+        with self.stats.timed("verify"):
+            return verify_with_target(self.decoder.session, self.context, self.proposal, self.params, self.generator)

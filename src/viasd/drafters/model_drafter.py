@@ -1,4 +1,4 @@
-"""Drafting with a language model: a small separate model, or the target itself under a routing mask."""
+"""Drafting with a language model: a small separate model, or the target itself with layers skipped."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from viasd.drafters.base import Proposal
-from viasd.models.routing import RoutingMask
+from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
 from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
 
@@ -19,7 +19,7 @@ class ModelDrafter:
     The last draft token of a round is never fed: if it is accepted, the next round feeds it.
     """
 
-    def __init__(self, model: nn.Module, mask: RoutingMask | None = None, name: str = "model") -> None:
+    def __init__(self, model: nn.Module, mask: LayerMask | None = None, name: str = "model") -> None:
         self.name = name
         self.session = KVSession(model, base_mask=mask)
 

@@ -4,14 +4,20 @@ Cache invariants (tested in tests/test_session.py):
 
 * `tokens` are committed: for every layer that the session's base view runs, cache positions
   [0, len(tokens)) hold exactly the K/V that one fresh forward pass of that view over `tokens` writes.
-* `pending` tokens sit beyond that frontier. They were processed by a routed sub-view (the slim
+* `pending` tokens sit beyond that frontier. They were processed by a layer-skipping sub-view (the slim
   verifier), so only the layers of that sub-view hold entries for them, and those entries differ from
   what the base view would write (the residual stream differs). They are never promoted to committed:
   any base-view forward first crops every layer back to len(tokens), then recomputes.
-* Layer 0 always runs (RoutingMask enforces it), so the cache length that transformers reads from
+* Layer 0 always runs (LayerMask enforces it), so the cache length that transformers reads from
   layer 0 is len(tokens) + len(pending), which is where new positions start.
+* transformers sizes each attention mask from the first cache layer of its kind (sliding window or full
+  attention). A sub-view that skips such a layer's attention leaves it behind the pending entries, so it
+  never stacks a pass on pending entries: it drops them and starts again at the committed frontier.
 
-Cropping works per layer on the stored tensors, so it is correct when layers hold different lengths.
+The cache is made from the model's config, so sliding-window layers get sliding cache layers. They are
+told to keep their past (transformers' "past recording") so that a rollback can restore the window.
+Cropping goes through each layer's own `crop`, layer by layer, because layers hold different lengths
+while pending entries exist.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.models.routing import RoutingMask, routed
+from viasd.models.layer_skip import LayerMask, skipping
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -34,17 +40,30 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def new_cache(model: nn.Module) -> DynamicCache:
+    """An empty cache shaped by the model's config (sliding-window layers included) that can be rolled back."""
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
 class KVSession:
     """A model (under an optional base routing mask) with the KV cache of one growing sequence."""
 
-    def __init__(self, model: nn.Module, base_mask: RoutingMask | None = None) -> None:
+    def __init__(self, model: nn.Module, base_mask: LayerMask | None = None) -> None:
         self.model = model
         self.base_mask = base_mask
-        self.cache = DynamicCache()
+        self.cache = new_cache(model)
         self.tokens: list[int] = []
         self.pending: list[int] = []
-        self.pending_mask: RoutingMask | None = None
-        self.forward_passes = 0
+        self.pending_mask: LayerMask | None = None
+        self.forward_passes = 0  # of every view together
+        kinds = self.cache.is_sliding
+        self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
+
+    def _stacks(self, mask: LayerMask) -> bool:
+        """Whether a pass of `mask` may go on top of pending entries (it runs every mask-size layer)."""
+        return all(mask.attention[i] for i in self.mask_size_layers if i < mask.num_layers)
 
     @property
     def device(self) -> torch.device:
@@ -52,17 +71,16 @@ class KVSession:
 
     def reset(self) -> None:
         """Forget the sequence (start a new generation)."""
-        self.cache = DynamicCache()
+        self.cache = new_cache(self.model)
         self.tokens = []
         self.pending = []
         self.pending_mask = None
 
     def _crop_layers(self, length: int) -> None:
         for layer in self.cache.layers:
-            keys = getattr(layer, "keys", None)
-            if keys is not None and keys.dim() >= 2 and keys.shape[-2] > length:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` committed tokens; drop every pending token."""
@@ -78,9 +96,9 @@ class KVSession:
         self._crop_layers(len(self.tokens) + count)
         del self.pending[count:]
 
-    def _run(self, ids: Sequence[int], mask: RoutingMask | None, keep: int) -> torch.Tensor:
+    def _run(self, ids: Sequence[int], mask: LayerMask | None, keep: int) -> torch.Tensor:
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        with torch.inference_mode(), routed(self.model, mask):
+        with torch.inference_mode(), skipping(self.model, mask):
             out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
         self.forward_passes += 1
         # Decisions happen on the CPU (random draws, comparisons); the copy is small next to a forward pass.
@@ -106,23 +124,25 @@ class KVSession:
         self.truncate(shared)
         return self.forward(sequence[shared:], keep=keep)
 
-    def forward_routed(self, ids: Sequence[int], mask: RoutingMask, keep: int = 1) -> torch.Tensor:
+    def forward_slim(self, ids: Sequence[int], mask: LayerMask, keep: int = 1) -> torch.Tensor:
         """Process `ids` after the pending tokens with a sub-view (slim); they become pending.
 
         Pending entries written by a different sub-view are dropped first: each view's entries are
         only meaningful to that view.
         """
         if not ids:
-            raise ValueError("forward_routed needs at least one token")
+            raise ValueError("forward_slim needs at least one token")
         if self.pending and mask != self.pending_mask:
             self.truncate_pending(0)
+        if self.pending and not self._stacks(mask):
+            raise ValueError("this layer mask skips a layer the attention masks are sized from: it cannot stack")
         keep = min(keep, len(ids))
         logits = self._run(ids, mask, keep)
         self.pending.extend(ids)
         self.pending_mask = mask
         return logits
 
-    def extend_routed_to(self, sequence: Sequence[int], mask: RoutingMask, keep: int = 1) -> torch.Tensor:
+    def extend_slim_to(self, sequence: Sequence[int], mask: LayerMask, keep: int = 1) -> torch.Tensor:
         """Process `sequence` with the sub-view on top of the committed tokens; logits of the last `keep`.
 
         Committed tokens that disagree with `sequence` (rejected drafts the full view processed) are cropped;
@@ -133,12 +153,12 @@ class KVSession:
         if shared < len(self.tokens):
             self.truncate(shared)
         frontier = len(self.tokens)
-        if mask != self.pending_mask:
+        if mask != self.pending_mask or not self._stacks(mask):
             self.truncate_pending(0)
         tail = sequence[frontier:]
         reuse = min(common_prefix_length(self.pending, tail), len(tail) - keep)
         self.truncate_pending(reuse)
-        return self.forward_routed(tail[reuse:], mask, keep=keep)
+        return self.forward_slim(tail[reuse:], mask, keep=keep)
 
     @property
     def length(self) -> int:

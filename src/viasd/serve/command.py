@@ -12,6 +12,16 @@ from typing import Annotated
 
 import typer
 
+from viasd.cli_options import (
+    DeviceMapOpt,
+    DeviceOpt,
+    DrafterOpt,
+    DtypeOpt,
+    GammaOpt,
+    ProfileOpt,
+    TargetOpt,
+    engine_spec,
+)
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 
@@ -60,18 +70,14 @@ def _log_to_stderr(level: str) -> None:
 
 
 def serve(
-    target: Annotated[
-        str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")
-    ] = DEFAULT_TARGET,
-    drafter: Annotated[
-        str, typer.Option("--drafter", "-d", help="Drafter model (same tokenizer as the target).")
-    ] = DEFAULT_DRAFTER,
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
     methods: Annotated[
         str,
         typer.Option(help="Decoding methods to load, comma-separated; the first is the default, requests pick one."),
     ] = "sd,plain",
-    profile: Annotated[str | None, typer.Option(help="Routing profile JSON for the via methods.")] = None,
-    gamma: Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")] = None,
+    profile: ProfileOpt = None,
+    gamma: GammaOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind; the default accepts local clients only.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0 picks a free one).")] = 8000,
     api_key: Annotated[
@@ -93,11 +99,9 @@ def serve(
     shutdown_timeout: Annotated[
         int, typer.Option(help="Seconds to let in-flight requests finish on Ctrl-C or SIGTERM.")
     ] = 30,
-    device: Annotated[
-        str | None, typer.Option(help="Device, e.g. cpu, cuda, cuda:1 (default: cuda if present).")
-    ] = None,
-    dtype: Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")] = "auto",
-    device_map: Annotated[str | None, typer.Option(help="'auto' spreads a large target over several GPUs.")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = True,
 ) -> None:
@@ -125,17 +129,11 @@ def serve(
     try:
         import uvicorn
 
-        from viasd.engine import Engine, EngineSpec
+        from viasd.engine import Engine
         from viasd.serve.app import create_app
 
-        spec = EngineSpec(
-            target=target,
-            drafter=drafter,
-            device=device,
-            dtype=dtype,
-            device_map=device_map,
-            profile=profile,
-            gamma=gamma,
+        spec = engine_spec(
+            target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map
         )
         with err.status(f"loading {target} for {', '.join(settings.methods)}"):
             engine = Engine(spec)

@@ -36,16 +36,14 @@ def confidence_signal(slim: torch.Tensor, draft: torch.Tensor | None, tokens: Se
     return 1.0 - chosen / slim.max(dim=-1).values
 
 
-def drafter_doubts(soft: torch.Tensor | None, threshold: float) -> bool:
-    """Whether the drafter's least confident draft token has a top probability under `threshold`.
+def draft_confidence(soft: torch.Tensor | None) -> float | None:
+    """The drafter's least top probability over a draft block: what the pre-gate judges a round by.
 
-    A pre-gate for a round: blocks with a doubtful token mostly reach the full tier anyway, so running the
-    slim verifier on them first would be a wasted pass. Off (False) for threshold 0 or a drafter without
-    distributions.
+    None when the drafter has no distributions (prompt lookup) or drafted nothing.
     """
-    if threshold <= 0.0 or soft is None or not soft.shape[0]:
-        return False
-    return bool(soft.float().max(dim=-1).values.min() < threshold)
+    if soft is None or not soft.shape[0]:
+        return None
+    return float(soft.float().max(dim=-1).values.min())
 
 
 @dataclass(frozen=True)
@@ -60,6 +58,8 @@ class Gate:
             raise ViasdError(f"unknown gate signal {self.signal!r}; choose one of {', '.join(SIGNALS)}")
         if not self.thresholds:
             raise ViasdError("a gate needs at least one threshold")
+        if any(math.isnan(t) for t in self.thresholds):
+            raise ViasdError(f"gate thresholds must be numbers, got {list(self.thresholds)}")
         if any(b < a for a, b in zip(self.thresholds, self.thresholds[1:], strict=False)):
             raise ViasdError(f"gate thresholds must not decrease: {list(self.thresholds)}")
 

@@ -1,7 +1,7 @@
 """Teacher forcing for the mask search and the gate statistics: every model's predictions over fixed tokens.
 
 The full target runs once over a token sequence (its logits and its KV cache are kept). A slim view is
-then scored over the same tokens the way the tiered decoder uses it (DESIGN.md section 4, design b): the
+then scored over the same tokens the way the tiered decoder uses it (docs/design.md, "Caches"): the
 slim verifier attends to the full target's KV for every position the target has processed (the
 frontier) and to its own entries beyond it. Under teacher forcing the frontier advances in steps of
 `chunk` tokens: positions [start, N) are cut into chunks, and a position in the chunk that starts at `a`
@@ -25,7 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.errors import ViasdError
-from viasd.models.routing import RoutingMask, routed
+from viasd.models.layer_skip import LayerMask, skipping
 
 # Attention implementations that take a custom additive 4D mask as is.
 _MASKABLE = ("sdpa", "eager")
@@ -117,7 +117,7 @@ def frontier_mask(n: int, start: int, chunk: int, dtype: torch.dtype) -> torch.T
 
 
 def slim_logits(
-    model: nn.Module, mask: RoutingMask | None, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
+    model: nn.Module, mask: LayerMask | None, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
 ) -> torch.Tensor:
     """float32 logits [N - start, V] of `model` under `mask` at positions start..N-1, with the frontier
     advancing every `chunk` tokens (see the module docstring). The sequence's cache is left as it was.
@@ -129,7 +129,7 @@ def slim_logits(
     n, m, device = len(seq.ids), seq.scored, _device(model)
     snap = _snapshot(seq.cache)
     try:
-        with torch.inference_mode(), routed(model, mask):
+        with torch.inference_mode(), skipping(model, mask):
             if batched is None:
                 batched = model.config._attn_implementation in _MASKABLE
             if batched:

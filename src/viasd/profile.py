@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
-from viasd.models.routing import RoutingMask
+from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
 
 FORMAT = "viasd-routing-profile/1"
@@ -56,7 +57,7 @@ class RoutingProfile:
 
     target: dict[str, str]  # {"name", "fingerprint"}
     drafter: dict[str, str] | None  # None: the profile works with any drafter of the target
-    masks: list[RoutingMask]  # slim verifiers, shallowest first
+    masks: list[LayerMask]  # slim verifiers, shallowest first
     gate: Gate = field(default_factory=Gate)
     gamma: int = 4
     cap: int = 32  # max tokens committed without the full target before a full pass is forced
@@ -65,6 +66,20 @@ class RoutingProfile:
     calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
     created: str = ""
     format: str = FORMAT
+
+    def __post_init__(self) -> None:
+        self.policy()  # refuses a bad gamma, cap or pre-gate with one line
+        if not self.gate.always_full and len(self.gate.thresholds) != len(self.masks) + 1:
+            raise ViasdError(
+                f"routing profile: {len(self.masks)} slim mask(s) need {len(self.masks) + 1} gate thresholds, "
+                f"got {len(self.gate.thresholds)}"
+            )
+
+    def policy(self, **overrides: Any) -> RoundPolicy:
+        """The round policy the profile describes, with some settings overridden (gamma=, cap=, pregate=)."""
+        settings = {"gamma": self.gamma, "cap": self.cap, "pregate": self.pregate}
+        settings.update({k: v for k, v in overrides.items() if v is not None})
+        return RoundPolicy(self.gate, **settings)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -81,16 +96,16 @@ class RoutingProfile:
             return cls(
                 target=dict(data["target"]),
                 drafter=dict(data["drafter"]) if data.get("drafter") else None,
-                masks=[RoutingMask.from_dict(m) for m in data["masks"]],
+                masks=[LayerMask.from_dict(m) for m in data["masks"]],
                 gate=Gate(gate.get("signal", "kl"), tuple(float(t) for t in gate.get("thresholds", (0.05, 1.0)))),
-                gamma=int(data.get("gamma", 4)),
-                cap=int(data.get("cap", 32)),
+                gamma=_integer(data.get("gamma", 4), "gamma"),
+                cap=_integer(data.get("cap", 32), "cap"),
                 pregate=float(data.get("pregate", 0.0)),
                 search=dict(data.get("search", {})),
                 calibration=dict(data.get("calibration", {})),
                 created=str(data.get("created", "")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ViasdError(f"malformed routing profile: {exc}") from exc
 
     def check_models(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
@@ -110,6 +125,13 @@ class RoutingProfile:
                 f"the routing profile was calibrated with drafter {self.drafter.get('name')!r}, not this drafter; "
                 "run `viasd calibrate` for this model pair"
             )
+
+
+def _integer(value: Any, name: str) -> int:
+    """An integer field of a profile (JSON numbers like 4.0 pass; 4.5, booleans and text do not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:

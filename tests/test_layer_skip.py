@@ -7,7 +7,7 @@ import torch
 
 from tiny import ARCHITECTURES, tiny_model
 from viasd.errors import ViasdError
-from viasd.models.routing import RoutingMask, decoder_layers, routed
+from viasd.models.layer_skip import LayerMask, decoder_layers, skipping
 
 IDS = torch.tensor([[5, 9, 3, 17, 22, 8, 40, 11, 2, 7, 13, 31]])
 
@@ -20,7 +20,7 @@ def logits(model, ids=IDS):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_full_mask_gives_exactly_the_full_model(arch):
     model = tiny_model(arch)
-    with routed(model, RoutingMask.full(4)):
+    with skipping(model, LayerMask.full(4)):
         masked = logits(model)
     assert torch.equal(masked, logits(model))
 
@@ -28,7 +28,7 @@ def test_full_mask_gives_exactly_the_full_model(arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_skipping_a_layer_equals_the_model_without_it(arch):
     model = tiny_model(arch)
-    with routed(model, RoutingMask.skipping(4, [2])):
+    with skipping(model, LayerMask.skipping(4, [2])):
         masked = logits(model)
     pruned = copy.deepcopy(model)
     layers = decoder_layers(pruned)
@@ -47,13 +47,11 @@ def test_skipping_only_the_mlp_changes_output_and_shares_weights():
     model = tiny_model("qwen2")
     pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
     full = logits(model)
-    mask = RoutingMask((True,) * 4, (True, False, True, True))
-    with routed(model, mask):
+    mask = LayerMask((True,) * 4, (True, False, True, True))
+    with skipping(model, mask):
         attn_only = logits(model)
         # The view runs the same parameter tensors: nothing was copied.
-        assert {
-            n: p.data_ptr() for n, p in model.named_parameters() if n in pointers
-        }.items() <= pointers.items()
+        assert {n: p.data_ptr() for n, p in model.named_parameters() if n in pointers}.items() <= pointers.items()
     assert not torch.allclose(full, attn_only)
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == pointers
 
@@ -61,7 +59,7 @@ def test_skipping_only_the_mlp_changes_output_and_shares_weights():
 def test_model_is_restored_after_an_error():
     model = tiny_model("llama")
     before = list(decoder_layers(model))
-    with pytest.raises(RuntimeError), routed(model, RoutingMask.skipping(4, [1, 2])):
+    with pytest.raises(RuntimeError), skipping(model, LayerMask.skipping(4, [1, 2])):
         raise RuntimeError("boom")
     assert list(decoder_layers(model)) == before
     assert torch.equal(logits(model), logits(tiny_model("llama")))
@@ -69,12 +67,12 @@ def test_model_is_restored_after_an_error():
 
 def test_mask_validation_and_round_trip():
     with pytest.raises(ViasdError, match="layer 0"):
-        RoutingMask.skipping(4, [0])
+        LayerMask.skipping(4, [0])
     with pytest.raises(ViasdError, match="outside"):
-        RoutingMask.skipping(4, [7])
-    mask = RoutingMask((True, False, True, True), (True, True, False, True))
-    assert RoutingMask.from_dict(mask.to_dict()) == mask
+        LayerMask.skipping(4, [7])
+    mask = LayerMask((True, False, True, True), (True, True, False, True))
+    assert LayerMask.from_dict(mask.to_dict()) == mask
     assert mask.skip_ratio == 2 / 8
-    assert RoutingMask.full(4).contains(mask) and not mask.contains(RoutingMask.full(4))
-    with pytest.raises(ViasdError, match="4 layers"), routed(tiny_model("llama", layers=2), mask):
+    assert LayerMask.full(4).contains(mask) and not mask.contains(LayerMask.full(4))
+    with pytest.raises(ViasdError, match="4 layers"), skipping(tiny_model("llama", layers=2), mask):
         pass

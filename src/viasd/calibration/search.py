@@ -1,4 +1,4 @@
-"""Search for the slim verifier's routing mask: which decoder layers to skip.
+"""Search for the slim verifier's layer mask: which decoder layers to skip.
 
 The search space has one continuous score in [0, 1] per middle layer; a candidate skips the `skip_count`
 middle layers with the lowest scores, so every candidate has exactly the requested skip ratio, and the
@@ -30,13 +30,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
+from viasd.calibration.objectives import DEFAULT_MARGIN, OBJECTIVES, Scores, score
+from viasd.calibration.teacher import TeacherSequence, slim_logits
 from viasd.errors import ViasdError
-from viasd.models.routing import RoutingMask
-from viasd.routing.masks import random_mask
-from viasd.routing.objectives import DEFAULT_MARGIN, OBJECTIVES, Scores, score
-from viasd.routing.teacher import TeacherSequence, slim_logits
+from viasd.models.layer_skip import LayerMask, random_mask
 
-Evaluator = Callable[[RoutingMask], Scores]
+Evaluator = Callable[[LayerMask], Scores]
 SAMPLERS = ("tpe", "gp")
 BO_STARTUP = 6  # complete trials before the Bayesian sampler starts modelling (it draws at random until then)
 
@@ -50,7 +49,7 @@ def _param(layer: int) -> str:
     return f"l{layer:03d}"
 
 
-def mask_from_scores(num_layers: int, skip_count: int, scores: Sequence[float]) -> RoutingMask:
+def mask_from_scores(num_layers: int, skip_count: int, scores: Sequence[float]) -> LayerMask:
     """Skip the `skip_count` middle layers with the lowest scores (scores[j] belongs to layer j + 1;
     ties go to the lower layer)."""
     middle = middle_layers(num_layers)
@@ -59,7 +58,7 @@ def mask_from_scores(num_layers: int, skip_count: int, scores: Sequence[float]) 
     if not 0 <= skip_count <= len(middle):
         raise ViasdError(f"mask search: cannot skip {skip_count} of {len(middle)} middle layers")
     order = sorted(range(len(middle)), key=lambda j: (scores[j], j))
-    return RoutingMask.skipping(num_layers, [middle[j] for j in order[:skip_count]])
+    return LayerMask.skipping(num_layers, [middle[j] for j in order[:skip_count]])
 
 
 def scores_for(num_layers: int, skipped: Sequence[int], preference: Sequence[float] | None = None) -> list[float]:
@@ -91,7 +90,7 @@ def mask_evaluator(
     if not sequences:
         raise ViasdError("mask search: no calibration sequences")
 
-    def evaluate(mask: RoutingMask) -> Scores:
+    def evaluate(mask: LayerMask) -> Scores:
         total = Scores()
         for seq in sequences:
             total = total + score(slim_logits(model, mask, seq, chunk), seq.full_logits, margin)
@@ -104,7 +103,7 @@ def mask_evaluator(
 class SearchResult:
     """The best mask of a search, its scores, and every trial (in order)."""
 
-    mask: RoutingMask
+    mask: LayerMask
     objective: str
     value: float
     scores: Scores
@@ -283,7 +282,7 @@ def search_mask(
     if not trials:
         raise ViasdError("mask search: no candidate was evaluated (time budget too small?)")
     best = study.best_trial
-    best_mask = RoutingMask.skipping(num_layers, best.user_attrs["skip"])
+    best_mask = LayerMask.skipping(num_layers, best.user_attrs["skip"])
     return SearchResult(
         mask=best_mask,
         objective=objective,
@@ -299,12 +298,12 @@ def search_mask(
 
 def layer_preference(evaluate: Evaluator, num_layers: int, objective: str) -> list[float]:
     """The objective when each middle layer alone is skipped (lower = cheaper to skip); one pass per layer."""
-    return [evaluate(RoutingMask.skipping(num_layers, [layer])).value(objective) for layer in middle_layers(num_layers)]
+    return [evaluate(LayerMask.skipping(num_layers, [layer])).value(objective) for layer in middle_layers(num_layers)]
 
 
 def random_baseline(
     evaluate: Evaluator, num_layers: int, skip_count: int, count: int, seed: int = 0
-) -> list[tuple[RoutingMask, Scores]]:
+) -> list[tuple[LayerMask, Scores]]:
     """Scores of `count` random masks of the same skip count: the baseline a searched mask must beat."""
     rng = random.Random(seed)
     ratio = skip_count / num_layers

@@ -1,6 +1,7 @@
-"""Routing masks and routed views: run one loaded model with a subset of its sub-layers.
+"""Layer skipping: a mask of which decoder sub-layers run, and running one loaded model under it.
 
-A routed view never copies weights. For the duration of a forward pass the skipped pieces of the
+This is the paper's "intra-model routing": the slim verifier is the target with some layers skipped.
+A layer-skipped pass never copies weights. For the duration of a forward pass the skipped pieces of the
 model's own decoder are swapped for parameter-free stand-ins (identity for a whole layer, zeros for an
 attention or MLP sub-layer, so the residual stream passes through unchanged), then restored. Indices
 of the remaining layers are untouched, so per-layer attention types (sliding or full) and KV-cache
@@ -9,6 +10,7 @@ slots keep their meaning.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ from viasd.errors import ViasdError
 
 
 @dataclass(frozen=True)
-class RoutingMask:
+class LayerMask:
     """Which sub-layers of each decoder layer run: `attention[i]` and `mlp[i]` for layer i."""
 
     attention: tuple[bool, ...]
@@ -29,25 +31,25 @@ class RoutingMask:
 
     def __post_init__(self) -> None:
         if len(self.attention) != len(self.mlp):
-            raise ViasdError("routing mask: attention and mlp entries differ in length")
+            raise ViasdError("layer mask: attention and mlp entries differ in length")
         if not self.attention:
-            raise ViasdError("routing mask: the model has no layers")
+            raise ViasdError("layer mask: the model has no layers")
         # The KV cache reports its length from layer 0, so layer 0's attention must always run.
         if not self.attention[0]:
-            raise ViasdError("routing mask: the attention of layer 0 must run (the cache length is read from it)")
+            raise ViasdError("layer mask: the attention of layer 0 must run (the cache length is read from it)")
 
     @classmethod
-    def full(cls, num_layers: int) -> RoutingMask:
+    def full(cls, num_layers: int) -> LayerMask:
         """The mask that runs every sub-layer: the full model."""
         return cls((True,) * num_layers, (True,) * num_layers)
 
     @classmethod
-    def skipping(cls, num_layers: int, skipped_layers: Sequence[int]) -> RoutingMask:
+    def skipping(cls, num_layers: int, skipped_layers: Sequence[int]) -> LayerMask:
         """A mask that skips whole decoder layers."""
         skip = set(skipped_layers)
         bad = [i for i in skip if not 0 <= i < num_layers]
         if bad:
-            raise ViasdError(f"routing mask: layer indices {sorted(bad)} outside 0..{num_layers - 1}")
+            raise ViasdError(f"layer mask: layer indices {sorted(bad)} outside 0..{num_layers - 1}")
         keep = tuple(i not in skip for i in range(num_layers))
         return cls(keep, keep)
 
@@ -70,7 +72,7 @@ class RoutingMask:
         skipped = self.attention.count(False) + self.mlp.count(False)
         return skipped / (2 * self.num_layers)
 
-    def contains(self, other: RoutingMask) -> bool:
+    def contains(self, other: LayerMask) -> bool:
         """True when every sub-layer that `other` runs also runs here (other is a sub-view of self)."""
         pairs = zip(self.attention + self.mlp, other.attention + other.mlp, strict=True)
         return self.num_layers == other.num_layers and all(mine or not theirs for mine, theirs in pairs)
@@ -86,19 +88,24 @@ class RoutingMask:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RoutingMask:
+    def from_dict(cls, data: dict[str, Any]) -> LayerMask:
+        """The mask a profile describes; layer indices must be integers in 0..num_layers-1."""
         try:
             n = int(data["num_layers"])
             attention = [True] * n
             mlp = [True] * n
-            for i in data.get("skip_layers", []):
-                attention[i] = mlp[i] = False
-            for i in data.get("skip_attention", []):
-                attention[i] = False
-            for i in data.get("skip_mlp", []):
-                mlp[i] = False
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ViasdError(f"routing mask: malformed description {data!r}") from exc
+            for key, parts in (
+                ("skip_layers", (attention, mlp)),
+                ("skip_attention", (attention,)),
+                ("skip_mlp", (mlp,)),
+            ):
+                for i in data.get(key, []):
+                    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                        raise ViasdError(f"layer mask: {key} holds {i!r}, not a layer index in 0..{n - 1}")
+                    for part in parts:
+                        part[i] = False
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ViasdError(f"layer mask: malformed description {data!r}") from exc
         return cls(tuple(attention), tuple(mlp))
 
     def describe(self) -> str:
@@ -139,7 +146,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     decoder = get_decoder() if callable(get_decoder) else getattr(model, "model", model)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ViasdError(f"{type(model).__name__}: cannot find the decoder layers to route")
+        raise ViasdError(f"{type(model).__name__}: cannot find the decoder layers to skip")
     return layers
 
 
@@ -148,7 +155,7 @@ def num_decoder_layers(model: nn.Module) -> int:
 
 
 @contextmanager
-def routed(model: nn.Module, mask: RoutingMask | None) -> Iterator[None]:
+def skipping(model: nn.Module, mask: LayerMask | None) -> Iterator[None]:
     """Run `model` under `mask` inside the block; the model is restored on exit (also on error).
 
     Not re-entrant and not thread-safe: one forward pass per model at a time.
@@ -158,7 +165,7 @@ def routed(model: nn.Module, mask: RoutingMask | None) -> Iterator[None]:
         return
     layers = decoder_layers(model)
     if mask.num_layers != len(layers):
-        raise ViasdError(f"routing mask is for {mask.num_layers} layers, the model has {len(layers)}")
+        raise ViasdError(f"the layer mask is for {mask.num_layers} layers, the model has {len(layers)}")
     swapped_layers: list[tuple[int, nn.Module]] = []
     swapped_parts: list[tuple[nn.Module, str, nn.Module]] = []
     try:
@@ -180,3 +187,30 @@ def routed(model: nn.Module, mask: RoutingMask | None) -> Iterator[None]:
             layers[i] = layer
         for layer, name, module in swapped_parts:
             setattr(layer, name, module)
+
+
+# ------------------------------------------------------------------------ masks that need no search
+
+
+def layers_to_skip(num_layers: int, skip_ratio: float) -> int:
+    """How many whole layers a skip ratio removes; first and last layers always stay."""
+    if not 0.0 <= skip_ratio < 1.0:
+        raise ViasdError(f"skip ratio must be in [0, 1), got {skip_ratio}")
+    return min(round(skip_ratio * num_layers), max(num_layers - 2, 0))
+
+
+def spread_mask(num_layers: int, skip_ratio: float) -> LayerMask:
+    """Skip layers evenly spread over the middle of the stack (a reasonable unsearched default)."""
+    count = layers_to_skip(num_layers, skip_ratio)
+    middle = list(range(1, num_layers - 1))
+    if count == 0:
+        return LayerMask.full(num_layers)
+    step = len(middle) / count
+    skipped = sorted({middle[int((i + 0.5) * step)] for i in range(count)})
+    return LayerMask.skipping(num_layers, skipped)
+
+
+def random_mask(num_layers: int, skip_ratio: float, rng: random.Random) -> LayerMask:
+    """Skip a random set of middle layers of the given ratio (the baseline a searched mask must beat)."""
+    count = layers_to_skip(num_layers, skip_ratio)
+    return LayerMask.skipping(num_layers, rng.sample(range(1, num_layers - 1), count))

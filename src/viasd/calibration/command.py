@@ -1,0 +1,204 @@
+"""`viasd calibrate`: make a routing profile for a model pair, or re-select the round policy of an existing one.
+
+Registered in cli.py as `app.command("calibrate")(user_errors(calibrate))` (one-line errors, like the other
+commands). Heavy imports happen inside the command so that `viasd --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, TargetOpt, engine_spec
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def _numbers(text: str, kind: type, option: str) -> tuple[Any, ...]:
+    """Parse a comma-separated list such as '2,3,4' or '0.18,0.25'."""
+    try:
+        values = tuple(kind(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise ViasdError(f"{option}: expected comma-separated numbers, got {text!r}") from exc
+    if not values:
+        raise ViasdError(f"{option}: no value given")
+    return values
+
+
+def _default_output(drafter: str, target: str) -> Path:
+    def stem(name: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(name).name.removesuffix(".gguf")).strip("-") or "model"
+
+    return Path(f"{stem(drafter)}__{stem(target)}.json")
+
+
+def calibrate(
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Profile JSON to write (default: <drafter>__<target>.json).")
+    ] = None,
+    reselect: Annotated[
+        Path | None,
+        typer.Option(
+            help="Re-select the round policy of this profile (its masks and measured costs kept; gate records "
+            "regenerated from its own prompts) under the selection options given; no mask search."
+        ),
+    ] = None,
+    what_if: Annotated[
+        bool, typer.Option("--what-if", help="With --reselect: print what-if scenarios instead of writing a profile.")
+    ] = False,
+    objective: Annotated[str, typer.Option(help="Mask search objective: margin, kl or agreement.")] = "margin",
+    skip_ratio: Annotated[
+        str, typer.Option("--skip-ratio", help="Skip ratio(s) to search, comma-separated; the fastest wins.")
+    ] = "0.18,0.21,0.25",
+    iterations: Annotated[int, typer.Option(help="Search trials per skip ratio.")] = 60,
+    time_budget: Annotated[
+        float | None, typer.Option("--time-budget", help="Seconds for all mask searches together.")
+    ] = None,
+    quality_budget: Annotated[
+        float | None,
+        typer.Option(
+            "--quality-budget",
+            help="Max share of committed tokens that differ from the target's (default 0.02, or the profile's).",
+        ),
+    ] = None,
+    gammas: Annotated[
+        str | None, typer.Option(help="Draft lengths to consider (default 2,3,4,5,6,8, or the profile's).")
+    ] = None,
+    caps: Annotated[
+        str | None, typer.Option(help="Caps on unchecked tokens to consider (default 8,16,32, or the profile's).")
+    ] = None,
+    pregates: Annotated[
+        str, typer.Option(help="Pre-gate thresholds to consider (drafter confidence; 0 = off), comma-separated.")
+    ] = "0,0.3,0.5",
+    min_tier_share: Annotated[
+        float | None,
+        typer.Option(
+            help="Require each tier (accept, slim, full) to decide at least this share of draft tokens "
+            "(default 0, or the profile's)."
+        ),
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Number of built-in calibration prompts (1-12).")] = 8,
+    search_prompts: Annotated[int, typer.Option(help="Of those, how many drive the mask search.")] = 4,
+    new_tokens: Annotated[int, typer.Option(help="Target continuation length per prompt.")] = 64,
+    sampler: Annotated[str, typer.Option(help="Bayesian sampler interleaved with random search: tpe or gp.")] = "tpe",
+    resume: Annotated[
+        bool, typer.Option(help="Continue the searches and reuse the work file's continuations and records.")
+    ] = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = None,
+    seed: Annotated[int, typer.Option(help="Seed of the search samplers and random baselines.")] = 0,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Find the slim verifier's layer mask and calibrate the gate, gamma, cap and pre-gate for a model pair."""
+    from rich.console import Console
+
+    from viasd.calibration.pipeline import CalibrationSettings
+
+    err = Console(stderr=True)
+    if sampler not in ("tpe", "gp"):
+        raise ViasdError(f"--sampler must be tpe or gp, got {sampler!r}")
+    if what_if and reselect is None:
+        raise ViasdError("--what-if needs --reselect PROFILE: the profile whose selection to question")
+    base: dict[str, Any] = {}
+    if reselect is not None:
+        from viasd.profile import load_profile
+
+        recorded = load_profile(reselect).calibration
+        base = {
+            "quality_budget": recorded.get("quality_budget"),
+            "gammas": tuple(recorded["gammas"]) if recorded.get("gammas") else None,
+            "caps": tuple(recorded["caps"]) if recorded.get("caps") else None,
+            "min_tier_share": recorded.get("predicted", {}).get("min_tier_share"),
+        }
+    given = {
+        "quality_budget": quality_budget,
+        "gammas": _numbers(gammas, int, "--gammas") if gammas else None,
+        "caps": _numbers(caps, int, "--caps") if caps else None,
+        "min_tier_share": min_tier_share,
+    }
+    selection = {
+        k: v for k, v in {**base, **{k: v for k, v in given.items() if v is not None}}.items() if v is not None
+    }
+    settings = CalibrationSettings(
+        objective=objective,
+        skip_ratios=_numbers(skip_ratio, float, "--skip-ratio"),
+        iterations=iterations,
+        time_budget=time_budget,
+        prompts=prompts,
+        search_prompts=search_prompts,
+        new_tokens=new_tokens,
+        sampler=sampler,
+        seed=seed,
+        pregates=_numbers(pregates, float, "--pregates"),
+        **selection,
+    )
+    settings.check()
+    out = output or (reselect if reselect is not None and what_if else None) or _default_output(drafter, target)
+    work_file = out.with_name(out.name + ".work")  # JSON; not *.json, so package data globs skip it
+    log = lambda text: err.print(f"[dim]{text}[/]", highlight=False, soft_wrap=True)  # noqa: E731
+
+    from viasd.engine import Engine
+
+    with err.status(f"loading {target} and {drafter}"):
+        engine = Engine(engine_spec(target, drafter, device=device, dtype=dtype))
+        pair = (engine.target, engine.drafter)
+    if reselect is not None:
+        _reselect(reselect, out, what_if, pair, settings, work_file, log, err)
+        return
+
+    import optuna
+
+    from viasd.calibration.pipeline import calibrate_pair
+    from viasd.profile import save_profile
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    profile = calibrate_pair(
+        *pair,
+        settings,
+        storage=out.with_name(out.name + ".search.db"),
+        work_file=work_file,
+        resume=resume,
+        log=log,
+        progress=progress,
+    )
+    save_profile(profile, out)
+    err.print(f"wrote {out}: {_describe(profile)}", highlight=False, soft_wrap=True)
+
+
+def _describe(profile: Any) -> str:
+    predicted = profile.calibration["predicted"]
+    return (
+        f"{profile.masks[0].describe()}, gate {profile.gate.signal} {list(profile.gate.thresholds)}, "
+        f"gamma {profile.gamma}, cap {profile.cap}, pre-gate {profile.pregate:g}; predicted "
+        f"{predicted['via']['tokens_per_second']:.2f} tok/s (error rate {predicted['via']['error_rate']:.3f}) "
+        f"vs sd {predicted['sd']['tokens_per_second']:.2f}, plain {predicted['plain']['tokens_per_second']:.2f}"
+    )
+
+
+def _reselect(
+    source: Path, out: Path, what_if: bool, pair: tuple[Any, Any], settings: Any, work_file: Path, log: Any, err: Any
+) -> None:
+    """`--reselect`: the profile's round policy selected again, or (`--what-if`) the scenario table."""
+    from viasd.calibration.pipeline import profile_records, reselect
+    from viasd.calibration.workfile import WorkFile
+    from viasd.fileio import file_sha256
+    from viasd.profile import load_profile, save_profile
+
+    profile = load_profile(source)
+    if what_if:
+        from viasd.calibration.whatif import what_if_table
+
+        profile.check_models(pair[0].model, pair[1].model)
+        records = profile_records(profile, *pair, WorkFile(work_file), log)
+        print(what_if_table(profile, records, settings))
+        return
+    new = reselect(profile, file_sha256(source), *pair, settings, work_file=work_file, log=log)
+    save_profile(new, out)
+    err.print(f"wrote {out}: {_describe(new)}", highlight=False, soft_wrap=True)

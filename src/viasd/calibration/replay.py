@@ -1,0 +1,139 @@
+"""Replay of greedy rounds along gate records, with the decoder's own round code and a cost model.
+
+`replay` plays `decode.round.play_round` along each sequence's records (records.py) instead of running
+models: a committed token is True when it is the target's greedy choice at its position, so the replay
+counts errors as well as rounds, passes and tiers, exactly as the decoder would on that sequence.
+
+Cost model of one round with k draft tokens (the prompt prefill is counted as a target call, not timed):
+    drafter: k steps of cost c_d(1) (the first step may feed 2 tokens; in bf16 that costs the same)
+    slim:    one pass of each slim view that ran over k + 1 tokens, c_s(k + 1)
+    full:    when the full target runs, one pass over every token it has not processed, c_f(1 + unchecked + k)
+Records are assumed to hold along the committed path even after a wrong token is committed (teacher forcing
+cannot follow the drift).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from viasd.calibration.costs import Costs
+from viasd.calibration.records import GateRecords
+from viasd.decode.round import Round, RoundPolicy, draft_length, play_round
+from viasd.decode.stats import GenerationStats
+
+
+class RecordedPasses:
+    """A round's outcomes read from one sequence's records at position `at` (see `decode.round.RoundParts`)."""
+
+    def __init__(self, records: GateRecords, signal: str) -> None:
+        self.records = records
+        self.values = records.signal(signal)
+        self.at = 0
+        self.k = 0
+
+    def draft(self, k: int) -> tuple[list[bool], float | None]:
+        self.k = k
+        j, r = self.at, self.records
+        tops = r.draft_top[j : j + k]  # older records may lack the drafter's confidence
+        return r.draft_ok[j : j + k], (min(tops) if tops else None)
+
+    def signals(self) -> list[float]:
+        return self.values[self.at : self.at + self.k]
+
+    def check(self, i: int, tier: int) -> bool | None:
+        # Greedy: the draft stands when it is the view's top token, else the view's top token replaces it.
+        at = self.at + i
+        return None if self.records.slim_agrees[tier - 1][at] else self.records.slim_ok[tier - 1][at]
+
+    def bonus(self, tier: int) -> bool:
+        return self.records.slim_ok[tier - 1][self.at + self.k]
+
+    def verify(self) -> tuple[list[bool], int]:
+        kept = 0
+        while kept < self.k and self.records.draft_ok[self.at + kept]:
+            kept += 1
+        return [True] * (kept + 1), kept  # the full target's own token is its choice by definition
+
+
+@dataclass
+class Prediction:
+    """Replayed counts (as the decoder's statistics), predicted seconds and errors of a policy."""
+
+    stats: GenerationStats
+    seconds: float = 0.0
+    errors: int = 0  # committed tokens that differ from the target's greedy choice
+
+    @property
+    def tokens(self) -> int:
+        return self.stats.new_tokens
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.tokens if self.tokens else 0.0
+
+    @property
+    def decided(self) -> dict[str, int]:
+        """Draft tokens settled per tier: accept, slim (all slim tiers together), full."""
+        tiers = self.stats.tiers
+        slim = sum(t.decided for name, t in tiers.items() if name not in ("accept", "full"))
+        full = tiers["full"].decided if "full" in tiers else self.stats.evaluated
+        return {"accept": tiers["accept"].decided if "accept" in tiers else 0, "slim": slim, "full": full}
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "errors": self.errors,
+            "rounds": s.rounds,
+            "target_calls": s.target_calls,
+            "slim_calls": s.slim_calls,
+            "drafter_steps": s.drafted,
+            "evaluated": s.evaluated,
+            "accepted": s.accepted,
+            "decided": self.decided,
+            "tokens_per_second": self.tokens_per_second,
+            "error_rate": self.error_rate,
+            "rejection_rate": s.rejection_rate,
+            "tokens_per_target_call": s.tokens_per_target_call if s.target_calls else None,
+        }
+
+
+def round_seconds(played: Round[Any], costs: Costs, unchecked: int) -> float:
+    """Predicted seconds of one round (the module docstring's cost model); `unchecked` as before the round."""
+    k = played.drafted
+    seconds = k * costs.step + sum(costs.slim_pass(k + 1, tier) for tier in played.views)
+    if played.full:
+        seconds += costs.full_pass(1 + unchecked + k)
+    return seconds
+
+
+def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | None = None) -> Prediction:
+    """Play greedy rounds of `policy` along every sequence's records; seconds only when `costs` are given."""
+    out = Prediction(GenerationStats(method="replay"))
+    names = policy.tier_names
+    for name in names:
+        out.stats.tier(name)
+    for seq in records:
+        if not policy.gate.always_full:
+            out.stats.record_prefill(names)  # as the decoder: the full target prefills the prompt
+        parts = RecordedPasses(seq, policy.gate.signal)
+        unchecked = 0
+        while parts.at < len(seq):
+            k = draft_length(policy.gamma, len(seq) - parts.at)
+            played = play_round(policy, parts, k, unchecked)
+            taken = len(played.committed)
+            out.stats.record(played, taken, names)
+            out.errors += taken - sum(played.committed)
+            if costs is not None:
+                out.seconds += round_seconds(played, costs, unchecked)
+            unchecked = 0 if played.full else unchecked + taken
+            parts.at += taken
+    out.stats.new_tokens = sum(len(seq) for seq in records)
+    return out

@@ -1,0 +1,39 @@
+"""Command-line options that every model-loading command shares, declared once, and the EngineSpec they make.
+
+`viasd generate`, `bench`, `serve` and `calibrate` take the same model options with the same meaning; each
+command declares them with these aliases and turns them into an EngineSpec with `engine_spec`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from viasd.engine import EngineSpec
+
+TargetOpt = Annotated[
+    str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")
+]
+DrafterOpt = Annotated[str, typer.Option("--drafter", "-d", help="Drafter model (same tokenizer as the target).")]
+ProfileOpt = Annotated[str | None, typer.Option(help="Routing profile JSON for the via methods.")]
+GammaOpt = Annotated[int | None, typer.Option(help="Draft tokens per round (default: 4, or the profile's).")]
+DeviceOpt = Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda, cuda:1 (default: cuda if present).")]
+DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")]
+DeviceMapOpt = Annotated[str | None, typer.Option(help="'auto' spreads a large target over several GPUs.")]
+
+
+def engine_spec(
+    target: str,
+    drafter: str,
+    *,
+    profile: str | None = None,
+    gamma: int | None = None,
+    device: str | None = None,
+    dtype: str = "auto",
+    device_map: str | None = None,
+) -> EngineSpec:
+    """The EngineSpec of a command's shared options."""
+    return EngineSpec(
+        target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
+    )
