@@ -9,13 +9,20 @@ from transformers import (
     Gemma2Config,
     GemmaConfig,
     LlamaConfig,
+    MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
 ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2")
 
-_CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config}
+_CONFIGS = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "gemma": GemmaConfig,
+    "gemma2": Gemma2Config,
+    "mistral": MistralConfig,
+}
 
 
 def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -35,8 +42,12 @@ def tiny_model(
     seed: int = 0,
     init_scale: float = 0.3,
     dtype: torch.dtype = torch.float64,
+    sliding_window: int | None = None,
 ) -> torch.nn.Module:
-    """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform."""
+    """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform.
+
+    sliding_window: the attention window of the sliding layers (Gemma2: every other layer; Mistral: all).
+    """
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -53,7 +64,9 @@ def tiny_model(
         tie_word_embeddings=False,
     )
     if arch == "gemma2":
-        kwargs.update(sliding_window=128, query_pre_attn_scalar=16)
+        kwargs.update(sliding_window=sliding_window or 128, query_pre_attn_scalar=16)
+    elif sliding_window is not None:
+        kwargs.update(sliding_window=sliding_window)
     config = _CONFIGS[arch](**kwargs)
     config._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
     torch.manual_seed(seed)

@@ -8,8 +8,11 @@ Cost model of one round with k draft tokens (the prompt prefill is counted as a 
     drafter: k steps of cost c_d(1) (the first step may feed 2 tokens; in bf16 that costs the same)
     slim:    one pass of each slim view that ran over k + 1 tokens, c_s(k + 1)
     full:    when the full target runs, one pass over every token it has not processed, c_f(1 + unchecked + k)
-Records are assumed to hold along the committed path even after a wrong token is committed (teacher forcing
-cannot follow the drift).
+Records follow the committed sequence. They are exactly what the decoder saw as long as every token a lower tier
+keeps is the target's choice (tests/test_round.py checks that rounds, passes and tiers then match the decoder's).
+Elsewhere they approximate it: after a wrong token is committed the records cannot follow the drift, a wrong
+token kept and then corrected by a full pass in the same round conditioned the gate's later signals on drafts
+the records never see, and the pre-gate judges a whole block whose later drafts follow earlier, possibly wrong ones.
 """
 
 from __future__ import annotations

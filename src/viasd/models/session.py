@@ -15,9 +15,11 @@ Cache invariants (tested in tests/test_session.py):
   never stacks a pass on pending entries: it drops them and starts again at the committed frontier.
 
 The cache is made from the model's config, so sliding-window layers get sliding cache layers. They are
-told to keep their past (transformers' "past recording") so that a rollback can restore the window.
-Cropping goes through each layer's own `crop`, layer by layer, because layers hold different lengths
-while pending entries exist.
+told to keep their past (transformers' "past recording") so that a rollback can restore the window, but
+each crop trims them back to the window that ends at the cut: a later crop may only remove what was added
+since. So on such caches a slim pass never reuses part of the pending entries; it drops them all (one crop
+of what the previous slim pass added) and recomputes. Cropping goes through each layer's own `crop`,
+layer by layer, because layers hold different lengths while pending entries exist.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class KVSession:
         self.forward_passes = 0  # of every view together
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
+        self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
 
     def _stacks(self, mask: LayerMask) -> bool:
         """Whether a pass of `mask` may go on top of pending entries (it runs every mask-size layer)."""
@@ -153,7 +156,7 @@ class KVSession:
         if shared < len(self.tokens):
             self.truncate(shared)
         frontier = len(self.tokens)
-        if mask != self.pending_mask or not self._stacks(mask):
+        if mask != self.pending_mask or not self._stacks(mask) or self.windowed:
             self.truncate_pending(0)
         tail = sequence[frontier:]
         reuse = min(common_prefix_length(self.pending, tail), len(tail) - keep)
