@@ -493,3 +493,26 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     assert "## Where the time goes" in (out / "summary.md").read_text()
     missing = runner.invoke(app, ["bench", "--report-only", "--out", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "holds no benchmark run" in missing.output
+    # The summary goes into a document between markers naming the run, replacing the block on a rerun.
+    doc = tmp_path / "BENCH.md"
+    doc.write_text("# Benchmarks\n\nWritten by hand.\n")
+    for _ in range(2):
+        into = runner.invoke(app, ["bench", "--report-only", "--out", str(out), "--into", str(doc)])
+        assert into.exit_code == 0, into.output
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nWritten by hand.\n") and text.count(f"--out {out}: begin") == 1
+    assert "#### Overall" in text and "- command: `viasd " in text  # headings sit two levels down
+    doc.write_text(text + "\nMore by hand.\n")
+    runner.invoke(app, ["bench", "--report-only", "--out", str(out), "--into", str(doc)])
+    assert doc.read_text().endswith("More by hand.\n")
+    refused = runner.invoke(app, ["bench", "--out", str(out), "--into", str(doc)])
+    assert refused.exit_code == 2 and "--into needs --report-only" in refused.output
+    # Two methods of the run compared task by task, without loading a model.
+    compared = runner.invoke(app, ["bench", "--out", str(out), "--compare", "sd,plain"])
+    assert compared.exit_code == 0, compared.output
+    speed = {(r["key"], r["method"]): r["stats"]["tokens_per_second"] for r in rows}
+    ratios = [speed[k, "sd"] / speed[k, "plain"] for k in ("specbench/1", "specbench/2")]
+    assert f"sd over plain: {math.prod(ratios) ** 0.5:.3f}x (geometric mean over 2 tasks)" in compared.output
+    for pair, message in (("sd", "two methods"), ("sd,warp", "no rows for warp")):
+        bad = runner.invoke(app, ["bench", "--out", str(out), "--compare", pair])
+        assert bad.exit_code == 2 and message in bad.output

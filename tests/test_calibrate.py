@@ -415,3 +415,74 @@ def test_calibrate_command_reports_bad_options_in_one_line():
     result = CliRunner().invoke(app, ["calibrate", "--gammas", "2,x"])
     assert result.exit_code == 2 and "--gammas" in result.output
     assert NO_FULL > 1e6
+
+
+def _profile_json(**changes):
+    data = RoutingProfile(
+        target={"name": "t", "fingerprint": "x"}, drafter=None, masks=[LayerMask.skipping(4, [2])], gate=Gate()
+    ).to_dict()
+    for key, value in changes.items():
+        if key == "masks":
+            data["masks"] = value
+        elif key == "thresholds":
+            data["gate"]["thresholds"] = value
+        else:
+            data[key] = value
+    return json.dumps(data, allow_nan=True)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"masks": [{"num_layers": 4, "skip_layers": [-1]}]}, "not a layer index in 0..3"),
+        ({"masks": [{"num_layers": 4, "skip_mlp": [7]}]}, "not a layer index in 0..3"),
+        ({"masks": [{"num_layers": 4, "skip_layers": [True]}]}, "not a layer index"),
+        ({"thresholds": [float("nan"), 1.0]}, "gate thresholds must be numbers"),
+        ({"thresholds": [0.1, 0.2, 0.3]}, "need 2 gate thresholds"),
+        ({"gamma": 1000}, "gamma must be in 1..64"),
+        ({"gamma": 2.5}, "gamma must be an integer"),
+        ({"cap": 0}, "cap on tokens committed without the full target must be >= 1"),
+        ({"pregate": 2.0}, "pre-gate must be a probability"),
+    ],
+)
+def test_a_profile_with_impossible_settings_is_refused_in_one_line(tmp_path, changes, message):
+    path = tmp_path / "bad.json"
+    path.write_text(_profile_json(**changes))
+    with pytest.raises(ViasdError) as info:
+        load_profile(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_calibrate_and_reselect_from_the_command_line(tmp_path):
+    """`viasd calibrate` on models in directories, then `--reselect` of its profile: the documented way to re-derive
+    a profile's round policy reproduces it, and other selection options change only what they govern."""
+    tok = tiny_tokenizer(64)
+    dirs = {}
+    # Llama: transformers reloads the tiny word-level tokenizer as it is (for qwen2 it substitutes its own class).
+    for name, model in (("target", tiny_model("llama", layers=6)), ("drafter", tiny_model("llama", layers=2, seed=1))):
+        dirs[name] = tmp_path / name
+        model.save_pretrained(dirs[name])
+        tok.save_pretrained(dirs[name])
+    common = ["--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--dtype", "fp32", "--device", "cpu"]
+    first = tmp_path / "p.json"
+    runner = CliRunner()
+    made = runner.invoke(app, ["calibrate", *common, "--output", str(first), "--skip-ratio", "0.34", "--iterations",
+                               "3", "--prompts", "2", "--search-prompts", "1", "--new-tokens", "12", "--gammas", "2,3",
+                               "--caps", "8,16", "--no-progress"])  # fmt: skip
+    assert made.exit_code == 0, made.output
+    profile = load_profile(first)
+    again = tmp_path / "q.json"
+    result = runner.invoke(app, ["calibrate", *common, "--reselect", str(first), "--output", str(again)])
+    assert result.exit_code == 0, result.output
+    same = load_profile(again)
+    policy = (profile.gate, profile.gamma, profile.cap, profile.pregate)
+    assert (same.gate, same.gamma, same.cap, same.pregate) == policy
+    assert same.masks == profile.masks and same.calibration["costs"] == profile.calibration["costs"]
+    reselect_args = ["calibrate", *common, "--reselect", str(first)]
+    result = runner.invoke(app, [*reselect_args, "--output", str(again), "--gammas", "3"])
+    assert result.exit_code == 0 and load_profile(again).gamma == 3 and load_profile(again).cap in (8, 16)
+    what_if = runner.invoke(app, [*reselect_args, "--what-if"])
+    assert what_if.exit_code == 0 and "| as configured" in what_if.output
+    assert "| slim verifier always right" in what_if.output
+    refused = runner.invoke(app, ["calibrate", *common, "--what-if"])
+    assert refused.exit_code == 2 and "--what-if needs --reselect" in refused.output
