@@ -1,6 +1,6 @@
 """Benchmark maths: quality metrics on strings, speedup statistics and per-method summaries (pure functions).
 
-Conventions (DESIGN.md section 7): speedup is measured per prompt (a method's tokens/s over plain
+Conventions (docs/design.md, "Measuring"): speedup is measured per prompt (a method's tokens/s over plain
 decoding's tokens/s on the same prompt) and summarised by the geometric mean, so one slow prompt does
 not dominate; throughput figures are totals (all tokens over all seconds), as Spec-Bench reports them.
 """

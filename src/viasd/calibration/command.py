@@ -149,7 +149,7 @@ def calibrate(
         engine = Engine(engine_spec(target, drafter, device=device, dtype=dtype))
         pair = (engine.target, engine.drafter)
     if reselect is not None:
-        _reselect(reselect, out, what_if, pair, settings, work_file, log, err)
+        _reselect(reselect, out, what_if, pair, settings, work_file, log, err, progress)
         return
 
     import optuna
@@ -183,7 +183,15 @@ def _describe(profile: Any) -> str:
 
 
 def _reselect(
-    source: Path, out: Path, what_if: bool, pair: tuple[Any, Any], settings: Any, work_file: Path, log: Any, err: Any
+    source: Path,
+    out: Path,
+    what_if: bool,
+    pair: tuple[Any, Any],
+    settings: Any,
+    work_file: Path,
+    log: Any,
+    err: Any,
+    progress: bool,
 ) -> None:
     """`--reselect`: the profile's round policy selected again, or (`--what-if`) the scenario table."""
     from viasd.calibration.pipeline import profile_records, reselect
@@ -196,9 +204,9 @@ def _reselect(
         from viasd.calibration.whatif import what_if_table
 
         profile.check_models(pair[0].model, pair[1].model)
-        records = profile_records(profile, *pair, WorkFile(work_file), log)
+        records = profile_records(profile, *pair, WorkFile(work_file), log, progress)
         print(what_if_table(profile, records, settings))
         return
-    new = reselect(profile, file_sha256(source), *pair, settings, work_file=work_file, log=log)
+    new = reselect(profile, file_sha256(source), *pair, settings, work_file=work_file, log=log, progress=progress)
     save_profile(new, out)
     err.print(f"wrote {out}: {_describe(new)}", highlight=False, soft_wrap=True)

@@ -19,10 +19,10 @@ import dataclasses
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
@@ -54,6 +54,17 @@ from viasd.prompting import encode_prompt
 
 Log = Callable[[str], None]
 Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, the target's greedy continuation)
+T = TypeVar("T")
+
+
+def _steps(items: Sequence[T], what: str, progress: bool) -> Iterable[T]:
+    """`items`, with a progress bar on stderr when `progress` is on (calibration steps take minutes)."""
+    if not progress:
+        return items
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=what, console=Console(stderr=True), transient=True)
 
 
 @dataclass
@@ -132,7 +143,13 @@ def utc_now() -> str:
 
 
 def continuations(
-    target: LoadedModel, drafter: LoadedModel, texts: Sequence[str], new_tokens: int, work: WorkFile, resume: bool
+    target: LoadedModel,
+    drafter: LoadedModel,
+    texts: Sequence[str],
+    new_tokens: int,
+    work: WorkFile,
+    resume: bool,
+    progress: bool = False,
 ) -> Pairs:
     """(prompt ids, the target's greedy continuation) per prompt, generated with exact SD for speed and kept in
     the work file (keyed by target, dtype, length and prompts) for `--resume` and `--reselect`."""
@@ -143,7 +160,7 @@ def continuations(
         return [(list(p), list(c)) for p, c in cached]
     decoder = SpeculativeDecoder(target.model, target.tokenizer, ModelDrafter(drafter.model, name="small"), gamma=4)
     pairs: Pairs = []
-    for text in texts:
+    for text in _steps(texts, "continuations", progress):
         ids = encode_prompt(target.tokenizer, text)
         result = decoder.generate(ids, GenerationConfig(max_new_tokens=new_tokens))
         if len(result.tokens) >= 2:
@@ -164,6 +181,7 @@ def records_for(
     chunk: int,
     work: WorkFile,
     resume: bool,
+    progress: bool = False,
 ) -> list[GateRecords]:
     """Gate records of slim views `masks` along the teacher-forced sequences, kept in the work file."""
     key = work_key(
@@ -179,7 +197,7 @@ def records_for(
     if isinstance(cached, list):
         return [GateRecords.from_dict(seq) for seq in cached]
     records = []
-    for seq in sequences:
+    for seq in _steps(sequences, "gate records", progress):
         drafts = model_logits(drafter.model, seq.ids, seq.start)
         views = [slim_logits(target.model, mask, seq, chunk) for mask in masks]
         records.append(gate_records(drafts, views, seq.full_logits))
@@ -268,7 +286,7 @@ def calibrate_pair(
 
     reuse = " (reused from the work file when it has them)" if resume else ""
     log(f"generating the target's greedy continuations of {len(texts)} calibration prompts{reuse}")
-    pairs = continuations(target, drafter, texts, settings.new_tokens, work, resume)
+    pairs = continuations(target, drafter, texts, settings.new_tokens, work, resume, progress)
     if not pairs:
         raise ViasdError("calibration: the target produced no continuation for any calibration prompt")
     sequences = teacher_sequences(target, pairs)
@@ -321,7 +339,7 @@ def calibrate_pair(
         )
         previous = result.mask
         baseline = random_baseline(evaluate, num_layers, count, settings.random_masks, settings.seed + 1000 + count)
-        records = records_for(target, drafter, sequences, [result.mask], settings.chunk, work, resume)
+        records = records_for(target, drafter, sequences, [result.mask], settings.chunk, work, resume, progress)
         candidates.append({"result": result, "baseline": baseline, "records": records})
         log(
             f"  best {result.mask.describe()}: {settings.objective} {result.value:.4f}, "
@@ -424,7 +442,12 @@ def calibrate_pair(
 
 
 def profile_records(
-    profile: RoutingProfile, target: LoadedModel, drafter: LoadedModel, work: WorkFile, log: Log = lambda text: None
+    profile: RoutingProfile,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    work: WorkFile,
+    log: Log = lambda text: None,
+    progress: bool = False,
 ) -> list[GateRecords]:
     """The gate records a profile was selected from, regenerated from its own prompts and settings (or read
     from the work file, where an earlier run left them)."""
@@ -434,9 +457,10 @@ def profile_records(
     except (KeyError, TypeError, ValueError) as exc:
         raise ViasdError(f"the profile does not record its calibration prompts: {exc}") from exc
     log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
-    pairs = continuations(target, drafter, texts, new_tokens, work, resume=True)
+    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
     sequences = teacher_sequences(target, pairs)
-    return records_for(target, drafter, sequences, profile.masks, int(profile.search.get("chunk", 8)), work, True)
+    chunk = int(profile.search.get("chunk", 8))
+    return records_for(target, drafter, sequences, profile.masks, chunk, work, True, progress)
 
 
 def reselect(
@@ -448,6 +472,7 @@ def reselect(
     *,
     work_file: str | os.PathLike[str] | None = None,
     log: Log = lambda text: None,
+    progress: bool = False,
 ) -> RoutingProfile:
     """`profile` with its round policy selected again under `settings` (quality budget, tier shares, gammas, caps,
     pre-gates), from its own masks, measured costs and regenerated gate records."""
@@ -455,7 +480,7 @@ def reselect(
     profile.check_models(target.model, drafter.model)
     table = CostTable.from_dict(profile.calibration.get("costs", {}))
     index = int(profile.calibration.get("costs", {}).get("slim_mask_index", 0))
-    records = profile_records(profile, target, drafter, WorkFile(work_file), log)
+    records = profile_records(profile, target, drafter, WorkFile(work_file), log, progress)
     log("replaying rounds to pick gate thresholds, gamma, cap and pre-gate")
     selection = _select(records, table, index, settings)
     calibration = {
