@@ -1,8 +1,8 @@
 """Decoding methods: one registry of their names, options, descriptions and how each builds its decoder.
 
-A method is named `NAME` or `NAME:key=value[:key=value...]`, for example `sd:gamma=6` or
-`via:gamma=4:pregate=0.5`. Variants let one benchmark or server compare settings of the same method side
-by side; the name as written is what rows, tables and metrics are labelled with.
+A method is named `NAME` or `NAME:key=value[:key=value...]`, for example `sd:gamma=6`, `sd:drafter=hybrid`,
+`sd:stop=0.4` or `via:gamma=4:pregate=0.5`. Variants let one benchmark or server compare settings of the same
+method side by side; the name as written is what rows, tables and metrics are labelled with.
 
 Builders import the decoding modules when they run, so that parsing a method name (the CLI does it before
 loading any model) stays free of torch.
@@ -18,11 +18,16 @@ from viasd.errors import ViasdError
 
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
+    from viasd.drafters.base import Drafter
     from viasd.models.layer_skip import LayerMask
     from viasd.models.loading import LoadedModel
     from viasd.profile import RoutingProfile
 
 MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
+DRAFTERS = ("model", "lookup", "hybrid")  # what the `drafter` option of sd and via may name
+DEFAULT_STOP = 0.0  # sd's draft stop threshold (docs/benchmarking.md, BENCHMARKS.md: how it was chosen)
+HYBRID_MATCH = 2  # the hybrid drafter copies when the context's tail matches at least this many tokens earlier
+LOOKUP_MATCH = 1  # the lookup method's shortest match (prompt lookup as published: any n-gram from 3 down to 1)
 
 
 class Parts(Protocol):
@@ -70,6 +75,15 @@ def _fraction(key: str, text: str) -> float:
     return value
 
 
+def _choice(*values: str) -> Callable[[str, str], str]:
+    def parse(key: str, text: str) -> str:
+        if text not in values:
+            raise ViasdError(f"method option {key} must be one of {', '.join(values)}, got {text!r}")
+        return text
+
+    return parse
+
+
 def _path(key: str, text: str) -> str:
     if not text:
         raise ViasdError(f"method option {key} needs a file path")
@@ -92,6 +106,18 @@ OPTIONS: dict[str, Option] = {
         Option("cap", _int_in(1, 1 << 16), "most tokens committed without the full target (via)"),
         Option("profile", _path, "routing profile JSON (via)"),
         Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
+        Option(
+            "stop",
+            _fraction,
+            "drafter confidence under which drafting stops for the round, that token included (0: always gamma)",
+        ),
+        Option(
+            "drafter",
+            _choice(*DRAFTERS),
+            "model (the small drafter), lookup (prompt lookup) or hybrid (lookup when it matches, else the model)",
+        ),
+        Option("match", _int_in(1, 16), "shortest n-gram match that prompt lookup copies from (lookup, hybrid)"),
+        Option("copy", _int_in(1, MAX_GAMMA), "most tokens prompt lookup copies per round (lookup, hybrid)"),
     )
 }
 
@@ -113,7 +139,8 @@ class MethodSpec:
 
     @property
     def uses_drafter(self) -> bool:
-        return self.method.uses_drafter
+        """Whether the variant needs the small drafter model (`sd:drafter=lookup` does not)."""
+        return self.method.uses_drafter and self.options.get("drafter") != "lookup"
 
     def get(self, key: str) -> Any:
         """An option's value, or None when the variant leaves it at the method's default."""
@@ -136,6 +163,30 @@ def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
     return spec.get("gamma") or parts.gamma or default
 
 
+def _stop(spec: MethodSpec, default: float) -> float:
+    stop = spec.get("stop")
+    return default if stop is None else float(stop)
+
+
+def _lookup_drafter(spec: MethodSpec, match: int) -> Drafter:
+    from viasd.drafters.prompt_lookup import PromptLookupDrafter
+
+    shortest = spec.get("match") or match
+    return PromptLookupDrafter(max_ngram=max(3, shortest), min_ngram=shortest, copy=spec.get("copy"))
+
+
+def _drafter(parts: Parts, spec: MethodSpec) -> Drafter:
+    """The drafter a variant names: the small model (default), prompt lookup, or the hybrid of both."""
+    from viasd.drafters.hybrid import HybridDrafter
+    from viasd.drafters.model_drafter import ModelDrafter
+
+    kind = spec.get("drafter") or "model"
+    if kind == "lookup":
+        return _lookup_drafter(spec, LOOKUP_MATCH)
+    model = ModelDrafter(parts.drafter.model, name="model")
+    return model if kind == "model" else HybridDrafter(_lookup_drafter(spec, HYBRID_MATCH), model)
+
+
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.plain import PlainDecoder
 
@@ -144,18 +195,18 @@ def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
 
 def _sd(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.speculative import SpeculativeDecoder
-    from viasd.drafters.model_drafter import ModelDrafter
 
-    drafter = ModelDrafter(parts.drafter.model, name="small")
-    return SpeculativeDecoder(parts.target.model, parts.target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+    target = parts.target
+    gamma, stop = _gamma(parts, spec), _stop(spec, DEFAULT_STOP)
+    return SpeculativeDecoder(target.model, target.tokenizer, _drafter(parts, spec), gamma, spec.name, stop)
 
 
 def _lookup(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.speculative import SpeculativeDecoder
-    from viasd.drafters.prompt_lookup import PromptLookupDrafter
 
     target = parts.target
-    return SpeculativeDecoder(target.model, target.tokenizer, PromptLookupDrafter(), _gamma(parts, spec), spec.name)
+    drafter = _lookup_drafter(spec, LOOKUP_MATCH)
+    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name)
 
 
 def _self(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -164,7 +215,8 @@ def _self(parts: Parts, spec: MethodSpec) -> Decoder:
 
     target = parts.target
     drafter = ModelDrafter(target.model, parts.self_mask(), name="self")
-    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+    gamma, stop = _gamma(parts, spec), _stop(spec, 0.0)  # not measured for self: off unless asked
+    return SpeculativeDecoder(target.model, target.tokenizer, drafter, gamma, spec.name, stop)
 
 
 def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -178,30 +230,46 @@ def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
 def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.round import RoundPolicy
     from viasd.decode.tiered import TieredDecoder
-    from viasd.drafters.model_drafter import ModelDrafter
     from viasd.verify.gates import Gate
 
     profile = parts.routing_profile(spec.get("profile"))
-    policy = profile.policy(gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"))
+    policy = profile.policy(
+        gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"), stop=spec.get("stop")
+    )
     if spec.base == "via-exact":
-        policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap)
+        policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop)
     target = parts.target
-    drafter = ModelDrafter(parts.drafter.model, name="small")
-    return TieredDecoder(target.model, target.tokenizer, drafter, profile.masks, policy, spec.name)
+    return TieredDecoder(target.model, target.tokenizer, _drafter(parts, spec), profile.masks, policy, spec.name)
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("plain", "plain autoregressive decoding of the target (baseline)", _plain),
-        Method("sd", "classic speculative decoding with the small drafter model (exact)", _sd, ("gamma",), True),
-        Method("lookup", "speculative decoding with prompt-lookup (n-gram) drafts (exact)", _lookup, ("gamma",)),
-        Method("self", "self-speculative decoding: the target with layers skipped drafts (exact)", _self, ("gamma",)),
+        Method(
+            "sd",
+            "classic speculative decoding with the small drafter model (exact)",
+            _sd,
+            ("gamma", "stop", "drafter", "match", "copy"),
+            True,
+        ),
+        Method(
+            "lookup",
+            "speculative decoding with prompt-lookup (n-gram) drafts (exact)",
+            _lookup,
+            ("gamma", "match", "copy"),
+        ),
+        Method(
+            "self",
+            "self-speculative decoding: the target with layers skipped drafts (exact)",
+            _self,
+            ("gamma", "stop"),
+        ),
         Method(
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            ("gamma", "cap", "profile", "pregate"),
+            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy"),
             uses_drafter=True,
             exact=False,
         ),
@@ -209,7 +277,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd)",
             _via,
-            ("gamma", "cap", "profile"),
+            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy"),
             uses_drafter=True,
         ),
         Method(
@@ -244,7 +312,21 @@ def parse_method(text: str) -> MethodSpec:
         if key in options:
             raise ViasdError(f"method {name!r} sets {key!r} twice")
         options[key] = OPTIONS[key].parse(key, value)
+    _check_drafter_options(name, method, options)
     return MethodSpec(name=name, method=method, options=options)
+
+
+def _check_drafter_options(name: str, method: Method, options: Mapping[str, Any]) -> None:
+    """Refuse options that the variant's drafter would ignore: lookup settings without prompt lookup, a stop
+    threshold without a drafter that has a confidence."""
+    if "drafter" not in method.options:
+        return
+    drafter = options.get("drafter", "model")
+    for key in ("match", "copy"):
+        if key in options and drafter == "model":
+            raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup or drafter=hybrid")
+    if "stop" in options and drafter == "lookup":
+        raise ViasdError(f"method {name!r}: option 'stop' needs a model drafter (drafter=model or drafter=hybrid)")
 
 
 def parse_method_list(text: str) -> list[MethodSpec]:
