@@ -258,3 +258,52 @@ def test_sampling_with_a_stop_threshold_follows_the_target_distribution(params, 
     assert cut > len(cuttable) // 10 and full > len(cuttable) // 10, (cut, full, len(cuttable))
     assert sum(s.evaluated - s.accepted for s in stats) > n // 10
     assert chi_square_pvalue(exact_joint(target, prompt, params, vocab, length), counts, n) > ALPHA
+
+
+# ----------------------------------------------------------------------------- statistics in bench and server
+
+
+def test_per_source_counts_flow_into_the_bench_summary_and_report():
+    from viasd.bench.metrics import ALL, combine_stats, summarize
+    from viasd.bench.report import markdown
+
+    target, tok = tiny_model("qwen2"), tiny_tokenizer(64)
+    decoder = SpeculativeDecoder(target, tok, hybrid(tiny_model("qwen2", layers=2, seed=1), match=1), gamma=4)
+    turns = [decoder.generate(PROMPT, GenerationConfig(max_new_tokens=n, ignore_eos=True)).stats for n in (20, 30)]
+    total = combine_stats(turns, "sd:drafter=hybrid")  # the turns of one task add up, sources included
+    for name in ("lookup", "model"):
+        for field in ("rounds", "drafted", "evaluated", "accepted"):
+            assert getattr(total.sources[name], field) == sum(getattr(t.sources[name], field) for t in turns)
+    rows = [
+        {"key": key, "method": method, "category": category, "stats": stats, "turns": []}
+        for key, category in (("a", "qa"), ("b", "rag"))
+        for method, stats in (("sd:drafter=hybrid", total.to_dict()), ("sd", turns[0].to_dict() | {"sources": {}}))
+    ]
+    summaries = summarize(rows)
+    overall = next(s for s in summaries if s.method == "sd:drafter=hybrid" and s.category == ALL)
+    assert overall.sources["lookup"]["accepted"] == 2 * total.sources["lookup"].accepted
+    assert overall.drafter_calls_per_token == pytest.approx(total.drafter_calls / total.new_tokens)
+    text = markdown(summaries, {}, rows)
+    assert "## Draft sources" in text and "## Draft sources by category" in text and "drafter passes/token" in text
+    lookup_row = next(line for line in text.splitlines() if line.startswith("| sd:drafter=hybrid | lookup |"))
+    assert f"{2 * total.sources['lookup'].rounds} (" in lookup_row
+    assert "| sd | " not in text.split("## Draft sources")[1].split("##")[0]  # single-source methods are left out
+
+
+def test_server_metrics_count_rounds_and_accepted_drafts_per_source():
+    import re
+
+    from viasd.serve.metrics import Metrics
+
+    target, tok = tiny_model("qwen2"), tiny_tokenizer(64)
+    decoder = SpeculativeDecoder(target, tok, hybrid(tiny_model("qwen2", layers=2, seed=1), match=1), gamma=4)
+    stats = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=30, ignore_eos=True)).stats
+    metrics = Metrics(["sd:drafter=hybrid"])
+    metrics.record("sd:drafter=hybrid", stats)
+    metrics.record("sd:drafter=hybrid", stats)
+    text = metrics.render(waiting=0, running=0, capacity=1)
+    for name, field in (("rounds", "rounds"), ("accepted", "accepted")):
+        for source in ("lookup", "model"):
+            line = f'viasd_draft_source_{name}_total{{method="sd:drafter=hybrid",source="{source}"}}'
+            match = re.search(re.escape(line) + r" (\d+)", text)
+            assert match and int(match.group(1)) == 2 * getattr(stats.sources[source], field), (line, text)
