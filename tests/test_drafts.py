@@ -50,10 +50,9 @@ class Recording:
         return out
 
 
-def hybrid(drafter_model, match=2, copy=None):
-    return HybridDrafter(
-        PromptLookupDrafter(max_ngram=max(3, match), min_ngram=match, copy=copy), ModelDrafter(drafter_model)
-    )
+def hybrid(drafter_model, match=2, copy=None, start=0.0):
+    lookup = PromptLookupDrafter(max_ngram=max(3, match), min_ngram=match, copy=copy)
+    return HybridDrafter(lookup, ModelDrafter(drafter_model), start)
 
 
 # ----------------------------------------------------------------------------------- the draft length rule
@@ -92,6 +91,7 @@ def test_greedy_with_a_stop_threshold_or_the_hybrid_drafter_equals_plain(arch):
         "stop": (ModelDrafter(small), 0.3),
         "hybrid": (hybrid(small, match=1), 0.0),
         "hybrid-stop": (hybrid(small, match=2, copy=3), 0.3),
+        "hybrid-late-start": (hybrid(small, match=2, start=1.0), 0.3),
         "self-stop": (ModelDrafter(target, LayerMask.skipping(4, [2]), name="self"), 0.5),
     }
     for name, (drafter, stop) in variants.items():
@@ -140,6 +140,24 @@ def test_the_hybrid_copies_on_a_match_and_asks_the_model_otherwise():
     assert drafter.propose([5, 6, 5, 6], 1, GREEDY, GEN).tokens == [5]  # never beyond the round's limit k
     with pytest.raises(ValueError):
         PromptLookupDrafter(copy=0)
+
+
+def test_the_hybrids_model_drafter_starts_once_the_answer_could_have_paid_for_its_prefill():
+    small = tiny_model("qwen2", layers=2, seed=1)
+    drafter = hybrid(small, match=3, start=0.5)
+    prompt = [1, 5, 6, 7, 8, 9, 10, 11, 12, 5]  # 10 tokens: the model drafter starts after 5 answer tokens
+    assert drafter.propose(prompt, 4, GREEDY, GEN).tokens == [6, 7, 8, 9]  # a 1-gram match is copied meanwhile
+    assert drafter.propose([*prompt, 13, 14], 4, GREEDY, GEN).tokens == []  # no match at all: no draft
+    assert drafter.propose([*prompt, 13, 14, 6, 7], 4, GREEDY, GEN).tokens == [8, 9, 10, 11]
+    assert drafter.forward_passes == 0  # the model drafter has not read the prompt yet
+    started = drafter.propose([*prompt, 13, 14, 15, 16, 17], 4, GREEDY, GEN)  # 5 answer tokens: it starts
+    assert started.source == "model" and len(started) == 4 and drafter.forward_passes == 4
+    assert drafter.propose([*prompt, 13, 14, 15, 16, 17, 3, 15, 16], 4, GREEDY, GEN).source == "model"  # 2-gram
+    assert drafter.propose([*prompt, 13, 14, 15, 16, 17, 3, 14, 15, 16], 4, GREEDY, GEN).tokens == [17, 3, 14, 15]
+    drafter.reset()  # a new generation waits again
+    assert drafter.propose([*prompt, 13], 4, GREEDY, GEN).tokens == [] and not drafter.started
+    with pytest.raises(ValueError):
+        hybrid(small, start=float("nan"))
 
 
 def test_the_model_drafters_cache_follows_every_committed_token_whichever_part_proposed():
