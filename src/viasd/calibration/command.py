@@ -82,7 +82,7 @@ def calibrate(
             help="Draft stop thresholds to consider (the drafter stops drafting after a token whose top probability "
             "is under it; 0 = off), comma-separated."
         ),
-    ] = "0,0.3,0.5",
+    ] = "0,0.2,0.3,0.4,0.5,0.6",
     min_tier_share: Annotated[
         float | None,
         typer.Option(

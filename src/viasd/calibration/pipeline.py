@@ -92,7 +92,7 @@ class CalibrationSettings:
     preference: bool = True  # seed the search with the layers that are cheapest to skip one at a time
     min_tier_share: float = 0.0  # > 0: each tier must decide at least this share of draft tokens
     pregates: tuple[float, ...] = (0.0, 0.3, 0.5)  # pre-gate thresholds to try (0: off)
-    stops: tuple[float, ...] = (0.0,)  # draft stop thresholds to try (0: off)
+    stops: tuple[float, ...] = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6)  # draft stop thresholds to try (0: off)
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
