@@ -17,7 +17,7 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.stats import GenerationStats
 from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.base import stopped_length, stops_after
-from viasd.drafters.hybrid import HybridDrafter
+from viasd.drafters.hybrid import HybridDrafter, uses_model
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.errors import ViasdError
@@ -41,8 +41,8 @@ class Recording:
     def forward_passes(self):
         return self.drafter.forward_passes
 
-    def reset(self):
-        self.drafter.reset()
+    def reset(self, prompt_length=None, budget=None):
+        self.drafter.reset(prompt_length, budget)
 
     def propose(self, context, k, params, generator, stop=0.0):
         out = self.drafter.propose(context, k, params, generator, stop)
@@ -50,9 +50,9 @@ class Recording:
         return out
 
 
-def hybrid(drafter_model, match=2, copy=None, start=0.0):
+def hybrid(drafter_model, match=2, copy=None, budget=0.0):
     lookup = PromptLookupDrafter(max_ngram=max(3, match), min_ngram=match, copy=copy)
-    return HybridDrafter(lookup, ModelDrafter(drafter_model), start)
+    return HybridDrafter(lookup, ModelDrafter(drafter_model), budget)
 
 
 # ----------------------------------------------------------------------------------- the draft length rule
@@ -87,23 +87,24 @@ def test_greedy_with_a_stop_threshold_or_the_hybrid_drafter_equals_plain(arch):
     small = tiny_model(arch, layers=2, seed=1)
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = PlainDecoder(target, tok).generate(PROMPT, config).tokens
-    variants = {
-        "stop": (ModelDrafter(small), 0.3),
-        "hybrid": (hybrid(small, match=1), 0.0),
-        "hybrid-stop": (hybrid(small, match=2, copy=3), 0.3),
-        "hybrid-late-start": (hybrid(small, match=2, start=1.0), 0.3),
-        "self-stop": (ModelDrafter(target, LayerMask.skipping(4, [2]), name="self"), 0.5),
+    both = {"lookup", "model"}
+    variants = {  # name: drafter, stop threshold, the draft sources expected
+        "stop": (ModelDrafter(small), 0.3, {"model"}),
+        "hybrid": (hybrid(small, match=1), 0.0, both),
+        "hybrid-stop": (hybrid(small, match=2, copy=3), 0.3, both),
+        "hybrid-short-budget": (hybrid(small, match=2, budget=5.0), 0.3, {"lookup"}),  # 40 < 5 x 10 prompt tokens
+        "self-stop": (ModelDrafter(target, LayerMask.skipping(4, [2]), name="self"), 0.5, {"self"}),
     }
-    for name, (drafter, stop) in variants.items():
+    for name, (drafter, stop, sources) in variants.items():
         recording = Recording(drafter)
         out = SpeculativeDecoder(target, tok, recording, gamma=5, stop=stop).generate(PROMPT, config)
         assert out.tokens == plain, name
+        assert {source for _, _, source in recording.rounds} == sources, (name, recording.rounds)
         drafted = [(k, n) for k, n, source in recording.rounds if source != "lookup"]
-        if stop:  # the rule must have cut some rounds short and let others draft more than one token
+        if stop and drafted:  # the rule must have cut some rounds short and let others draft more than one token
             assert any(n < k for k, n in drafted) and any(n > 1 for k, n in drafted), (name, recording.rounds)
-        if isinstance(drafter, HybridDrafter):  # both sources supplied drafts
-            assert {source for _, _, source in recording.rounds} == {"lookup", "model"}, (name, recording.rounds)
         assert sum(s.drafted for s in out.stats.sources.values()) == out.stats.drafted
+        assert (out.stats.drafter_calls == 0) == ("".join(sources) == "lookup")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -142,22 +143,23 @@ def test_the_hybrid_copies_on_a_match_and_asks_the_model_otherwise():
         PromptLookupDrafter(copy=0)
 
 
-def test_the_hybrids_model_drafter_starts_once_the_answer_could_have_paid_for_its_prefill():
+def test_the_hybrid_leaves_the_model_out_of_generations_too_short_to_pay_for_its_prefill():
+    assert uses_model(1000, 256, 0.08) and uses_model(1000, 80, 0.08) and not uses_model(1000, 79, 0.08)
+    assert uses_model(1000, None, 0.08) and uses_model(1000, 1, 0.0)
     small = tiny_model("qwen2", layers=2, seed=1)
-    drafter = hybrid(small, match=3, start=0.5)
-    prompt = [1, 5, 6, 7, 8, 9, 10, 11, 12, 5]  # 10 tokens: the model drafter starts after 5 answer tokens
-    assert drafter.propose(prompt, 4, GREEDY, GEN).tokens == [6, 7, 8, 9]  # a 1-gram match is copied meanwhile
+    drafter = hybrid(small, match=3, budget=0.5)
+    prompt = [1, 5, 6, 7, 8, 9, 10, 11, 12, 5]
+    drafter.reset(len(prompt), 4)  # 4 < 0.5 x 10: prompt lookup alone, any match copied
+    assert drafter.propose(prompt, 4, GREEDY, GEN).tokens == [6, 7, 8, 9]  # a 1-gram match
     assert drafter.propose([*prompt, 13, 14], 4, GREEDY, GEN).tokens == []  # no match at all: no draft
-    assert drafter.propose([*prompt, 13, 14, 6, 7], 4, GREEDY, GEN).tokens == [8, 9, 10, 11]
-    assert drafter.forward_passes == 0  # the model drafter has not read the prompt yet
-    started = drafter.propose([*prompt, 13, 14, 15, 16, 17], 4, GREEDY, GEN)  # 5 answer tokens: it starts
-    assert started.source == "model" and len(started) == 4 and drafter.forward_passes == 4
-    assert drafter.propose([*prompt, 13, 14, 15, 16, 17, 3, 15, 16], 4, GREEDY, GEN).source == "model"  # 2-gram
-    assert drafter.propose([*prompt, 13, 14, 15, 16, 17, 3, 14, 15, 16], 4, GREEDY, GEN).tokens == [17, 3, 14, 15]
-    drafter.reset()  # a new generation waits again
-    assert drafter.propose([*prompt, 13], 4, GREEDY, GEN).tokens == [] and not drafter.started
+    assert drafter.forward_passes == 0  # the model drafter never read the prompt
+    drafter.reset(len(prompt), 5)
+    out = drafter.propose(prompt, 4, GREEDY, GEN)  # only a 1-gram match: too short, the model drafts
+    assert out.source == "model" and len(out) == 4 and drafter.forward_passes == 4
+    drafter.reset()  # not told: decided at the first proposal, with no budget known
+    assert drafter.propose(prompt, 4, GREEDY, GEN).source == "model"
     with pytest.raises(ValueError):
-        hybrid(small, start=float("nan"))
+        hybrid(small, budget=float("nan"))
 
 
 def test_the_model_drafters_cache_follows_every_committed_token_whichever_part_proposed():

@@ -12,7 +12,7 @@ from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
-from viasd.methods import DEFAULT_STOP, HYBRID_MATCH, HYBRID_START, METHODS, OPTIONS, parse_method, parse_method_list
+from viasd.methods import DEFAULT_STOP, HYBRID_BUDGET, HYBRID_MATCH, METHODS, OPTIONS, parse_method, parse_method_list
 from viasd.methods import MAX_GAMMA as PARSED_MAX_GAMMA
 from viasd.models.loading import LoadedModel
 
@@ -37,12 +37,12 @@ def test_plain_names_and_variants_parse():
         ("sd:gamma", "write key=value"),
         (
             "sd:depth=3",
-            "write key=value with key one of gamma, cap, profile, pregate, stop, drafter, match, copy, start",
+            "write key=value with key one of gamma, cap, profile, pregate, stop, drafter, match, copy, budget",
         ),
-        ("sd:cap=4", "method 'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, start)"),
-        ("sd:start=0.1", "option 'start' needs drafter=hybrid"),
-        ("sd:drafter=hybrid:start=-1", "start must be a number >= 0, got -1.0"),
-        ("sd:drafter=hybrid:start=inf", "start must be a number >= 0, got inf"),
+        ("sd:cap=4", "method 'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget)"),
+        ("sd:budget=0.1", "option 'budget' needs drafter=hybrid"),
+        ("sd:drafter=hybrid:budget=-1", "budget must be a number >= 0, got -1.0"),
+        ("sd:drafter=hybrid:budget=inf", "budget must be a number >= 0, got inf"),
         ("lookup:stop=0.4", "method 'lookup' takes no option 'stop' (it takes: gamma, match, copy)"),
         ("sd:stop=1.5", "stop must be in [0, 1], got 1.5"),
         ("sd:stop=nan", "stop must be in [0, 1], got nan"),
@@ -110,7 +110,7 @@ def test_drafter_and_draft_length_options_build_what_they_say():
     hybrid = engine.decoder("sd:drafter=hybrid")
     assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.stop == DEFAULT_STOP
     assert (hybrid.drafter.lookup.min_ngram, hybrid.drafter.lookup.copy) == (HYBRID_MATCH, None)
-    assert hybrid.drafter.start == HYBRID_START and engine.decoder("sd:drafter=hybrid:start=0").drafter.start == 0
+    assert hybrid.drafter.ratio == HYBRID_BUDGET and engine.decoder("sd:drafter=hybrid:budget=0").drafter.ratio == 0
     tuned = engine.decoder("sd:drafter=hybrid:match=4:copy=6:gamma=8:stop=0.3").drafter
     assert (tuned.lookup.min_ngram, tuned.lookup.max_ngram, tuned.lookup.copy) == (4, 4, 6)
     lookup = engine.decoder("sd:drafter=lookup")
@@ -121,7 +121,13 @@ def test_drafter_and_draft_length_options_build_what_they_say():
     # Every variant stays exact: greedy output equals plain decoding's.
     prompt, config = [1, 5, 9, 13, 1, 5], GenerationConfig(max_new_tokens=24, ignore_eos=True)
     want = engine.generate(prompt, "plain", config).tokens
-    variants = ("sd", "sd:stop=0.5", "sd:drafter=hybrid", "sd:drafter=hybrid:match=1:gamma=6:start=0", "lookup:match=2")
+    variants = (
+        "sd",
+        "sd:stop=0.5",
+        "sd:drafter=hybrid",
+        "sd:drafter=hybrid:match=1:gamma=6:budget=0",
+        "lookup:match=2",
+    )
     for name in variants:
         out = engine.generate(prompt, name, config)
         assert out.tokens == want, name

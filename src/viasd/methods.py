@@ -27,10 +27,11 @@ MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays fre
 DRAFTERS = ("model", "lookup", "hybrid")  # what the `drafter` option of sd and via may name
 DEFAULT_STOP = 0.0  # sd's draft stop threshold (docs/benchmarking.md, BENCHMARKS.md: how it was chosen)
 HYBRID_MATCH = 2  # the hybrid drafter copies when the context's tail matches at least this many tokens earlier
-# The hybrid's model drafter starts once the answer has this many tokens per prompt token: its prefill costs about
-# 3.3 ms per prompt token on the 2-core CPU (2.6 s for 800 tokens) and it saves about 80 ms per generated token
-# (a 0.24 s target step against sd's 0.16 s per token), so it pays back after about 0.04 tokens per prompt token.
-HYBRID_START = 0.04
+# Budget tokens per prompt token for the hybrid to use its model drafter (drafters.hybrid.uses_model): on the
+# 2-core CPU its prefill costs about 3.3 ms per prompt token (2.6 s for 800 tokens) and it saves about 80 ms per
+# generated token (a 0.24 s target step against sd's 0.16 s per token), so it pays back after 0.04 answer tokens
+# per prompt token; twice that, for answers that use half their budget.
+HYBRID_BUDGET = 0.08
 LOOKUP_MATCH = 1  # the lookup method's shortest match (prompt lookup as published: any n-gram from 3 down to 1)
 
 
@@ -133,9 +134,9 @@ OPTIONS: dict[str, Option] = {
         Option("match", _int_in(1, 16), "shortest n-gram match that prompt lookup copies from (lookup, hybrid)"),
         Option("copy", _int_in(1, MAX_GAMMA), "most tokens prompt lookup copies per round (lookup, hybrid)"),
         Option(
-            "start",
+            "budget",
             _nonnegative,
-            "answer tokens per prompt token before the hybrid's model drafter starts (0: at once)",
+            "token budget per prompt token below which the hybrid leaves its model drafter out (0: never)",
         ),
     )
 }
@@ -205,8 +206,8 @@ def _drafter(parts: Parts, spec: MethodSpec) -> Drafter:
     model = ModelDrafter(parts.drafter.model, name="model")
     if kind == "model":
         return model
-    start = spec.get("start")
-    return HybridDrafter(_lookup_drafter(spec, HYBRID_MATCH), model, HYBRID_START if start is None else start)
+    budget = spec.get("budget")
+    return HybridDrafter(_lookup_drafter(spec, HYBRID_MATCH), model, HYBRID_BUDGET if budget is None else budget)
 
 
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -272,7 +273,7 @@ METHODS: dict[str, Method] = {
             "sd",
             "classic speculative decoding with the small drafter model (exact)",
             _sd,
-            ("gamma", "stop", "drafter", "match", "copy", "start"),
+            ("gamma", "stop", "drafter", "match", "copy", "budget"),
             True,
         ),
         Method(
@@ -291,7 +292,7 @@ METHODS: dict[str, Method] = {
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy", "start"),
+            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy", "budget"),
             uses_drafter=True,
             exact=False,
         ),
@@ -299,7 +300,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd)",
             _via,
-            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "start"),
+            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget"),
             uses_drafter=True,
         ),
         Method(
@@ -347,8 +348,8 @@ def _check_drafter_options(name: str, method: Method, options: Mapping[str, Any]
     for key in ("match", "copy"):
         if key in options and drafter == "model":
             raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup or drafter=hybrid")
-    if "start" in options and drafter != "hybrid":
-        raise ViasdError(f"method {name!r}: option 'start' needs drafter=hybrid")
+    if "budget" in options and drafter != "hybrid":
+        raise ViasdError(f"method {name!r}: option 'budget' needs drafter=hybrid")
     if "stop" in options and drafter == "lookup":
         raise ViasdError(f"method {name!r}: option 'stop' needs a model drafter (drafter=model or drafter=hybrid)")
 

@@ -60,7 +60,7 @@ class SpeculativeDecoder(Decoder):
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()
         self.session.reset()
-        self.drafter.reset()
+        self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
         while not sink.done:
             context = prompt + sink.tokens

@@ -70,7 +70,7 @@ class TieredDecoder(Decoder):
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()
         self.session.reset()
-        self.drafter.reset()
+        self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
         names = self.policy.tier_names
         for name in names:

@@ -64,8 +64,8 @@ class Drafter(Protocol):
     name: str
     forward_passes: int
 
-    def reset(self) -> None:
-        """Start a new generation."""
+    def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
+        """Start a new generation of at most `budget` tokens after a prompt of `prompt_length` (None: unknown)."""
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0

@@ -28,7 +28,7 @@ class ModelDrafter:
     def forward_passes(self) -> int:
         return self.session.forward_passes
 
-    def reset(self) -> None:
+    def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.session.reset()
 
     def propose(

@@ -44,7 +44,7 @@ class PromptLookupDrafter:
         self.copy = copy
         self.forward_passes = 0
 
-    def reset(self) -> None:
+    def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Stateless between rounds."""
 
     def propose(
