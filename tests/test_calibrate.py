@@ -22,7 +22,9 @@ from viasd.calibration.selection import NO_ACCEPT, NO_FULL, select_policy
 from viasd.calibration.teacher import slim_logits, teacher_force
 from viasd.calibration.workfile import WorkFile
 from viasd.cli import app
+from viasd.decode.base import GenerationConfig
 from viasd.decode.round import RoundPolicy
+from viasd.drafters.hybrid import HybridDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.models.layer_skip import LayerMask, decoder_layers
@@ -425,6 +427,11 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monk
     assert engine.decoder("via:pregate=0.7").policy.pregate == 0.7  # a variant overrides the profile
     assert engine.decoder("via").policy.stop == profile.stop in settings.stops
     assert engine.decoder("via:stop=0").policy.stop == 0.0 and engine.decoder("via-exact:stop=0.6").policy.stop == 0.6
+    hybrid = engine.decoder("via:drafter=hybrid:match=3")
+    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.drafter.lookup.min_ngram == 3
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    exact = engine.generate([1, 5, 9, 13, 1, 5], "via-exact:drafter=hybrid:budget=0", config)
+    assert exact.tokens == engine.generate([1, 5, 9, 13, 1, 5], "plain", config).tokens and exact.stats.sources
 
 
 def test_a_profile_for_other_models_is_refused(tmp_path):
