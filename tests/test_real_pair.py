@@ -36,3 +36,20 @@ def test_classic_sd_reproduces_plain_greedy_on_the_real_pair(engine):
         accepted_per_call.append(sd.stats.tokens_per_target_call)
     # The 0.5B drafter agrees with the 1.5B target often: more than one token per target call on average.
     assert sum(accepted_per_call) / len(accepted_per_call) > 1.5
+
+
+def test_adaptive_drafts_reproduce_plain_greedy_on_the_real_pair(engine):
+    """The draft stop threshold and the hybrid drafter (copied and model drafts, and a generation too short for
+    the model drafter) change what is drafted, never what is generated."""
+    config = GenerationConfig(max_new_tokens=40)
+    copying = "Repeat this sentence exactly, then say it once more: the quick brown fox jumps over the lazy dog."
+    sources: set[str] = set()
+    for prompt in [*PROMPTS, copying]:
+        ids = engine.encode([{"role": "user", "content": prompt}])
+        plain = engine.generate(ids, "plain", config).tokens
+        for method in ("sd:stop=0", "sd:drafter=hybrid:budget=0", "sd:drafter=hybrid:budget=100"):
+            out = engine.generate(ids, method, config)
+            assert out.tokens == plain, (method, prompt)
+            sources |= {f"{method} {name}" for name in out.stats.sources}
+    assert {"sd:drafter=hybrid:budget=0 lookup", "sd:drafter=hybrid:budget=0 model"} <= sources, sources
+    assert not any(s.startswith("sd:drafter=hybrid:budget=100 model") for s in sources)  # 40 < 100 x prompt
