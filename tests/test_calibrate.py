@@ -432,6 +432,8 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monk
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     exact = engine.generate([1, 5, 9, 13, 1, 5], "via-exact:drafter=hybrid:budget=0", config)
     assert exact.tokens == engine.generate([1, 5, 9, 13, 1, 5], "plain", config).tokens and exact.stats.sources
+    copied = engine.generate([1, 5, 9, 13, 1, 5], "via:drafter=lookup", config)  # no distributions: gates still work
+    assert len(copied.tokens) == 16 and set(copied.stats.sources) <= {"lookup"}
 
 
 def test_a_profile_for_other_models_is_refused(tmp_path):

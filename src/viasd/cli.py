@@ -134,6 +134,8 @@ def generate(
             line += f", rejection rate {s.rejection_rate:.2f}"
         if s.tiers:
             line += ", tiers " + " ".join(f"{k}={v.decided}" for k, v in s.tiers.items())
+        if len(s.sources) > 1:  # a hybrid drafter: what each part drafted and got kept
+            line += ", drafts " + " ".join(f"{k}={v.rounds} rounds/{v.accepted} kept" for k, v in s.sources.items())
         err.print(f"[dim]{line}, finish: {s.finish_reason}[/]", highlight=False, soft_wrap=True)
 
 
