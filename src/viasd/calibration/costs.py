@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
+from viasd.models.views import ViewLike
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,14 @@ class CostTable:
 def measure_costs(
     target: nn.Module,
     drafter: nn.Module,
-    masks: Sequence[LayerMask],
+    slims: Sequence[ViewLike],
     tokens: Sequence[int],
     lengths: Sequence[int],
     prefix: int = 100,
     repeats: int = 5,
     seed: int = 0,
 ) -> CostTable:
-    """Time drafter, full and slim passes over L new tokens after `prefix` tokens of `tokens`.
+    """Time drafter, full and slim-view passes over L new tokens after `prefix` tokens of `tokens`.
 
     The slim pass runs as in decoding: on the full target's session, attending to its KV of the prefix.
     """
@@ -129,12 +129,12 @@ def measure_costs(
             elapsed = time.perf_counter() - t0
             full_session.truncate(prefix)
         else:
-            full_session.forward_slim(ids, masks[int(kind.split(":")[1])], keep=n)
+            full_session.forward_slim(ids, slims[int(kind.split(":")[1])], keep=n)
             elapsed = time.perf_counter() - t0
             full_session.truncate_pending(0)
         return elapsed
 
-    kinds = ["drafter", "full", *(f"slim:{i}" for i in range(len(masks)))]
+    kinds = ["drafter", "full", *(f"slim:{i}" for i in range(len(slims)))]
     jobs = [(kind, n) for kind in kinds for n in lengths]
     for kind in kinds:  # warm-up
         run(kind, lengths[0])

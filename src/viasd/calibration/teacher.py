@@ -25,7 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask, skipping
+from viasd.models.views import ViewLike, applied
 
 # Attention implementations that take a custom additive 4D mask as is.
 _MASKABLE = ("sdpa", "eager")
@@ -117,9 +117,9 @@ def frontier_mask(n: int, start: int, chunk: int, dtype: torch.dtype) -> torch.T
 
 
 def slim_logits(
-    model: nn.Module, mask: LayerMask | None, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
+    model: nn.Module, view: ViewLike, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
 ) -> torch.Tensor:
-    """float32 logits [N - start, V] of `model` under `mask` at positions start..N-1, with the frontier
+    """float32 logits [N - start, V] of `model` as `view` at positions start..N-1, with the frontier
     advancing every `chunk` tokens (see the module docstring). The sequence's cache is left as it was.
 
     `batched`: one pass with a 4D mask (True) or one pass per chunk (False); None picks by attention kernel.
@@ -129,7 +129,7 @@ def slim_logits(
     n, m, device = len(seq.ids), seq.scored, _device(model)
     snap = _snapshot(seq.cache)
     try:
-        with torch.inference_mode(), skipping(model, mask):
+        with torch.inference_mode(), applied(model, view):
             if batched is None:
                 batched = model.config._attn_implementation in _MASKABLE
             if batched:

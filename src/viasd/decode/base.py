@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from viasd.decode.output import OutputSink, StopConditions
 from viasd.decode.stats import GenerationStats
 from viasd.errors import ViasdError
+from viasd.models.views import View
 from viasd.verify.sampling import SamplingParams
 
 
@@ -63,13 +64,15 @@ def context_limit(model: nn.Module) -> int | None:
 
 
 class Decoder(ABC):
-    """One decoding method over a target model. Subclasses implement `_decode`."""
+    """One decoding method over a target model, run as `view` (None: as it is; a quantized view makes a
+    faster, different model). Subclasses implement `_decode`."""
 
     method: str = "decoder"
 
-    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase, view: View | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
+        self.view = view
         self.eos_ids = eos_token_ids(target, tokenizer)
         self.context_limit = context_limit(target)
 

@@ -10,6 +10,7 @@ from viasd.decode.output import OutputSink
 from viasd.decode.round import Round
 from viasd.decode.stats import GenerationStats
 from viasd.models.session import KVSession
+from viasd.models.views import View
 from viasd.verify.sampling import SamplingParams, sample, warp_probs
 
 
@@ -18,9 +19,9 @@ class PlainDecoder(Decoder):
 
     method = "plain"
 
-    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
-        super().__init__(target, tokenizer)
-        self.session = KVSession(target)
+    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase, view: View | None = None) -> None:
+        super().__init__(target, tokenizer, view)
+        self.session = KVSession(target, view)
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = params.generator()

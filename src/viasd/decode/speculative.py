@@ -13,6 +13,7 @@ from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
 from viasd.models.session import KVSession
+from viasd.models.views import View
 from viasd.verify.acceptance import verify_block
 from viasd.verify.sampling import SamplingParams, sample, warp_probs
 
@@ -41,13 +42,14 @@ class SpeculativeDecoder(Decoder):
         drafter: Drafter,
         gamma: int = 4,
         method: str | None = None,
+        view: View | None = None,
     ) -> None:
-        super().__init__(target, tokenizer)
+        super().__init__(target, tokenizer, view)
         if not 1 <= gamma <= MAX_GAMMA:
             raise ViasdError(f"the draft length gamma must be in 1..{MAX_GAMMA}, got {gamma}")
         self.drafter = drafter
         self.gamma = gamma
-        self.session = KVSession(target)
+        self.session = KVSession(target, view)
         if method:
             self.method = method
 

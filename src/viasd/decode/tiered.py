@@ -1,4 +1,4 @@
-"""VIA-SD: drafter -> slim verifier(s) (the target with layers skipped) -> full target.
+"""VIA-SD: drafter -> slim verifier(s) (cheaper views of the target: layers skipped) -> full target.
 
 The round itself (which tier settles which draft token) is `decode.round.play_round`; this module gives
 it real model passes and keeps the caches right.
@@ -30,8 +30,8 @@ from viasd.decode.speculative import verify_with_target
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
+from viasd.models.views import View, ViewLike, as_view
 from viasd.verify.acceptance import check_token
 from viasd.verify.gates import Gate, draft_confidence
 from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
@@ -47,21 +47,22 @@ class TieredDecoder(Decoder):
         target: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         drafter: Drafter,
-        masks: Sequence[LayerMask],
+        slims: Sequence[ViewLike],
         policy: RoundPolicy,
         method: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer)
+        views = [as_view(s) for s in slims]
         if not policy.gate.always_full:
-            if not masks:
-                raise ViasdError("a tiered decoder needs at least one slim layer mask")
-            if policy.slim_tiers != len(masks):
+            if not views or any(v is None for v in views):
+                raise ViasdError("a tiered decoder needs at least one slim view")
+            if policy.slim_tiers != len(views):
                 raise ViasdError(
-                    f"{len(masks)} slim tier(s) need {len(masks) + 1} gate thresholds, "
+                    f"{len(views)} slim tier(s) need {len(views) + 1} gate thresholds, "
                     f"got {len(policy.gate.thresholds)}"
                 )
         self.drafter = drafter
-        self.masks = list(masks)
+        self.slims: list[View] = [v for v in views if v is not None]  # cheapest first
         self.policy = policy
         self.session = KVSession(target)
         if method:
@@ -169,10 +170,10 @@ class _ModelPasses:
         with self.stats.timed("draft"):
             self.proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator)
         block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
-        masks = self.decoder.masks
+        slims = self.decoder.slims
         self.slim = SlimViews(
             self.proposal,
-            lambda tier: session.extend_slim_to(block, masks[tier - 1], keep=keep),
+            lambda tier: session.extend_slim_to(block, slims[tier - 1], keep=keep),
             self.decoder.policy.gate,
             self.params,
             self.generator,

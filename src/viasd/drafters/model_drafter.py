@@ -1,4 +1,4 @@
-"""Drafting with a language model: a small separate model, or the target itself with layers skipped."""
+"""Drafting with a language model: a small separate model, or a cheaper view of the target itself."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from viasd.drafters.base import Proposal
-from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
+from viasd.models.views import ViewLike
 from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
 
 
@@ -19,9 +19,9 @@ class ModelDrafter:
     The last draft token of a round is never fed: if it is accepted, the next round feeds it.
     """
 
-    def __init__(self, model: nn.Module, mask: LayerMask | None = None, name: str = "model") -> None:
+    def __init__(self, model: nn.Module, view: ViewLike = None, name: str = "model") -> None:
         self.name = name
-        self.session = KVSession(model, base_mask=mask)
+        self.session = KVSession(model, base_view=view)
 
     @property
     def forward_passes(self) -> int:

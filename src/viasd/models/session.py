@@ -4,10 +4,10 @@ Cache invariants (tested in tests/test_session.py):
 
 * `tokens` are committed: for every layer that the session's base view runs, cache positions
   [0, len(tokens)) hold exactly the K/V that one fresh forward pass of that view over `tokens` writes.
-* `pending` tokens sit beyond that frontier. They were processed by a layer-skipping sub-view (the slim
-  verifier), so only the layers of that sub-view hold entries for them, and those entries differ from
-  what the base view would write (the residual stream differs). They are never promoted to committed:
-  any base-view forward first crops every layer back to len(tokens), then recomputes.
+* `pending` tokens sit beyond that frontier. They were processed by a sub-view (a slim verifier: layers
+  skipped, weights quantized, or both), so only the layers that view runs hold entries for them, and those
+  entries differ from what the base view would write. They are never promoted to committed: any base-view
+  forward first crops every layer back to len(tokens), then recomputes.
 * Layer 0 always runs (LayerMask enforces it), so the cache length that transformers reads from
   layer 0 is len(tokens) + len(pending), which is where new positions start.
 * transformers sizes each attention mask from the first cache layer of its kind (sliding window or full
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.models.layer_skip import LayerMask, skipping
+from viasd.models.views import View, ViewLike, applied, as_view
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -50,23 +50,24 @@ def new_cache(model: nn.Module) -> DynamicCache:
 
 
 class KVSession:
-    """A model (under an optional base routing mask) with the KV cache of one growing sequence."""
+    """A model, run as an optional base view, with the KV cache of one growing sequence."""
 
-    def __init__(self, model: nn.Module, base_mask: LayerMask | None = None) -> None:
+    def __init__(self, model: nn.Module, base_view: ViewLike = None) -> None:
         self.model = model
-        self.base_mask = base_mask
+        self.base_view = as_view(base_view)
         self.cache = new_cache(model)
         self.tokens: list[int] = []
         self.pending: list[int] = []
-        self.pending_mask: LayerMask | None = None
+        self.pending_view: View | None = None
         self.forward_passes = 0  # of every view together
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
 
-    def _stacks(self, mask: LayerMask) -> bool:
-        """Whether a pass of `mask` may go on top of pending entries (it runs every mask-size layer)."""
-        return all(mask.attention[i] for i in self.mask_size_layers if i < mask.num_layers)
+    def _stacks(self, view: View) -> bool:
+        """Whether a pass of `view` may go on top of pending entries (it runs every mask-size layer)."""
+        mask = view.mask
+        return mask is None or all(mask.attention[i] for i in self.mask_size_layers if i < mask.num_layers)
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +78,7 @@ class KVSession:
         self.cache = new_cache(self.model)
         self.tokens = []
         self.pending = []
-        self.pending_mask = None
+        self.pending_view = None
 
     def _crop_layers(self, length: int) -> None:
         for layer in self.cache.layers:
@@ -91,7 +92,7 @@ class KVSession:
         self._crop_layers(length)
         del self.tokens[length:]
         self.pending = []
-        self.pending_mask = None
+        self.pending_view = None
 
     def truncate_pending(self, count: int) -> None:
         """Keep only the first `count` pending tokens."""
@@ -99,9 +100,9 @@ class KVSession:
         self._crop_layers(len(self.tokens) + count)
         del self.pending[count:]
 
-    def _run(self, ids: Sequence[int], mask: LayerMask | None, keep: int) -> torch.Tensor:
+    def _run(self, ids: Sequence[int], view: View | None, keep: int) -> torch.Tensor:
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        with torch.inference_mode(), skipping(self.model, mask):
+        with torch.inference_mode(), applied(self.model, view):
             out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
         self.forward_passes += 1
         # Decisions happen on the CPU (random draws, comparisons); the copy is small next to a forward pass.
@@ -114,7 +115,7 @@ class KVSession:
         if self.pending:
             self.truncate_pending(0)
         keep = min(keep, len(ids))
-        logits = self._run(ids, self.base_mask, keep)
+        logits = self._run(ids, self.base_view, keep)
         self.tokens.extend(ids)
         return logits
 
@@ -127,41 +128,45 @@ class KVSession:
         self.truncate(shared)
         return self.forward(sequence[shared:], keep=keep)
 
-    def forward_slim(self, ids: Sequence[int], mask: LayerMask, keep: int = 1) -> torch.Tensor:
+    def forward_slim(self, ids: Sequence[int], view: ViewLike, keep: int = 1) -> torch.Tensor:
         """Process `ids` after the pending tokens with a sub-view (slim); they become pending.
 
         Pending entries written by a different sub-view are dropped first: each view's entries are
         only meaningful to that view.
         """
-        if not ids:
-            raise ValueError("forward_slim needs at least one token")
-        if self.pending and mask != self.pending_mask:
+        view = as_view(view)
+        if not ids or view is None:
+            raise ValueError("forward_slim needs at least one token and a view")
+        if self.pending and view != self.pending_view:
             self.truncate_pending(0)
-        if self.pending and not self._stacks(mask):
-            raise ValueError("this layer mask skips a layer the attention masks are sized from: it cannot stack")
+        if self.pending and not self._stacks(view):
+            raise ValueError("this view skips a layer the attention masks are sized from: it cannot stack")
         keep = min(keep, len(ids))
-        logits = self._run(ids, mask, keep)
+        logits = self._run(ids, view, keep)
         self.pending.extend(ids)
-        self.pending_mask = mask
+        self.pending_view = view
         return logits
 
-    def extend_slim_to(self, sequence: Sequence[int], mask: LayerMask, keep: int = 1) -> torch.Tensor:
+    def extend_slim_to(self, sequence: Sequence[int], view: ViewLike, keep: int = 1) -> torch.Tensor:
         """Process `sequence` with the sub-view on top of the committed tokens; logits of the last `keep`.
 
         Committed tokens that disagree with `sequence` (rejected drafts the full view processed) are cropped;
         the sub-view never writes below the committed frontier. Pending tokens are reused as far as they
         agree with `sequence`.
         """
+        view = as_view(view)
+        if view is None:
+            raise ValueError("extend_slim_to needs a view")
         shared = min(common_prefix_length(self.tokens, sequence), len(sequence) - keep)
         if shared < len(self.tokens):
             self.truncate(shared)
         frontier = len(self.tokens)
-        if mask != self.pending_mask or not self._stacks(mask) or self.windowed:
+        if view != self.pending_view or not self._stacks(view) or self.windowed:
             self.truncate_pending(0)
         tail = sequence[frontier:]
         reuse = min(common_prefix_length(self.pending, tail), len(tail) - keep)
         self.truncate_pending(reuse)
-        return self.forward_slim(tail[reuse:], mask, keep=keep)
+        return self.forward_slim(tail[reuse:], view, keep=keep)
 
     @property
     def length(self) -> int:
