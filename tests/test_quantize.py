@@ -163,3 +163,35 @@ def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
         session = via.session
         assert session.tokens == (PROMPT + out.tokens)[: len(session.tokens)]
         assert_cache_equals(session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32"])
+def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_path, monkeypatch, spec):
+    from viasd.models import quant_cache
+
+    model = tiny_model("qwen2", dtype=torch.float32)
+    recipe = QuantRecipe.parse(spec)
+    notes: list[str] = []
+    first = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    path = quant_cache.cache_path(model, recipe, tmp_path)
+    assert path.is_file() and not notes
+    ids = torch.tensor([PROMPT])
+
+    def logits(linears):
+        with torch.inference_mode(), applied(model, View(linears=linears)):
+            return model(input_ids=ids).logits
+
+    with monkeypatch.context() as patch:
+        patch.setattr(quant_cache, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+        again = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    assert torch.equal(logits(again), logits(first)) and not notes
+    # A truncated file, or one of another model, is refused and replaced.
+    path.write_bytes(path.read_bytes()[:-100])
+    remade = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    assert len(notes) == 1 and "cannot be used" in notes[0] and torch.equal(logits(remade), logits(first))
+    other = tiny_model("qwen2", dtype=torch.float32, seed=4)
+    foreign = quant_cache.cache_path(other, recipe, tmp_path)
+    foreign.parent.mkdir(parents=True, exist_ok=True)
+    foreign.write_bytes(path.read_bytes())
+    quant_cache.cached_quantize(other, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    assert len(notes) == 2 and "another model" in notes[1]

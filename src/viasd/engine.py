@@ -77,8 +77,9 @@ class Engine:
 
     def self_mask(self) -> LayerMask:
         """The self-drafter's layer mask: the profile's slim mask when it fits this target, else a spread mask."""
+        from viasd.models.fingerprint import model_fingerprint
         from viasd.models.layer_skip import num_decoder_layers, spread_mask
-        from viasd.profile import load_profile, model_fingerprint
+        from viasd.profile import load_profile
 
         path = self._profile_path(None)
         if path is not None:

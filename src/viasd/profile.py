@@ -6,7 +6,6 @@ sample of the weights), so a profile made for other models is refused instead of
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -14,41 +13,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
+from viasd.models.fingerprint import model_fingerprint
 from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
 
 FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A stable short hash of a model's architecture and weights (config + strided weight samples)."""
-    config = model.config.to_dict()
-    for volatile in (
-        "_name_or_path",
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "architectures",
-        "quantization_config",
-        "_attn_implementation_autoset",
-        "use_cache",
-    ):
-        config.pop(volatile, None)
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, param in model.named_parameters():
-        flat = param.detach().reshape(-1)
-        # Sample in fp32 so the fingerprint does not depend on the dtype the model was loaded in.
-        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
-        digest.update(name.encode())
-        digest.update(torch.round(sample * 1024).to(torch.int64).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 @dataclass

@@ -47,9 +47,10 @@ from viasd.decode.base import GenerationConfig
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
+from viasd.models.fingerprint import model_fingerprint
 from viasd.models.layer_skip import LayerMask, layers_to_skip, num_decoder_layers, spread_mask
 from viasd.models.loading import LoadedModel
-from viasd.profile import RoutingProfile, model_fingerprint
+from viasd.profile import RoutingProfile
 from viasd.prompting import encode_prompt
 
 Log = Callable[[str], None]
