@@ -16,9 +16,11 @@ from viasd.cli_options import (
     DeviceMapOpt,
     DeviceOpt,
     DrafterOpt,
+    DrafterQuantOpt,
     DtypeOpt,
     GammaOpt,
     ProfileOpt,
+    QuantOpt,
     TargetOpt,
     engine_spec,
 )
@@ -88,6 +90,8 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
 ) -> None:
     """Generate text for a prompt, streaming it to the terminal."""
     from viasd.decode.base import GenerationConfig
@@ -98,7 +102,17 @@ def generate(
     text = _read_prompt(prompt)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop or ()))
-    spec = engine_spec(target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map)
+    spec = engine_spec(
+        target,
+        drafter,
+        profile=profile,
+        gamma=gamma,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        quant=quant,
+        drafter_quant=drafter_quant,
+    )
     method_spec = parse_method(method)  # a bad method name fails before any model loads
     with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
         engine = Engine(spec)
@@ -113,7 +127,9 @@ def generate(
     if as_json:
         out = {
             "method": method,
+            "exact": method_spec.exact and spec.quant is None,  # a quantized target is another model
             "target": target,
+            "target_view": method_spec.get("quant") or spec.quant,
             "text": result.text,
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,

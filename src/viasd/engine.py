@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
     from viasd.models.layer_skip import LayerMask
+    from viasd.models.views import View
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
 
@@ -33,6 +34,8 @@ class EngineSpec:
     gamma: int | None = None  # draft tokens per round; None: the method's default (the profile's for via)
     self_skip_ratio: float = 0.25
     profile: str | None = None
+    quant: str | None = None  # run the target as its quantized view (a recipe name, e.g. int8): another model
+    drafter_quant: str | None = None  # run the drafter as its quantized view
 
 
 class Engine:
@@ -48,6 +51,7 @@ class Engine:
         self._drafter_checked = False
         self._decoders: dict[str, Decoder] = {}
         self._profiles: dict[str, RoutingProfile] = {}
+        self._views: dict[tuple[int, str], View] = {}
 
     def _load(self, name: str) -> LoadedModel:
         return load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
@@ -59,6 +63,31 @@ class Engine:
     @property
     def gamma(self) -> int | None:
         return self.spec.gamma
+
+    @property
+    def quant(self) -> str | None:
+        return self.spec.quant
+
+    @property
+    def drafter_quant(self) -> str | None:
+        return self.spec.drafter_quant
+
+    def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
+        """`model`'s quantized view by recipe name (None: none), made once (cached on disk) and shared."""
+        if recipe is None:
+            return None
+        key = (id(model.model), recipe)
+        if key not in self._views:
+            from viasd.models.quant_cache import SMOOTHING_TEXTS, cached_quantize
+            from viasd.models.quantize import QuantRecipe
+            from viasd.models.views import View
+            from viasd.prompting import encode_prompt
+
+            def sequences() -> list[list[int]]:
+                return [encode_prompt(model.tokenizer, text) for text in SMOOTHING_TEXTS]
+
+            self._views[key] = View(linears=cached_quantize(model.model, QuantRecipe.parse(recipe), sequences))
+        return self._views[key]
 
     @property
     def drafter(self) -> LoadedModel:

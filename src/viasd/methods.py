@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from viasd.decode.base import Decoder
     from viasd.models.layer_skip import LayerMask
     from viasd.models.loading import LoadedModel
+    from viasd.models.views import View
     from viasd.profile import RoutingProfile
 
 MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
@@ -42,6 +43,20 @@ class Parts(Protocol):
     def routing_profile(self, path: str | None = None) -> RoutingProfile: ...
 
     def self_mask(self) -> LayerMask: ...
+
+    def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
+        """The quantized view of `model` by a recipe name (None: no view), made once and cached."""
+        ...
+
+    @property
+    def quant(self) -> str | None:
+        """The engine-wide quantization of the target (--quant), if any."""
+        ...
+
+    @property
+    def drafter_quant(self) -> str | None:
+        """The engine-wide quantization of the drafter (--drafter-quant), if any."""
+        ...
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -76,6 +91,16 @@ def _path(key: str, text: str) -> str:
     return text
 
 
+def _recipe(key: str, text: str) -> str:
+    """A quantization recipe name (`int8`, `int4`, `int8:smooth=0.5`, ...), checked now, kept as written."""
+    from viasd.models.quantize import QuantRecipe  # torch-free to parse, but lives with the kernels
+
+    try:
+        return QuantRecipe.parse(text).name
+    except ViasdError as error:
+        raise ViasdError(f"method option {key}: {error}") from None
+
+
 @dataclass(frozen=True)
 class Option:
     """A setting a method variant may override."""
@@ -92,6 +117,8 @@ OPTIONS: dict[str, Option] = {
         Option("cap", _int_in(1, 1 << 16), "most tokens committed without the full target (via)"),
         Option("profile", _path, "routing profile JSON (via)"),
         Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
+        Option("quant", _recipe, "run the target as its quantized view (int8, int8wo, int4): a faster, other model"),
+        Option("drafter_quant", _recipe, "run the drafter as its quantized view (self: the target's own view)"),
     )
 }
 
@@ -115,6 +142,11 @@ class MethodSpec:
     def uses_drafter(self) -> bool:
         return self.method.uses_drafter
 
+    @property
+    def exact(self) -> bool:
+        """Exact with respect to the target as loaded (a quantized target is another model)."""
+        return self.method.exact and self.get("quant") is None
+
     def get(self, key: str) -> Any:
         """An option's value, or None when the variant leaves it at the method's default."""
         return self.options.get(key)
@@ -136,40 +168,55 @@ def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
     return spec.get("gamma") or parts.gamma or default
 
 
+def _target_view(parts: Parts, spec: MethodSpec) -> View | None:
+    """The target's view for a method: its quantized view when the variant or --quant asks for one."""
+    return parts.quantized(parts.target, spec.get("quant") or parts.quant)
+
+
+def _drafter_recipe(parts: Parts, spec: MethodSpec) -> str | None:
+    return spec.get("drafter_quant") or parts.drafter_quant
+
+
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.plain import PlainDecoder
 
-    return PlainDecoder(parts.target.model, parts.target.tokenizer)
+    return PlainDecoder(parts.target.model, parts.target.tokenizer, _target_view(parts, spec))
+
+
+def _speculative(parts: Parts, spec: MethodSpec, drafter: Any) -> Decoder:
+    from viasd.decode.speculative import SpeculativeDecoder
+
+    target, view = parts.target, _target_view(parts, spec)
+    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name, view)
 
 
 def _sd(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.decode.speculative import SpeculativeDecoder
     from viasd.drafters.model_drafter import ModelDrafter
 
-    drafter = ModelDrafter(parts.drafter.model, name="small")
-    return SpeculativeDecoder(parts.target.model, parts.target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+    small = parts.drafter
+    return _speculative(parts, spec, ModelDrafter(small.model, parts.quantized(small, _drafter_recipe(parts, spec))))
 
 
 def _lookup(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.decode.speculative import SpeculativeDecoder
     from viasd.drafters.prompt_lookup import PromptLookupDrafter
 
-    target = parts.target
-    return SpeculativeDecoder(target.model, target.tokenizer, PromptLookupDrafter(), _gamma(parts, spec), spec.name)
+    return _speculative(parts, spec, PromptLookupDrafter())
 
 
 def _self(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.decode.speculative import SpeculativeDecoder
+    """The target drafts for itself: its quantized view when `drafter_quant` is set, else with layers skipped."""
     from viasd.drafters.model_drafter import ModelDrafter
 
     target = parts.target
-    drafter = ModelDrafter(target.model, parts.self_mask(), name="self")
-    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+    view = parts.quantized(target, _drafter_recipe(parts, spec)) or parts.self_mask()
+    return _speculative(parts, spec, ModelDrafter(target.model, view, name="self"))
 
 
 def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.hf_assisted import HFAssistedDecoder
 
+    if parts.quant or parts.drafter_quant:
+        raise ViasdError("hf-assisted runs transformers' own models: it takes no quantized view (--quant)")
     target = parts.target
     gamma = spec.get("gamma") or parts.gamma  # None keeps transformers' own draft policy
     return HFAssistedDecoder(target.model, target.tokenizer, parts.drafter.model, gamma, spec.name)
@@ -181,27 +228,42 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.drafters.model_drafter import ModelDrafter
     from viasd.verify.gates import Gate
 
+    if parts.quant:
+        raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
     profile = parts.routing_profile(spec.get("profile"))
     policy = profile.policy(gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"))
     if spec.base == "via-exact":
         policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap)
-    target = parts.target
-    drafter = ModelDrafter(parts.drafter.model, name="small")
+    target, small = parts.target, parts.drafter
+    drafter = ModelDrafter(small.model, parts.quantized(small, _drafter_recipe(parts, spec)), name="small")
     return TieredDecoder(target.model, target.tokenizer, drafter, profile.masks, policy, spec.name)
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("plain", "plain autoregressive decoding of the target (baseline)", _plain),
-        Method("sd", "classic speculative decoding with the small drafter model (exact)", _sd, ("gamma",), True),
-        Method("lookup", "speculative decoding with prompt-lookup (n-gram) drafts (exact)", _lookup, ("gamma",)),
-        Method("self", "self-speculative decoding: the target with layers skipped drafts (exact)", _self, ("gamma",)),
+        Method("plain", "plain autoregressive decoding of the target (baseline)", _plain, ("quant",)),
+        Method(
+            "sd",
+            "classic speculative decoding with the small drafter model (exact)",
+            _sd,
+            ("gamma", "quant", "drafter_quant"),
+            uses_drafter=True,
+        ),
+        Method(
+            "lookup", "speculative decoding with prompt-lookup (n-gram) drafts (exact)", _lookup, ("gamma", "quant")
+        ),
+        Method(
+            "self",
+            "self-speculative decoding: a cheaper view of the target drafts (layers skipped, or drafter_quant) (exact)",
+            _self,
+            ("gamma", "quant", "drafter_quant"),
+        ),
         Method(
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            ("gamma", "cap", "profile", "pregate"),
+            ("gamma", "cap", "profile", "pregate", "drafter_quant"),
             uses_drafter=True,
             exact=False,
         ),
@@ -209,7 +271,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd)",
             _via,
-            ("gamma", "cap", "profile"),
+            ("gamma", "cap", "profile", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(

@@ -22,9 +22,11 @@ from viasd.cli_options import (
     DeviceMapOpt,
     DeviceOpt,
     DrafterOpt,
+    DrafterQuantOpt,
     DtypeOpt,
     GammaOpt,
     ProfileOpt,
+    QuantOpt,
     TargetOpt,
     engine_spec,
 )
@@ -35,7 +37,7 @@ DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
 # Settings that must be the same for rows of a resumed run to be comparable with the new ones.
 RESUME_KEYS = (
     "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "code_max_new_tokens", "temperature",
-    "top_p", "top_k", "seed", "gamma", "chat",
+    "top_p", "top_k", "seed", "gamma", "chat", "quant", "drafter_quant",
 )  # fmt: skip
 
 
@@ -100,6 +102,8 @@ def bench(
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
     out: Annotated[Path | None, typer.Option(help="Output directory (default: runs/bench-<timestamp>).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out, skipping finished rows.")] = False,
     warmup: Annotated[bool, typer.Option(help="One untimed generation per method first.")] = True,
@@ -153,6 +157,17 @@ def bench(
     if results_path.exists() and not resume:
         raise ViasdError(f"{out_dir} already holds a run: pass --resume to continue it, or another --out")
     profile_path = profile or shipped_profile_path()
+    spec = engine_spec(
+        target,
+        drafter,
+        profile=profile,
+        gamma=gamma,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        quant=quant,
+        drafter_quant=drafter_quant,
+    )
     settings: dict[str, Any] = {
         "methods": method_list,
         "target": target,
@@ -168,6 +183,8 @@ def bench(
         "top_k": top_k,
         "seed": seed,
         "gamma": gamma,
+        "quant": spec.quant,
+        "drafter_quant": spec.drafter_quant,
         "chat": chat,
         "questions": str(questions_file),
         "questions_sha256": file_sha256(questions_file) if count else None,
@@ -183,7 +200,6 @@ def bench(
         check_resumable(previous_env.get("settings", {}), settings)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    spec = engine_spec(target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map)
     with err.status(f"loading {target}"):
         engine = Engine(spec)
     parameter = next(engine.target.model.parameters())

@@ -31,6 +31,13 @@ from viasd.models.quantize import (
 )
 
 FORMAT = "viasd-quantized/1"
+# What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
+SMOOTHING_TEXTS = (
+    "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
+    "Summarize the causes of the French Revolution in three sentences.",
+    "Translate into German: The train leaves at seven and arrives before noon.",
+    "A shop sells pens at 3 dollars and notebooks at 5 dollars. How much do 4 pens and 2 notebooks cost?",
+)
 _CLASSES: dict[str, type[nn.Module]] = {
     "int8": Int8DynamicLinear,
     "int8wo": Int8WeightOnlyLinear,

@@ -16,9 +16,11 @@ from viasd.cli_options import (
     DeviceMapOpt,
     DeviceOpt,
     DrafterOpt,
+    DrafterQuantOpt,
     DtypeOpt,
     GammaOpt,
     ProfileOpt,
+    QuantOpt,
     TargetOpt,
     engine_spec,
 )
@@ -102,6 +104,8 @@ def serve(
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = True,
 ) -> None:
@@ -133,7 +137,15 @@ def serve(
         from viasd.serve.app import create_app
 
         spec = engine_spec(
-            target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map
+            target,
+            drafter,
+            profile=profile,
+            gamma=gamma,
+            device=device,
+            dtype=dtype,
+            device_map=device_map,
+            quant=quant,
+            drafter_quant=drafter_quant,
         )
         with err.status(f"loading {target} for {', '.join(settings.methods)}"):
             engine = Engine(spec)
