@@ -38,6 +38,11 @@ class EngineSpec:
     self_skip_ratio: float = 0.25
     profile: str | None = None
 
+    def __post_init__(self) -> None:
+        # 0 must not silently mean "the default" (the decoders read a falsy gamma as unset).
+        if self.gamma is not None and self.gamma < 1:
+            raise ViasdError(f"--gamma must be >= 1 (draft tokens per round), got {self.gamma}")
+
 
 class Engine:
     """Loads the target once (and the drafter when a method needs it) and builds decoders on demand."""

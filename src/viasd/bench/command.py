@@ -119,6 +119,8 @@ def bench(
         raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if code_max_new_tokens is not None and code_max_new_tokens < 1:
         raise ViasdError(f"--code-max-new-tokens must be >= 1, got {code_max_new_tokens}")
+    if not 0 < humaneval_timeout < float("inf"):  # NaN fails this too
+        raise ViasdError(f"--humaneval-timeout must be a finite number of seconds > 0, got {humaneval_timeout}")
     tasks = build_tasks(questions, parse_list(categories), count, humaneval)
     questions_file = questions or default_questions_path()
 
