@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -46,6 +47,7 @@ from viasd.serve.schemas import (
     ModelCard,
     ModelList,
     Usage,
+    field_range,
 )
 from viasd.serve.settings import ServeSettings
 from viasd.verify.sampling import SamplingParams
@@ -53,6 +55,8 @@ from viasd.verify.sampling import SamplingParams
 log = logging.getLogger("viasd.serve")
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+# pydantic error types about a number out of its range (or not finite), answered with the field's whole range
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
 _DISCONNECT_POLL_SECONDS = 0.25
 # our finish reasons -> OpenAI's
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -71,8 +75,11 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def validation_message(errors: Sequence[Any]) -> str:
-    """A one-line account of what is wrong with a request body, from pydantic's error list."""
+def validation_message(errors: Sequence[Any], model: type[BaseModel] | None = None) -> str:
+    """A one-line account of what is wrong with a request body, from pydantic's error list.
+
+    A number out of range (or NaN, or infinite) is reported with the field's whole range, read from `model`.
+    """
     problems: list[str] = []
     for item in errors:
         if item.get("type") == "json_invalid":
@@ -81,9 +88,20 @@ def validation_message(errors: Sequence[Any]) -> str:
         loc = [str(part) for part in item.get("loc", ()) if part != "body"]
         where = ".".join(loc) or "body"
         message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
-        problems.append(f"{where}: {message}")
+        bounds = field_range(model, loc[0]) if model is not None and len(loc) == 1 else None
+        if item.get("type") in _RANGE_ERRORS and bounds:
+            problems.append(f"{where} must be {bounds}, got {_shown(item.get('input'))}")
+        else:
+            problems.append(f"{where}: {message}")
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     return "invalid request: " + "; ".join(problems[:5]) + more
+
+
+def _shown(value: Any) -> str:
+    """A rejected input as the client wrote it in JSON: NaN and Infinity by their JSON names."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN (not a number)" if math.isnan(value) else f"{'-' if value < 0 else ''}Infinity"
+    return json.dumps(value) if isinstance(value, (int, float, str)) else repr(value)
 
 
 async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
@@ -94,7 +112,10 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
     try:
         return model.model_validate_json(body)
     except ValidationError as error:
-        raise APIError(400, validation_message(error.errors()), code="invalid_request") from error
+        errors = error.errors()
+        first = [str(part) for part in errors[0].get("loc", ())] if errors else []
+        param = ".".join(first) or None
+        raise APIError(400, validation_message(errors, model), code="invalid_request", param=param) from error
 
 
 def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import annotated_types
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -19,6 +20,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
 
@@ -36,16 +39,16 @@ class _Request(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, description="extension: 0 disables top-k")
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False, description="only 0 is supported")
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False, description="only 0 is supported")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     method: str | None = Field(default=None, description="extension: decoding method, one of the loaded ones")
@@ -169,6 +172,43 @@ class CompletionRequest(_Request):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def field_range(model: type[BaseModel], name: str) -> str | None:
+    """How a numeric field of a request is bounded, in words: 'a finite number in [0, 2]', 'an integer >= 1'.
+
+    Read from the field's own constraints, so that error messages and the published schema cannot differ.
+    """
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    low = high = ""
+    for bound in field.metadata:
+        if isinstance(bound, annotated_types.Ge):
+            low = f"[{_number(bound.ge)}"
+        elif isinstance(bound, annotated_types.Gt):
+            low = f"({_number(bound.gt)}"
+        elif isinstance(bound, annotated_types.Le):
+            high = f"{_number(bound.le)}]"
+        elif isinstance(bound, annotated_types.Lt):
+            high = f"{_number(bound.lt)})"
+    kind = "an integer" if _annotation_has(field.annotation, int) else "a finite number"
+    if low and high:
+        return f"{kind} in {low}, {high}"
+    if low:
+        return f"{kind} {'>=' if low[0] == '[' else '>'} {low[1:]}"
+    if high:
+        return f"{kind} {'<=' if high[-1] == ']' else '<'} {high[:-1]}"
+    return kind
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _annotation_has(annotation: Any, kind: type) -> bool:
+    args = getattr(annotation, "__args__", None)
+    return annotation is kind or (args is not None and kind in args)
 
 
 # ------------------------------------------------------------------------------------------ responses
