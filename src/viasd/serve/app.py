@@ -33,6 +33,7 @@ from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
 from viasd.serve.metrics import Metrics
 from viasd.serve.middleware import GuardMiddleware
+from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
 from viasd.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,8 +45,10 @@ from viasd.serve.schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    Health,
     ModelCard,
     ModelList,
+    QueueState,
     Usage,
     field_range,
 )
@@ -54,7 +57,7 @@ from viasd.verify.sampling import SamplingParams
 
 log = logging.getLogger("viasd.serve")
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 # pydantic error types about a number out of its range (or not finite), answered with the field's whole range
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
 _DISCONNECT_POLL_SECONDS = 0.25
@@ -145,6 +148,20 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    served = Served(
+        model_id=settings.model_id,
+        methods=settings.methods,
+        max_tokens=settings.max_tokens_limit,
+        vocab_size=vocab_size,
+        api_key=settings.api_key is not None,
+    )
+    install_openapi(
+        app,
+        {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+        events=[ChatCompletionChunk],
+        served=served,
+    )
+    keyed = settings.api_key is not None
     app.add_middleware(
         GuardMiddleware,
         metrics=metrics,
@@ -319,16 +336,12 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     # ------------------------------------------------------------------------------------ routes
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Health:
         waiting, running = service.depth()
-        return {
-            "status": "ok",
-            "model": settings.model_id,
-            "methods": list(settings.methods),
-            "queue": {"waiting": waiting, "running": running, "capacity": service.capacity},
-        }
+        queue = QueueState(waiting=waiting, running=running, capacity=service.capacity)
+        return Health(model=settings.model_id, methods=list(settings.methods), queue=queue)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(api_key=keyed))
     async def prometheus() -> PlainTextResponse:
         waiting, running = service.depth()
         text = metrics.render(waiting=waiting, running=running, capacity=service.capacity)
@@ -337,16 +350,20 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     def model_card() -> ModelCard:
         return ModelCard(id=settings.model_id, created=created, methods=list(settings.methods))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(api_key=keyed))
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(404, api_key=keyed))
     async def get_model(model_id: str) -> ModelCard:
         check_model(model_id)
         return model_card()
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=completion_responses(ChatCompletion, ChatCompletionChunk, keyed),
+    )
     async def chat_completions(request: Request) -> Response | ChatCompletion:
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
@@ -388,7 +405,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         )
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=completion_responses(Completion, Completion, keyed))
     async def completions(request: Request) -> Response | Completion:
         req = await parse_body(request, CompletionRequest)
         check_model(req.model)
