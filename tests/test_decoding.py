@@ -76,9 +76,7 @@ def test_stop_conditions_match_plain_decoding():
     # A stop string cuts the text; max_new_tokens cuts the tokens.
     stop = f" t{long.tokens[3]} "
     for decoder in (PlainDecoder(target, tok), spec):
-        out = decoder.generate(
-            PROMPT, GenerationConfig(max_new_tokens=30, stop_strings=(stop,), ignore_eos=True)
-        )
+        out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=30, stop_strings=(stop,), ignore_eos=True))
         assert out.finish_reason == "stop" and stop not in out.text and long.text.startswith(out.text)
         out = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=5, ignore_eos=True))
         assert out.tokens == long.tokens[:5] and out.finish_reason == "length"
@@ -179,7 +177,9 @@ def test_an_underflowing_temperature_decodes_as_greedy_with_every_method():
     target, drafter, tok = tiny_model("llama"), tiny_model("llama", layers=2, seed=1), tiny_tokenizer(64)
     greedy = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     want = PlainDecoder(target, tok).generate(PROMPT, greedy).tokens
-    tiny_t = GenerationConfig(max_new_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=1e-300, top_p=0.9))
+    tiny_t = GenerationConfig(
+        max_new_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=1e-300, top_p=0.9)
+    )
     decoders = {
         "plain": PlainDecoder(target, tok),
         "sd": SpeculativeDecoder(target, tok, ModelDrafter(drafter), gamma=3),

@@ -9,7 +9,6 @@ import torch
 
 from viasd.errors import ViasdError
 
-
 # The seeds a torch generator accepts: any 64-bit integer, signed or unsigned.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
