@@ -52,6 +52,30 @@ def test_invalid_input_gives_one_line_error(args, stdin, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_bench_refuses_a_file_as_out_and_a_damaged_run_in_one_line(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a directory")
+    damaged = tmp_path / "run"
+    damaged.mkdir()
+    (damaged / "results.jsonl").write_text("")
+    env = damaged / "environment.json"
+    cases = [
+        (None, ["--out", str(a_file)], "is a file"),
+        (None, ["--out", str(a_file / "run")], "cannot create --out"),
+        ('{"settings": {"target": "x"', ["--out", str(damaged), "--resume"], "environment.json is damaged"),
+        ("[1, 2]", ["--out", str(damaged), "--resume"], "environment.json is damaged"),
+        ("\udcff", ["--out", str(damaged), "--resume"], "environment.json is damaged"),
+        ('{"settings": 3}', ["--out", str(damaged), "--report-only"], "environment.json is damaged"),
+    ]
+    for contents, args, message in cases:
+        if contents is not None:
+            env.write_text(contents, errors="surrogateescape")
+        result = viasd("bench", "--target", NO_MODEL, "--count", "1", *args)
+        assert result.returncode == 2, (contents, args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, (contents, args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_corrupt_model_file_gives_one_line_error(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(1000))
