@@ -297,9 +297,7 @@ def _manifest(directory: Path) -> dict[str, dict[str, object]]:
     return json.loads((directory / "viasd-manifest.json").read_text())["files"]
 
 
-def test_entries_record_every_file_and_a_truncated_one_is_fetched_again(
-    registry: FakeRegistry, tmp_path: Path
-) -> None:
+def test_entries_record_every_file_and_a_truncated_one_is_fetched_again(registry: FakeRegistry, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     path = _ensure(registry, cache, FakeConverter())
     files = _manifest(path)
