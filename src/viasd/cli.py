@@ -10,6 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from viasd.errors import ViasdError
@@ -35,7 +36,8 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except ViasdError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            # The message is text, not markup: a path like "[x]" or a port like ":-1:" must print as written.
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")
