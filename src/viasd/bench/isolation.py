@@ -40,7 +40,8 @@ def _python_dirs() -> list[str]:
     dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     dirs.add(str(Path(sys.executable).resolve().parent.parent))
     covered = ("/usr",)
-    return sorted(d for d in dirs if d and not any(d == c or d.startswith(c + "/") for c in covered))
+    # "/" would expose the whole filesystem: leave it out (the probe then fails and the guard alone runs, loudly).
+    return sorted(d for d in dirs if d not in ("", "/") and not any(d == c or d.startswith(c + "/") for c in covered))
 
 
 def _system_binds() -> list[str]:
