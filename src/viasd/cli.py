@@ -10,6 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from viasd.cli_options import (
@@ -47,7 +48,8 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except ViasdError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            # The message is text, not markup: a path like "[x]" or a port like ":-1:" must print as written.
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -158,28 +160,52 @@ def generate(
 def models(
     fetch: Annotated[list[str] | None, typer.Option(help="Fetch and convert a default model (repeatable).")] = None,
     fetch_all: Annotated[bool, typer.Option("--all", help="Fetch every default model.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="With --fetch or --all: fetch again even when cached (repairs a damaged copy).")
+    ] = False,
+    verify: Annotated[
+        bool, typer.Option(help="Check every cached file's SHA-256 against the manifest written with it.")
+    ] = False,
 ) -> None:
     """List the embedded default models and fetch them into the local cache."""
     from viasd.models.catalog import default_model_names
-    from viasd.models.fetch import ensure_default_model, list_default_models
+    from viasd.models.fetch import ensure_default_model, list_default_models, repair_command
 
     names = default_model_names() if fetch_all else list(fetch or [])
+    if force and not names:
+        raise ViasdError("--force fetches again what --fetch NAME or --all names; name a model")
     for name in names:
-        path = ensure_default_model(name)
+        path = ensure_default_model(name, force=force)
         err.print(f"{name}: ready at {path}")
     table = Table(title="default models")
     for column in ("name", "role", "size", "cached", "description"):
         table.add_column(column)
-    for status in list_default_models():
+    statuses = list_default_models(verify=verify)
+    shown = {"ok": "yes, verified" if verify else "yes", "unverified": "yes, no manifest", "damaged": "DAMAGED"}
+    for status in statuses:
         role = {DEFAULT_TARGET: "target", DEFAULT_DRAFTER: "drafter"}.get(status.name, "")
         table.add_row(
             status.name,
             role,
             f"{status.download_size / 1e6:.0f} MB",
-            "yes" if status.cached else "no",
+            shown.get(status.state, "no"),
             status.description,
         )
     Console().print(table)
+    if verify:
+        for status in statuses:
+            if status.state == "unverified":
+                err.print(
+                    f"{status.name}: cached before viasd recorded manifests, so it cannot be verified; "
+                    f"`{repair_command(status.name)}` rebuilds it with one",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+    damaged = [status for status in statuses if status.state == "damaged"]
+    if damaged:
+        what = "; ".join(f"{status.name} is damaged: {status.problem}" for status in damaged)
+        command = "viasd models " + " ".join(f"--fetch {status.name}" for status in damaged) + " --force"
+        raise ViasdError(f"{what}. Repair with: {command}")
 
 
 @app.command()

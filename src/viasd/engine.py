@@ -37,6 +37,11 @@ class EngineSpec:
     quant: str | None = None  # run the target as its quantized view (a recipe name, e.g. int8): another model
     drafter_quant: str | None = None  # run the drafter as its quantized view
 
+    def __post_init__(self) -> None:
+        # 0 must not silently mean "the default" (the decoders read a falsy gamma as unset).
+        if self.gamma is not None and self.gamma < 1:
+            raise ViasdError(f"--gamma must be >= 1 (draft tokens per round), got {self.gamma}")
+
 
 class Engine:
     """The target (and the drafter, loaded when a method first needs it) and the decoders built on them.

@@ -115,6 +115,8 @@ def serve(
     from viasd.serve.settings import ServeSettings, parse_methods
 
     err = Console(stderr=True)
+    if not 0 <= port <= 65535:
+        raise ViasdError(f"--port must be in [0, 65535] (0 picks a free one), got {port}")
     if shutdown_timeout < 0:
         raise ViasdError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
     if log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
