@@ -109,6 +109,19 @@ class Engine:
 
         return path or self.spec.profile or shipped_profile_path()
 
+    def gguf(self) -> Path:
+        """The target's GGUF file: the verified file of a default model (assembled once), or the file it was
+        loaded from."""
+        from viasd.models.catalog import find_default_model
+        from viasd.models.fetch import ensure_default_gguf
+
+        if find_default_model(self.spec.target) is not None:
+            return ensure_default_gguf(self.spec.target)
+        path = Path(self.target.path)
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            raise ViasdError(f"llama.cpp reads GGUF files: load the target from a .gguf file, not {self.target.path}")
+        return path
+
     def self_mask(self) -> LayerMask:
         """The self-drafter's layer mask: the profile's slim mask when it fits this target, else a spread mask."""
         from viasd.models.fingerprint import model_fingerprint

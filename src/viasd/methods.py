@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from viasd.errors import ViasdError
@@ -43,6 +44,10 @@ class Parts(Protocol):
     def routing_profile(self, path: str | None = None) -> RoutingProfile: ...
 
     def self_mask(self) -> LayerMask: ...
+
+    def gguf(self) -> Path:
+        """The target's GGUF file (for runtimes that read GGUF)."""
+        ...
 
     def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
         """The quantized view of `model` by a recipe name (None: no view), made once and cached."""
@@ -119,6 +124,7 @@ OPTIONS: dict[str, Option] = {
         Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
         Option("quant", _recipe, "run the target as its quantized view (int8, int8wo, int4): a faster, other model"),
         Option("drafter_quant", _recipe, "run the drafter as its quantized view (self: the target's own view)"),
+        Option("lookup", _int_in(0, MAX_GAMMA), "prompt-lookup draft tokens per round, 0 = off (llama.cpp)"),
     )
 }
 
@@ -222,6 +228,21 @@ def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
     return HFAssistedDecoder(target.model, target.tokenizer, parts.drafter.model, gamma, spec.name)
 
 
+def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
+    """llama.cpp on the target's GGUF file, with the threads torch uses, so both runtimes get the same cores."""
+    import torch
+
+    from viasd.decode.base import context_limit
+    from viasd.decode.llama_cpp import LlamaCppDecoder, load_llama
+
+    if parts.quant or parts.drafter_quant:
+        raise ViasdError("llama.cpp runs the GGUF file's own quantization: it takes no --quant")
+    target, lookup = parts.target, spec.get("lookup") or 0
+    context = min(context_limit(target.model) or 8192, 8192)
+    llama = load_llama(parts.gguf(), torch.get_num_threads(), context, lookup)
+    return LlamaCppDecoder(target.model, target.tokenizer, llama, lookup, spec.name)
+
+
 def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.round import RoundPolicy
     from viasd.decode.tiered import TieredDecoder
@@ -280,6 +301,14 @@ METHODS: dict[str, Method] = {
             _hf_assisted,
             ("gamma",),
             uses_drafter=True,
+        ),
+        Method(
+            "llama.cpp",
+            "llama.cpp on the target's GGUF file (baseline; lookup=N: its prompt-lookup speculation; needs "
+            "viasd[llamacpp])",
+            _llama_cpp,
+            ("lookup",),
+            exact=False,
         ),
     )
 }

