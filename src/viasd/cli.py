@@ -74,7 +74,7 @@ def generate(
     prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or nothing reads standard input.")] = None,
     method: Annotated[
         str, typer.Option("--method", "-m", help="Decoding method or variant, e.g. via:gamma=4 (`viasd methods`).")
-    ] = "sd",
+    ] = "auto",
     target: TargetOpt = DEFAULT_TARGET,
     drafter: DrafterOpt = DEFAULT_DRAFTER,
     profile: ProfileOpt = None,
@@ -238,6 +238,11 @@ app.command("bench")(user_errors(bench))
 from viasd.calibration.command import calibrate  # noqa: E402  (light: heavy imports happen inside the command)
 
 app.command("calibrate")(user_errors(calibrate))
+
+
+from viasd.calibration.cost_command import costs  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("costs")(user_errors(costs))
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -50,7 +50,7 @@ class Engine:
     """
 
     def __init__(self, spec: EngineSpec, target: LoadedModel | None = None, drafter: LoadedModel | None = None) -> None:
-        self.spec = spec
+        self._spec = spec
         self.target = target or self._load(spec.target)
         self._drafter = drafter
         self._drafter_checked = False
@@ -60,6 +60,10 @@ class Engine:
 
     def _load(self, name: str) -> LoadedModel:
         return load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -96,13 +100,33 @@ class Engine:
 
     @property
     def drafter(self) -> LoadedModel:
-        """The small drafter model, loaded on first use and checked against the target's vocabulary."""
+        """The small drafter model, loaded on first use and checked against the target's vocabulary (a default
+        drafter is checked before it is fetched)."""
         if self._drafter is None:
+            if self.drafter_fits() is False:
+                raise ViasdError(
+                    f"the drafter {self.spec.drafter!r} does not share the tokenizer of the target "
+                    f"{self.spec.target!r}: pass --drafter with a model of the target's family, or use a method "
+                    "that needs no drafter (plain, lookup, self)"
+                )
             self._drafter = self._load(self.spec.drafter)
         if not self._drafter_checked:
             check_same_vocabulary(self._drafter, self.target)
             self._drafter_checked = True
         return self._drafter
+
+    def drafter_fits(self) -> bool | None:
+        """Whether the drafter shares the target's tokenizer, known without loading it when it is a default
+        model (its vocabulary fingerprint is pinned); None when only loading it would tell."""
+        from viasd.models.catalog import find_default_model
+        from viasd.models.loading import vocabulary_fingerprint
+
+        if self._drafter is not None:
+            return True if self._drafter_checked else None
+        entry = find_default_model(self.spec.drafter)
+        if entry is None or not entry.vocabulary:
+            return None
+        return vocabulary_fingerprint(self.target.tokenizer) == entry.vocabulary
 
     def _profile_path(self, path: str | None) -> str | Path | None:
         from viasd.profile import shipped_profile_path

@@ -10,6 +10,7 @@ loading any model) stays free of torch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,19 @@ class Parts(Protocol):
 
     def gguf(self) -> Path:
         """The target's GGUF file (for runtimes that read GGUF)."""
+        ...
+
+    def decoder(self, method: str) -> Decoder:
+        """The decoder of another method (built once)."""
+        ...
+
+    def drafter_fits(self) -> bool | None:
+        """Whether the drafter shares the target's tokenizer (None: unknown without loading it)."""
+        ...
+
+    @property
+    def spec(self) -> Any:
+        """The engine's settings (EngineSpec)."""
         ...
 
     def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
@@ -243,6 +257,24 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
     return LlamaCppDecoder(target.model, target.tokenizer, llama, lookup, spec.name)
 
 
+def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
+    """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
+    from viasd.auto import AutoDecoder, candidates, choose, probe_key
+
+    fits = parts.drafter_fits()
+    names = candidates(fits)
+    if fits is False:
+        print(
+            f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "
+            "choosing among methods that need no drafter",
+            file=sys.stderr,
+        )
+    engine = parts.spec
+    settings = {"drafter": engine.drafter, "quant": engine.quant, "gamma": engine.gamma, "profile": engine.profile}
+    record = choose(parts.decoder, names, parts.target.tokenizer, probe_key(parts.target.model, settings, names))
+    return AutoDecoder(parts.decoder(record["chosen"]), record, spec.name)
+
+
 def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.round import RoundPolicy
     from viasd.decode.tiered import TieredDecoder
@@ -263,6 +295,11 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
+        Method(
+            "auto",
+            "the fastest exact method on this machine (plain, lookup, sd, quantized drafters): probed once, cached",
+            _auto,
+        ),
         Method("plain", "plain autoregressive decoding of the target (baseline)", _plain, ("quant",)),
         Method(
             "sd",

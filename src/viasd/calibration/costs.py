@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import bisect
 import random
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,3 +147,119 @@ def measure_costs(
             samples[job].append(run(*job))
     seconds = {kind: [float(torch.tensor(samples[(kind, n)]).median()) for n in lengths] for kind in kinds}
     return CostTable(list(lengths), seconds, prefix, repeats)
+
+
+def measure_views(
+    model: nn.Module,
+    views: Mapping[str, ViewLike],
+    lengths: Sequence[int],
+    tokens: Sequence[int],
+    prefix: int = 100,
+    repeats: int = 5,
+    seed: int = 0,
+    on_step: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:
+    """Median seconds of a pass of each view over L new tokens after `prefix` tokens, per L in `lengths`.
+
+    Every view runs as a slim pass does in decoding (on the full model's cache of the prefix); the full model
+    (view None) as a verification pass. Jobs are interleaved in a shuffled order, `repeats` times.
+    """
+    lengths = sorted(set(lengths))
+    need = prefix + lengths[-1]
+    tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
+    head, tail = tokens[:prefix], tokens[prefix:need]
+    session = KVSession(model)
+    session.forward(head)
+
+    def run(name: str, n: int) -> float:
+        view = views[name]
+        t0 = time.perf_counter()
+        if view is None:
+            session.forward(tail[:n], keep=n)
+            elapsed = time.perf_counter() - t0
+            session.truncate(prefix)
+        else:
+            session.forward_slim(tail[:n], view, keep=n)
+            elapsed = time.perf_counter() - t0
+            session.truncate_pending(0)
+        on_step()
+        return elapsed
+
+    jobs = [(name, n) for name in views for n in lengths]
+    for name in views:  # warm-up
+        run(name, lengths[0])
+    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(jobs)
+        for job in jobs:
+            samples[job].append(run(*job))
+    return {name: [statistics.median(samples[(name, n)]) for n in lengths] for name in views}
+
+
+def measure_kernels(
+    in_features: int,
+    out_features: int,
+    rows: Sequence[int],
+    kinds: Sequence[str],
+    matrices: int = 40,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Median seconds of one [rows, in] x [in, out] product per kernel kind, per row count.
+
+    Each timing runs the input through `matrices` distinct weight matrices, as a model does, so the weights come
+    from memory and not from cache (one matrix timed over and over looks several times faster). Kinds:
+    `bf16` (torch's linear), `int8`, `int8wo`, `int4` (viasd's quantized modules), `fbgemm` (torch's dynamic
+    int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
+    """
+    from viasd.models.quantize import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear
+
+    torch.manual_seed(seed)
+    layers = [nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16) for _ in range(matrices)]
+
+    def build(kind: str) -> tuple[list[nn.Module], torch.dtype]:
+        if kind == "bf16":
+            return layers, torch.bfloat16
+        if kind == "int8":
+            return [Int8DynamicLinear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "int8wo":
+            return [Int8WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "int4":
+            return [Int4WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "fbgemm":
+            from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+            modules = []
+            for layer in layers:
+                module = DynamicLinear(in_features, out_features, bias_=False)
+                weight = layer.weight.float()
+                scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+                zeros = torch.zeros(out_features, dtype=torch.long)
+                module.set_weight_bias(torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8), None)
+                modules.append(module)
+            return modules, torch.float32
+        raise ViasdError(f"unknown kernel kind {kind!r}; choose from bf16, int8, int8wo, int4, fbgemm")
+
+    built = {kind: build(kind) for kind in kinds}
+    inputs = {n: torch.randn(n, in_features) for n in rows}
+
+    def run(kind: str, n: int) -> float:
+        modules, dtype = built[kind]
+        x = inputs[n].to(dtype)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for module in modules:
+                module(x)
+            return (time.perf_counter() - t0) / len(modules)
+
+    jobs = [(kind, n) for kind in kinds for n in rows]
+    for job in jobs:  # warm-up
+        run(*job)
+    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(jobs)
+        for job in jobs:
+            samples[job].append(run(*job))
+    return {kind: [statistics.median(samples[(kind, n)]) for n in rows] for kind in kinds}

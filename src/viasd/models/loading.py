@@ -221,6 +221,15 @@ def _id_to_token(loaded: LoadedModel) -> dict[int, str]:
     return {index: token for token, index in loaded.tokenizer.get_vocab().items()}
 
 
+def vocabulary_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of a tokenizer's token -> id map: equal for tokenizers that mean the same by every id."""
+    import hashlib
+    import json
+
+    items = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def check_same_vocabulary(a: LoadedModel, b: LoadedModel) -> int:
     """Refuse a model pair whose token ids mean different things; return the shared logit width.
 

@@ -77,7 +77,7 @@ def serve(
     methods: Annotated[
         str,
         typer.Option(help="Decoding methods to load, comma-separated; the first is the default, requests pick one."),
-    ] = "sd,plain",
+    ] = "auto,plain",
     profile: ProfileOpt = None,
     gamma: GammaOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind; the default accepts local clients only.")] = "127.0.0.1",

@@ -1,0 +1,182 @@
+"""`viasd costs`: what a pass costs on this machine, per view of the target (and drafter), per tokens per pass.
+
+Views are named as on the command line: `full` (the model as loaded), a quantization recipe (`int8`, `int8wo`,
+`int4`, `int8:keep=lm_head`, ...), `skip=R` (R of the layers skipped, evenly spread), `profile` (the routing
+profile's slim mask), or a combination joined by `+` (`skip=0.25+int8`). `--shape` times a randomly initialised
+model of a named real shape instead of loading one (timing needs no trained weights). `--kernels` times the
+matrix kernels alone. Registered in cli.py; heavy imports happen inside the command.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, ProfileOpt, TargetOpt, engine_spec
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+
+def _list(text: str, kind: type, option: str) -> list[Any]:
+    try:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ViasdError(f"{option}: expected a comma-separated list, got {text!r}") from None
+    if not values:
+        raise ViasdError(f"{option}: no value given")
+    return values
+
+
+def parse_view(text: str, model: Any, quantized: Any, profile_mask: Any) -> Any:
+    """A view of `model` from its name (see the module docstring); `quantized(recipe)` makes quantized copies."""
+    from viasd.models.layer_skip import LayerMask, num_decoder_layers, spread_mask
+    from viasd.models.views import View
+
+    if text == "full":
+        return None
+    mask: LayerMask | None = None
+    linears = None
+    for part in text.split("+"):
+        if part.startswith("skip="):
+            try:
+                ratio = float(part.removeprefix("skip="))
+            except ValueError:
+                raise ViasdError(f"view {text!r}: skip=R needs a ratio, e.g. skip=0.25") from None
+            mask = spread_mask(num_decoder_layers(model), ratio)
+        elif part == "profile":
+            mask = profile_mask()
+        else:
+            linears = quantized(part).linears
+    return View(mask=mask, linears=linears)
+
+
+def costs(
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
+    shape: Annotated[
+        str | None, typer.Option(help="Time a random model of this shape instead (e.g. qwen2.5-7b; see --help).")
+    ] = None,
+    views: Annotated[str, typer.Option(help="Views of the target, comma-separated.")] = "full,int8,int4",
+    drafter_views: Annotated[
+        str | None, typer.Option(help="Views of the drafter to time too (e.g. full,int4); default none.")
+    ] = None,
+    tokens: Annotated[str, typer.Option(help="Tokens per pass, comma-separated.")] = "1,2,4,8,12,16",
+    context: Annotated[int, typer.Option(help="Tokens already in the cache before each pass.")] = 128,
+    repeats: Annotated[int, typer.Option(help="Timings per view and length (medians are reported).")] = 5,
+    kernels: Annotated[
+        bool, typer.Option(help="Time the matrix kernels alone (bf16, int8, int8wo, int4, fbgemm), no model.")
+    ] = False,
+    kernel_shape: Annotated[str, typer.Option(help="in,out features of the kernel matrices.")] = "1536,8960",
+    profile: ProfileOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = None,
+    out: Annotated[Path | None, typer.Option(help="Also write the figures as JSON to this file.")] = None,
+) -> None:
+    """Measure pass costs on this machine: each view of the target per tokens per pass, ms and ratio to full."""
+    from rich.console import Console
+    from rich.table import Table
+
+    err = Console(stderr=True)
+    lengths = _list(tokens, int, "--tokens")
+    if min(lengths) < 1 or context < 1 or repeats < 1:
+        raise ViasdError("--tokens, --context and --repeats must be >= 1")
+    record: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "tokens": lengths,
+        "context": context,
+        "repeats": repeats,
+    }
+    tables: dict[str, dict[str, list[float]]] = {}
+    if kernels:
+        from viasd.calibration.costs import measure_kernels
+
+        in_features, out_features = _list(kernel_shape, int, "--kernel-shape")
+        with err.status("timing kernels over 40 distinct matrices"):
+            tables["kernels"] = measure_kernels(
+                in_features, out_features, lengths, ["bf16", "int8", "int8wo", "int4", "fbgemm"], repeats=repeats
+            )
+        record["kernel_shape"] = [in_features, out_features]
+    else:
+        tables.update(_model_tables(err, target, drafter, shape, views, drafter_views, lengths, context, repeats,
+                                    profile, dtype, device, record))  # fmt: skip
+    record["load_average_at_finish"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    console = Console()
+    for title, table in tables.items():
+        rows = Table(title=f"{title}: ms per pass (ratio to the first row)")
+        rows.add_column("view")
+        for n in lengths:
+            rows.add_column(f"{n} tok")
+        base = next(iter(table.values()))
+        for name, seconds in table.items():
+            rows.add_row(name, *(f"{1e3 * s:.1f} ({s / b:.2f})" for s, b in zip(seconds, base, strict=True)))
+        console.print(rows)
+    record["seconds"] = tables
+    if out is not None:
+        from viasd.fileio import write_atomic
+
+        write_atomic(out, json.dumps(record, indent=2) + "\n")
+        err.print(f"wrote {out}", highlight=False)
+
+
+def _model_tables(
+    err: Any,
+    target: str,
+    drafter: str,
+    shape: str | None,
+    views: str,
+    drafter_views: str | None,
+    lengths: list[int],
+    context: int,
+    repeats: int,
+    profile: str | None,
+    dtype: str,
+    device: str | None,
+    record: dict[str, Any],
+) -> dict[str, dict[str, list[float]]]:
+    import random
+
+    from viasd.calibration.costs import measure_views
+    from viasd.engine import Engine
+    from viasd.models.loading import LoadedModel, parse_dtype, resolve_device
+
+    spec = engine_spec(target, drafter, profile=profile, device=device, dtype=dtype)
+    with err.status(f"loading {shape or target}"):
+        if shape is not None:
+            from viasd.models.shapes import random_model
+
+            where = resolve_device(device)
+            model = random_model(shape, where, parse_dtype(dtype, where))
+            engine = Engine(spec, target=LoadedModel(model, None, shape, shape))  # type: ignore[arg-type]
+        else:
+            engine = Engine(spec)
+    model = engine.target.model
+    vocab = int(model.config.vocab_size)
+    tokens = [random.Random(0).randrange(vocab) for _ in range(context + max(lengths))]
+    record.update(target=shape or target, shape=shape is not None, dtype=str(next(model.parameters()).dtype))
+
+    def table(loaded: LoadedModel, names: list[str]) -> dict[str, list[float]]:
+        def quantized(recipe: str) -> Any:
+            if shape is None:
+                return engine.quantized(loaded, recipe)
+            # Random weights: quantize them for the timing, but never cache them on disk.
+            from viasd.models.quantize import QuantRecipe, quantize
+            from viasd.models.views import View
+
+            return View(linears=quantize(loaded.model, QuantRecipe.parse(recipe)))
+
+        profile_mask = lambda: engine.routing_profile().masks[0]  # noqa: E731
+        chosen = {name: parse_view(name, loaded.model, quantized, profile_mask) for name in names}
+        total = len(chosen) * len(lengths) * (repeats + 1)
+        with err.status(f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths ({total} passes)"):
+            return measure_views(loaded.model, chosen, lengths, tokens, prefix=context, repeats=repeats)
+
+    tables = {f"target {shape or target}": table(engine.target, _list(views, str, "--views"))}
+    if drafter_views:
+        tables[f"drafter {drafter}"] = table(engine.drafter, _list(drafter_views, str, "--drafter-views"))
+    return tables
