@@ -68,6 +68,13 @@ def costs(
     tokens: Annotated[str, typer.Option(help="Tokens per pass, comma-separated.")] = "1,2,4,8,12,16",
     context: Annotated[int, typer.Option(help="Tokens already in the cache before each pass.")] = 128,
     repeats: Annotated[int, typer.Option(help="Timings per view and length (medians are reported).")] = 5,
+    agreement: Annotated[
+        int,
+        typer.Option(
+            help="Also score each view's greedy top-1 agreement with the model, teacher-forced on this many "
+            "built-in prompts (the model's own continuations); 0: no."
+        ),
+    ] = 0,
     kernels: Annotated[
         bool, typer.Option(help="Time the matrix kernels alone (bf16, int8, int8wo, int4, fbgemm), no model.")
     ] = False,
@@ -104,7 +111,7 @@ def costs(
         record["kernel_shape"] = [in_features, out_features]
     else:
         tables.update(_model_tables(err, target, drafter, shape, views, drafter_views, lengths, context, repeats,
-                                    profile, dtype, device, record))  # fmt: skip
+                                    profile, dtype, device, record, agreement))  # fmt: skip
     record["load_average_at_finish"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     console = Console()
     for title, table in tables.items():
@@ -116,6 +123,9 @@ def costs(
         for name, seconds in table.items():
             rows.add_row(name, *(f"{1e3 * s:.1f} ({s / b:.2f})" for s, b in zip(seconds, base, strict=True)))
         console.print(rows)
+    for title, scores in record.get("agreement", {}).items():
+        lines = ", ".join(f"{name} {a / n:.3f} ({a}/{n})" for name, (a, n) in scores.items())
+        console.print(f"{title}: greedy top-1 agreement with the model as loaded: {lines}", highlight=False)
     record["seconds"] = tables
     if out is not None:
         from viasd.fileio import write_atomic
@@ -138,10 +148,12 @@ def _model_tables(
     dtype: str,
     device: str | None,
     record: dict[str, Any],
+    agreement: int,
 ) -> dict[str, dict[str, list[float]]]:
     import random
 
     from viasd.calibration.costs import measure_views
+    from viasd.calibration.teacher import view_agreement
     from viasd.engine import Engine
     from viasd.models.loading import LoadedModel, parse_dtype, resolve_device
 
@@ -172,6 +184,10 @@ def _model_tables(
 
         profile_mask = lambda: engine.routing_profile().masks[0]  # noqa: E731
         chosen = {name: parse_view(name, loaded.model, quantized, profile_mask) for name in names}
+        if agreement:
+            with err.status(f"scoring the agreement of {len(chosen)} views of {loaded.name}"):
+                scores = view_agreement(loaded.model, chosen, _agreement_sequences(engine, loaded, agreement))
+            record.setdefault("agreement", {})[f"{loaded.name}"] = scores
         total = len(chosen) * len(lengths) * (repeats + 1)
         with err.status(f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths ({total} passes)"):
             return measure_views(loaded.model, chosen, lengths, tokens, prefix=context, repeats=repeats)
@@ -180,3 +196,23 @@ def _model_tables(
     if drafter_views:
         tables[f"drafter {drafter}"] = table(engine.drafter, _list(drafter_views, str, "--drafter-views"))
     return tables
+
+
+def _agreement_sequences(engine: Any, loaded: Any, count: int) -> list[tuple[list[int], int]]:
+    """(ids, start) of the first `count` built-in prompts with the model's own greedy continuation of 48 tokens;
+    scored from the prediction of the first generated token on."""
+    from viasd.calibration.prompts import CALIBRATION_PROMPTS, HELD_OUT_PROMPTS
+    from viasd.decode.base import GenerationConfig
+    from viasd.decode.plain import PlainDecoder
+    from viasd.prompting import encode_prompt
+
+    if loaded.tokenizer is None:
+        raise ViasdError("--agreement needs a real model (a random --shape has no tokenizer and nothing to agree on)")
+    texts = [text for _, text in (*HELD_OUT_PROMPTS, *CALIBRATION_PROMPTS)][:count]
+    decoder = PlainDecoder(loaded.model, loaded.tokenizer)
+    out = []
+    for text in texts:
+        ids = encode_prompt(loaded.tokenizer, text)
+        tokens = decoder.generate(ids, GenerationConfig(max_new_tokens=48)).tokens
+        out.append((ids + tokens[:-1], len(ids) - 1))
+    return out

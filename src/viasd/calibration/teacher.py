@@ -158,3 +158,22 @@ def slim_logits(
             return torch.cat(pieces)
     finally:
         _restore(seq.cache, snap)
+
+
+def view_agreement(
+    model: nn.Module, views: dict[str, ViewLike], sequences: Sequence[tuple[Sequence[int], int]]
+) -> dict[str, tuple[int, int]]:
+    """Per view, how many of the teacher-forced positions its top token equals the model's: (agreeing, positions).
+
+    Each sequence is (token ids, start); positions start..N-1 are scored. The view runs the whole sequence
+    itself (as a quantized model or a drafter does), so this measures the view as a model of its own.
+    """
+    totals = {name: [0, 0] for name in views}
+    for ids, start in sequences:
+        reference = model_logits(model, ids, start).argmax(dim=-1)
+        for name, view in views.items():
+            with applied(model, view):
+                top = model_logits(model, ids, start).argmax(dim=-1)
+            totals[name][0] += int((top == reference).sum())
+            totals[name][1] += int(reference.numel())
+    return {name: (agree, n) for name, (agree, n) in totals.items()}
