@@ -3,7 +3,12 @@
 Kinds (`QuantRecipe.kind`):
 
 * `int8`: int8 weights with one scale per output channel; activations quantized per token at run time, so
-  the matrix product runs in int8 with int32 accumulation (VNNI on x86 CPUs). Optional SmoothQuant-style
+  the matrix product runs in int8 with int32 accumulation (VNNI on x86 CPUs). On a CPU the product is
+  torch's fbgemm dynamic linear, which quantizes its input with one range per tensor: each row is divided
+  by its own largest magnitude first and multiplied back after (rows scale through a matrix product), and
+  two extra input columns holding +1 and -1 (with zero weights) pin every row's range to [-1, 1], so the
+  quantization is per token and a row's result never depends on the other rows of its block (exact
+  verification relies on that). Elsewhere (CUDA) the product is `torch._int_mm`. Optional SmoothQuant-style
   smoothing moves activation outliers into the weights: per input channel j, s_j = max|x_j|^a / max|w_j|^(1-a)
   from calibration activations; the layer computes (x / s) @ (W * s)^T.
 * `int8wo`: int8 weights, bf16 activations (weight-only).
@@ -18,6 +23,7 @@ Linear at a time is read while its quantized copy is made.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -99,6 +105,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+_ANCHORS = torch.tensor([[1.0, -1.0]])  # the two columns that pin every row's range to [-1, 1]
+
+
+def _fbgemm() -> bool:
+    """Whether torch has its x86 int8 kernels (fbgemm), the fast int8 path on CPUs."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 class Int8DynamicLinear(nn.Module):
     """y = x @ W^T + b with W in int8 (per output channel) and x quantized per token (row) at run time."""
 
@@ -110,6 +124,19 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("scale", scale.float())  # [out]
         self.register_buffer("bias", bias)
         self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth))  # [in], x is divided by s
+        self._packed: Any = None  # fbgemm's packed copy of the weight, made at the first CPU pass
+
+    def _fbgemm_packed(self) -> Any:
+        if self._packed is None:
+            weight = self.weight_t.t()
+            anchors = torch.zeros(weight.shape[0], 2, dtype=torch.int8)  # zero weights for the +1/-1 columns
+            weight = torch.cat([weight, anchors], dim=1).contiguous()
+            zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; 2.13 still has them
+                warnings.simplefilter("ignore", UserWarning)
+                quantized = torch._make_per_channel_quantized_tensor(weight, self.scale.double(), zeros, 0)
+                self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        return self._packed
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, smooth: torch.Tensor | None = None) -> Int8DynamicLinear:
@@ -122,13 +149,17 @@ class Int8DynamicLinear(nn.Module):
         return cls(q, scale, bias, None if smooth is None else smooth.to(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _flat(x)
+        rows = _flat(x).float()
         if self.inv_smooth is not None:
             rows = rows * self.inv_smooth
-        amax = rows.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
-        step = amax / 127.0
-        q = torch.round(rows.float() / step).to(torch.int8)
-        out = torch._int_mm(q, self.weight_t).float() * step * self.scale
+        amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        if rows.device.type == "cpu" and _fbgemm():
+            pinned = torch.cat([rows / amax, _ANCHORS.expand(rows.shape[0], 2)], dim=1)
+            out = torch.ops.quantized.linear_dynamic(pinned, self._fbgemm_packed(), False) * amax
+        else:
+            step = amax / 127.0
+            q = torch.round(rows / step).to(torch.int8)
+            out = torch._int_mm(q, self.weight_t).float() * step * self.scale
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
