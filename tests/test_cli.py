@@ -97,8 +97,20 @@ def test_corrupt_model_file_gives_one_line_error(tmp_path):
 @pytest.mark.real
 def test_mismatched_tokenizers_are_refused():
     result = viasd("generate", "hi", "--target", "smollm2-135m", "--drafter", "qwen2.5-coder-0.5b", "--method", "sd")
-    assert result.returncode == 2 and "do not share a tokenizer" in result.stderr
+    assert result.returncode == 2 and "does not share the tokenizer" in result.stderr and "--drafter" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.real
+def test_the_default_method_with_another_target_needs_no_drafter():
+    """`generate --target smollm2-135m` with the default method: the default drafter (another tokenizer) is
+    left out before anything is fetched, and auto picks among the methods that need no drafter."""
+    out = viasd("generate", "Say hello.", "--target", "smollm2-135m", "-n", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "does not share this target's tokenizer" in out.stderr
+    choice = json.loads(out.stdout)["stats"]["choice"]
+    assert choice["method"] in ("plain", "lookup", "self:drafter_quant=int8")
+    assert "sd" not in choice["tokens_per_second"]
 
 
 @pytest.mark.real
