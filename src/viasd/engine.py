@@ -170,7 +170,8 @@ class Engine:
         key = str(found)
         if key not in self._profiles:
             profile = load_profile(found)
-            profile.check_models(self.target.model, self.drafter.model)
+            # A profile whose drafter is the target's own view needs no second model.
+            profile.check_models(self.target.model, None if profile.self_drafter else self.drafter.model)
             self._profiles[key] = profile
         return self._profiles[key]
 

@@ -283,13 +283,23 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
 
     if parts.quant:
         raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
+    from viasd.models.views import View
+
     profile = parts.routing_profile(spec.get("profile"))
     policy = profile.policy(gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"))
     if spec.base == "via-exact":
         policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap)
-    target, small = parts.target, parts.drafter
-    drafter = ModelDrafter(small.model, parts.quantized(small, _drafter_recipe(parts, spec)), name="small")
-    return TieredDecoder(target.model, target.tokenizer, drafter, profile.masks, policy, spec.name)
+    target = parts.target
+    slims = []
+    for tier, mask in enumerate(profile.masks):  # each slim view: its layer mask, and quantized copies if any
+        quantized = parts.quantized(target, profile.slim_quant(tier))
+        slims.append(View(mask=mask, linears=quantized.linears if quantized else None))
+    recipe = _drafter_recipe(parts, spec) or (profile.drafter or {}).get("quant")
+    if profile.self_drafter:  # the profile's drafter is the target's own view
+        drafter = ModelDrafter(target.model, parts.quantized(target, recipe), name="self")
+    else:
+        drafter = ModelDrafter(parts.drafter.model, parts.quantized(parts.drafter, recipe), name="small")
+    return TieredDecoder(target.model, target.tokenizer, drafter, slims, policy, spec.name)
 
 
 METHODS: dict[str, Method] = {
