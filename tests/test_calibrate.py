@@ -312,6 +312,45 @@ def test_the_pregate_sends_doubtful_rounds_straight_to_the_full_target():
         select_policy(stats, c, pregates=(1.5,))
 
 
+def test_the_replay_stops_drafting_where_the_recorded_drafter_is_unsure():
+    # The drafter errs at every 6th position and is unsure there (and only there).
+    draft_ok = [i % 6 != 5 for i in range(48)]
+    stats = [stats_of(draft_ok, draft_top=[0.9 if ok else 0.2 for ok in draft_ok])]
+    c = costs(draft=0.1, full=0.2, per_token=0.0)
+    fixed = replay(stats, exact(8), c)
+    stopping = replay(stats, RoundPolicy(Gate.exact(), 8, stop=0.5), c)
+    # The same tokens commit in the same rounds, but no draft is made behind the unsure (wrong) one.
+    assert (stopping.tokens, stopping.stats.rounds, stopping.stats.accepted) == (
+        fixed.tokens, fixed.stats.rounds, fixed.stats.accepted
+    )  # fmt: skip
+    assert stopping.stats.drafted == stopping.stats.evaluated < fixed.stats.drafted
+    assert stopping.seconds == pytest.approx(fixed.seconds - 0.1 * (fixed.stats.drafted - stopping.stats.drafted))
+    # Under a threshold above every confidence, each round drafts one token.
+    one = replay(stats, RoundPolicy(Gate.exact(), 8, stop=1.0), c).stats
+    assert one.drafted == one.rounds == one.new_tokens // 2
+    # The selection finds the threshold worth it, for classic SD and VIA-SD alike, and never uses it on records
+    # without the drafter's confidence.
+    sel = select_policy(stats, c, gammas=(8,), caps=(32,), quality_budget=0.0, pregates=(0.0,), stops=(0.0, 0.5))
+    assert sel.sd_policy.stop == 0.5 and sel.sd_prediction.seconds == pytest.approx(stopping.seconds)
+    assert sel.policy.stop == 0.5 and sel.to_dict()["via"]["policy"]["stop"] == 0.5
+    stats[0].draft_top = []
+    blind = select_policy(stats, c, gammas=(8,), caps=(32,), stops=(0.0, 0.5))
+    assert blind.policy.stop == blind.sd_policy.stop == 0.0
+    with pytest.raises(ViasdError, match="draft stop thresholds must be in"):
+        select_policy(stats, c, stops=(0.0, 1.2))
+
+
+def test_an_older_profile_without_a_stop_threshold_loads_with_it_off(tmp_path):
+    path = tmp_path / "old.json"
+    data = json.loads(_profile_json())
+    data.pop("stop")
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert old.stop == 0.0 and old.policy().stop == 0.0 and old.policy(stop=0.4).stop == 0.4
+    path.write_text(_profile_json(stop=0.35))
+    assert load_profile(path).policy().stop == 0.35 and load_profile(path).policy(stop=None).stop == 0.35
+
+
 def test_gate_records_from_logits():
     draft = torch.tensor([[5.0, 0.0, 0.0], [0.0, 5.0, 0.0]])
     slim = torch.tensor([[4.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
@@ -366,20 +405,26 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monk
     # Re-selection from the profile alone (no work file: records regenerated) reproduces the profile's policy,
     # and under other settings picks within them.
     same = reselect(profile, "sha", target, drafter, settings)
-    assert (same.gate, same.gamma, same.cap, same.pregate) == (
+    assert (same.gate, same.gamma, same.cap, same.pregate, same.stop) == (
         profile.gate,
         profile.gamma,
         profile.cap,
         profile.pregate,
+        profile.stop,
     )
     assert same.masks == profile.masks and same.calibration["reselected"]["from_sha256"] == "sha"
-    other = reselect(profile, "sha", target, drafter, dataclasses.replace(settings, gammas=(4,), pregates=(0.0,)))
+    other = reselect(
+        profile, "sha", target, drafter, dataclasses.replace(settings, gammas=(4,), pregates=(0.0,), stops=(0.45,))
+    )
     assert other.gamma == 4 and other.pregate == 0.0 and other.calibration["costs"] == profile.calibration["costs"]
+    assert other.stop == 0.45 and other.calibration["stops"] == [0.45]
     # The engine takes it for --method via.
     engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target, drafter=drafter)
     assert engine.decoder("via").policy.gamma == profile.gamma
     assert engine.decoder("via").policy.pregate == profile.pregate in settings.pregates
     assert engine.decoder("via:pregate=0.7").policy.pregate == 0.7  # a variant overrides the profile
+    assert engine.decoder("via").policy.stop == profile.stop in settings.stops
+    assert engine.decoder("via:stop=0").policy.stop == 0.0 and engine.decoder("via-exact:stop=0.6").policy.stop == 0.6
 
 
 def test_a_profile_for_other_models_is_refused(tmp_path):
@@ -414,6 +459,9 @@ def test_calibrate_command_reports_bad_options_in_one_line():
     assert result.exit_code == 2 and "unknown objective" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["calibrate", "--gammas", "2,x"])
     assert result.exit_code == 2 and "--gammas" in result.output
+    for stops, message in (("0,2", "--stops must be in [0, 1]"), ("0,x", "--stops: expected comma-separated")):
+        result = CliRunner().invoke(app, ["calibrate", "--stops", stops])
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     assert NO_FULL > 1e6
 
 
@@ -443,6 +491,8 @@ def _profile_json(**changes):
         ({"gamma": 2.5}, "gamma must be an integer"),
         ({"cap": 0}, "cap on tokens committed without the full target must be >= 1"),
         ({"pregate": 2.0}, "pre-gate must be a probability"),
+        ({"stop": -0.5}, "draft stop threshold must be a probability"),
+        ({"stop": float("nan")}, "draft stop threshold must be a probability"),
     ],
 )
 def test_a_profile_with_impossible_settings_is_refused_in_one_line(tmp_path, changes, message):
@@ -475,12 +525,13 @@ def test_calibrate_and_reselect_from_the_command_line(tmp_path):
     result = runner.invoke(app, ["calibrate", *common, "--reselect", str(first), "--output", str(again)])
     assert result.exit_code == 0, result.output
     same = load_profile(again)
-    policy = (profile.gate, profile.gamma, profile.cap, profile.pregate)
-    assert (same.gate, same.gamma, same.cap, same.pregate) == policy
+    policy = (profile.gate, profile.gamma, profile.cap, profile.pregate, profile.stop)
+    assert (same.gate, same.gamma, same.cap, same.pregate, same.stop) == policy
     assert same.masks == profile.masks and same.calibration["costs"] == profile.calibration["costs"]
     reselect_args = ["calibrate", *common, "--reselect", str(first)]
-    result = runner.invoke(app, [*reselect_args, "--output", str(again), "--gammas", "3"])
+    result = runner.invoke(app, [*reselect_args, "--output", str(again), "--gammas", "3", "--stops", "0.55"])
     assert result.exit_code == 0 and load_profile(again).gamma == 3 and load_profile(again).cap in (8, 16)
+    assert load_profile(again).stop == 0.55
     what_if = runner.invoke(app, [*reselect_args, "--what-if"])
     assert what_if.exit_code == 0 and "| as configured" in what_if.output
     assert "| slim verifier always right" in what_if.output

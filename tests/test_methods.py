@@ -7,10 +7,13 @@ from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.round import MAX_GAMMA
 from viasd.decode.speculative import SpeculativeDecoder
+from viasd.drafters.hybrid import HybridDrafter
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
+from viasd.methods import DEFAULT_STOP, HYBRID_MATCH, METHODS, OPTIONS, parse_method, parse_method_list
 from viasd.methods import MAX_GAMMA as PARSED_MAX_GAMMA
-from viasd.methods import METHODS, OPTIONS, parse_method, parse_method_list
 from viasd.models.loading import LoadedModel
 
 
@@ -33,10 +36,19 @@ def test_plain_names_and_variants_parse():
         ("warp", "unknown method 'warp'"),
         ("sd:gamma", "write key=value"),
         ("sd:depth=3", "write key=value with key one of gamma, cap, profile, pregate, quant, drafter_quant"),
-        ("sd:cap=4", "method 'sd' takes no option 'cap' (it takes: gamma, quant, drafter_quant)"),
+        ("sd:cap=4", "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, quant, drafter_quant)"),
         ("plain:gamma=2", "takes no option 'gamma' (it takes: quant)"),
         ("plain:quant=int3", "method option quant: unknown quantization 'int3'"),
         ("hf-assisted:quant=int8", "takes no option 'quant'"),
+        ("lookup:stop=0.4", "method 'lookup' takes no option 'stop' (it takes: gamma, match, copy, quant)"),
+        ("sd:stop=1.5", "stop must be in [0, 1], got 1.5"),
+        ("sd:stop=nan", "stop must be in [0, 1], got nan"),
+        ("sd:drafter=big", "drafter must be one of model, lookup, hybrid, got 'big'"),
+        ("sd:match=2", "option 'match' needs drafter=lookup or drafter=hybrid"),
+        ("via:copy=8", "option 'copy' needs drafter=lookup or drafter=hybrid"),
+        ("sd:drafter=lookup:stop=0.3", "option 'stop' needs a model drafter"),
+        ("sd:drafter=hybrid:match=0", "match must be in 1..16, got 0"),
+        ("sd:drafter=hybrid:copy=65", "copy must be in 1..64, got 65"),
         ("via-exact:pregate=0.5", "takes no option 'pregate'"),
         ("via:gamma=0", "gamma must be in 1..64, got 0"),
         ("sd:gamma=1000", "gamma must be in 1..64, got 1000"),
@@ -78,3 +90,33 @@ def test_engine_builds_variants_with_their_settings_and_labels():
     out = engine.generate(prompt, "sd:gamma=2", config)
     assert out.stats.method == "sd:gamma=2" and out.stats.drafted > 0
     assert out.tokens == engine.generate(prompt, "plain", config).tokens  # a variant of an exact method stays exact
+
+
+def test_drafter_and_draft_length_options_build_what_they_say():
+    tok = tiny_tokenizer(64)
+    models = {"t": tiny_model("llama"), "d": tiny_model("llama", layers=2, seed=1)}
+    engine = Engine(
+        EngineSpec(target="t", drafter="d"),
+        target=LoadedModel(models["t"], tok, "t", "t"),
+        drafter=LoadedModel(models["d"], tok, "d", "d"),
+    )
+    sd = engine.decoder("sd")
+    assert isinstance(sd.drafter, ModelDrafter) and sd.stop == DEFAULT_STOP
+    assert engine.decoder("sd:stop=0").stop == 0.0 and engine.decoder("sd:stop=0.45").stop == 0.45
+    hybrid = engine.decoder("sd:drafter=hybrid")
+    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.stop == DEFAULT_STOP
+    assert (hybrid.drafter.lookup.min_ngram, hybrid.drafter.lookup.copy) == (HYBRID_MATCH, None)
+    tuned = engine.decoder("sd:drafter=hybrid:match=4:copy=6:gamma=8:stop=0.3").drafter
+    assert (tuned.lookup.min_ngram, tuned.lookup.max_ngram, tuned.lookup.copy) == (4, 4, 6)
+    lookup = engine.decoder("sd:drafter=lookup")
+    assert isinstance(lookup.drafter, PromptLookupDrafter) and not parse_method("sd:drafter=lookup").uses_drafter
+    assert engine.decoder("lookup:match=2:copy=3").drafter.min_ngram == 2
+    assert engine.decoder("lookup").drafter.min_ngram == 1  # prompt lookup as before unless asked
+    assert engine.decoder("self:stop=0.5").stop == 0.5 and engine.decoder("self").stop == 0.0
+    # Every variant stays exact: greedy output equals plain decoding's.
+    prompt, config = [1, 5, 9, 13, 1, 5], GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    want = engine.generate(prompt, "plain", config).tokens
+    for name in ("sd", "sd:stop=0.5", "sd:drafter=hybrid", "sd:drafter=hybrid:match=1:gamma=6", "lookup:match=2"):
+        out = engine.generate(prompt, name, config)
+        assert out.tokens == want, name
+        assert sum(s.drafted for s in out.stats.sources.values()) == out.stats.drafted

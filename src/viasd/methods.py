@@ -1,8 +1,8 @@
 """Decoding methods: one registry of their names, options, descriptions and how each builds its decoder.
 
-A method is named `NAME` or `NAME:key=value[:key=value...]`, for example `sd:gamma=6` or
-`via:gamma=4:pregate=0.5`. Variants let one benchmark or server compare settings of the same method side
-by side; the name as written is what rows, tables and metrics are labelled with.
+A method is named `NAME` or `NAME:key=value[:key=value...]`, for example `sd:gamma=6`, `sd:drafter=hybrid`,
+`sd:stop=0.4` or `via:gamma=4:pregate=0.5`. Variants let one benchmark or server compare settings of the same
+method side by side; the name as written is what rows, tables and metrics are labelled with.
 
 Builders import the decoding modules when they run, so that parsing a method name (the CLI does it before
 loading any model) stays free of torch.
@@ -20,12 +20,17 @@ from viasd.errors import ViasdError
 
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
+    from viasd.drafters.base import Drafter
     from viasd.models.layer_skip import LayerMask
     from viasd.models.loading import LoadedModel
     from viasd.models.views import View
     from viasd.profile import RoutingProfile
 
 MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
+DRAFTERS = ("model", "lookup", "hybrid")  # what the `drafter` option of sd and via may name
+DEFAULT_STOP = 0.0  # sd's draft stop threshold (docs/benchmarking.md, BENCHMARKS.md: how it was chosen)
+HYBRID_MATCH = 2  # the hybrid drafter copies when the context's tail matches at least this many tokens earlier
+LOOKUP_MATCH = 1  # the lookup method's shortest match (prompt lookup as published: any n-gram from 3 down to 1)
 
 
 class Parts(Protocol):
@@ -104,6 +109,15 @@ def _fraction(key: str, text: str) -> float:
     return value
 
 
+def _choice(*values: str) -> Callable[[str, str], str]:
+    def parse(key: str, text: str) -> str:
+        if text not in values:
+            raise ViasdError(f"method option {key} must be one of {', '.join(values)}, got {text!r}")
+        return text
+
+    return parse
+
+
 def _path(key: str, text: str) -> str:
     if not text:
         raise ViasdError(f"method option {key} needs a file path")
@@ -139,6 +153,18 @@ OPTIONS: dict[str, Option] = {
         Option("quant", _recipe, "run the target as its quantized view (int8, int8wo, int4): a faster, other model"),
         Option("drafter_quant", _recipe, "run the drafter as its quantized view (self: the target's own view)"),
         Option("lookup", _int_in(0, MAX_GAMMA), "prompt-lookup draft tokens per round, 0 = off (llama.cpp)"),
+        Option(
+            "stop",
+            _fraction,
+            "drafter confidence under which drafting stops for the round, that token included (0: always gamma)",
+        ),
+        Option(
+            "drafter",
+            _choice(*DRAFTERS),
+            "model (the small drafter), lookup (prompt lookup) or hybrid (lookup when it matches, else the model)",
+        ),
+        Option("match", _int_in(1, 16), "shortest n-gram match that prompt lookup copies from (lookup, hybrid)"),
+        Option("copy", _int_in(1, MAX_GAMMA), "most tokens prompt lookup copies per round (lookup, hybrid)"),
     )
 }
 
@@ -160,7 +186,8 @@ class MethodSpec:
 
     @property
     def uses_drafter(self) -> bool:
-        return self.method.uses_drafter
+        """Whether the variant needs the small drafter model (`sd:drafter=lookup` does not)."""
+        return self.method.uses_drafter and self.options.get("drafter") != "lookup"
 
     @property
     def exact(self) -> bool:
@@ -197,30 +224,51 @@ def _drafter_recipe(parts: Parts, spec: MethodSpec) -> str | None:
     return spec.get("drafter_quant") or parts.drafter_quant
 
 
+def _stop(spec: MethodSpec, default: float) -> float:
+    stop = spec.get("stop")
+    return default if stop is None else float(stop)
+
+
+def _lookup_drafter(spec: MethodSpec, match: int) -> Drafter:
+    from viasd.drafters.prompt_lookup import PromptLookupDrafter
+
+    shortest = spec.get("match") or match
+    return PromptLookupDrafter(max_ngram=max(3, shortest), min_ngram=shortest, copy=spec.get("copy"))
+
+
+def _drafter(parts: Parts, spec: MethodSpec, recipe: str | None = None) -> Drafter:
+    """The drafter a variant names: the small model (default; as its quantized view by `recipe`), prompt lookup,
+    or the hybrid of both."""
+    from viasd.drafters.hybrid import HybridDrafter
+    from viasd.drafters.model_drafter import ModelDrafter
+
+    kind = spec.get("drafter") or "model"
+    if kind == "lookup":
+        return _lookup_drafter(spec, LOOKUP_MATCH)
+    small = parts.drafter
+    model = ModelDrafter(small.model, parts.quantized(small, recipe or _drafter_recipe(parts, spec)), name="model")
+    return model if kind == "model" else HybridDrafter(_lookup_drafter(spec, HYBRID_MATCH), model)
+
+
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.plain import PlainDecoder
 
     return PlainDecoder(parts.target.model, parts.target.tokenizer, _target_view(parts, spec))
 
 
-def _speculative(parts: Parts, spec: MethodSpec, drafter: Any) -> Decoder:
+def _speculative(parts: Parts, spec: MethodSpec, drafter: Drafter, stop: float = 0.0) -> Decoder:
     from viasd.decode.speculative import SpeculativeDecoder
 
-    target, view = parts.target, _target_view(parts, spec)
-    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name, view)
+    target, view, gamma = parts.target, _target_view(parts, spec), _gamma(parts, spec)
+    return SpeculativeDecoder(target.model, target.tokenizer, drafter, gamma, spec.name, view, stop)
 
 
 def _sd(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.drafters.model_drafter import ModelDrafter
-
-    small = parts.drafter
-    return _speculative(parts, spec, ModelDrafter(small.model, parts.quantized(small, _drafter_recipe(parts, spec))))
+    return _speculative(parts, spec, _drafter(parts, spec), _stop(spec, DEFAULT_STOP))
 
 
 def _lookup(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.drafters.prompt_lookup import PromptLookupDrafter
-
-    return _speculative(parts, spec, PromptLookupDrafter())
+    return _speculative(parts, spec, _lookup_drafter(spec, LOOKUP_MATCH))
 
 
 def _self(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -229,7 +277,8 @@ def _self(parts: Parts, spec: MethodSpec) -> Decoder:
 
     target = parts.target
     view = parts.quantized(target, _drafter_recipe(parts, spec)) or parts.self_mask()
-    return _speculative(parts, spec, ModelDrafter(target.model, view, name="self"))
+    drafter = ModelDrafter(target.model, view, name="self")
+    return _speculative(parts, spec, drafter, _stop(spec, 0.0))  # stop not measured for self: off unless asked
 
 
 def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -278,7 +327,6 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
 def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.round import RoundPolicy
     from viasd.decode.tiered import TieredDecoder
-    from viasd.drafters.model_drafter import ModelDrafter
     from viasd.verify.gates import Gate
 
     if parts.quant:
@@ -286,9 +334,11 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.models.views import View
 
     profile = parts.routing_profile(spec.get("profile"))
-    policy = profile.policy(gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"))
+    policy = profile.policy(
+        gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"), stop=spec.get("stop")
+    )
     if spec.base == "via-exact":
-        policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap)
+        policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop)
     target = parts.target
     slims = []
     for tier, mask in enumerate(profile.masks):  # each slim view: its layer mask, and quantized copies if any
@@ -296,9 +346,11 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
         slims.append(View(mask=mask, linears=quantized.linears if quantized else None))
     recipe = _drafter_recipe(parts, spec) or (profile.drafter or {}).get("quant")
     if profile.self_drafter:  # the profile's drafter is the target's own view
-        drafter = ModelDrafter(target.model, parts.quantized(target, recipe), name="self")
+        from viasd.drafters.model_drafter import ModelDrafter
+
+        drafter: Drafter = ModelDrafter(target.model, parts.quantized(target, recipe), name="self")
     else:
-        drafter = ModelDrafter(parts.drafter.model, parts.quantized(parts.drafter, recipe), name="small")
+        drafter = _drafter(parts, spec, recipe)
     return TieredDecoder(target.model, target.tokenizer, drafter, slims, policy, spec.name)
 
 
@@ -315,23 +367,26 @@ METHODS: dict[str, Method] = {
             "sd",
             "classic speculative decoding with the small drafter model (exact)",
             _sd,
-            ("gamma", "quant", "drafter_quant"),
+            ("gamma", "stop", "drafter", "match", "copy", "quant", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
-            "lookup", "speculative decoding with prompt-lookup (n-gram) drafts (exact)", _lookup, ("gamma", "quant")
+            "lookup",
+            "speculative decoding with prompt-lookup (n-gram) drafts (exact)",
+            _lookup,
+            ("gamma", "match", "copy", "quant"),
         ),
         Method(
             "self",
             "self-speculative decoding: a cheaper view of the target drafts (layers skipped, or drafter_quant) (exact)",
             _self,
-            ("gamma", "quant", "drafter_quant"),
+            ("gamma", "stop", "quant", "drafter_quant"),
         ),
         Method(
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            ("gamma", "cap", "profile", "pregate", "drafter_quant"),
+            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy", "drafter_quant"),
             uses_drafter=True,
             exact=False,
         ),
@@ -339,7 +394,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd)",
             _via,
-            ("gamma", "cap", "profile", "drafter_quant"),
+            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
@@ -382,7 +437,21 @@ def parse_method(text: str) -> MethodSpec:
         if key in options:
             raise ViasdError(f"method {name!r} sets {key!r} twice")
         options[key] = OPTIONS[key].parse(key, value)
+    _check_drafter_options(name, method, options)
     return MethodSpec(name=name, method=method, options=options)
+
+
+def _check_drafter_options(name: str, method: Method, options: Mapping[str, Any]) -> None:
+    """Refuse options that the variant's drafter would ignore: lookup settings without prompt lookup, a stop
+    threshold without a drafter that has a confidence."""
+    if "drafter" not in method.options:
+        return
+    drafter = options.get("drafter", "model")
+    for key in ("match", "copy"):
+        if key in options and drafter == "model":
+            raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup or drafter=hybrid")
+    if "stop" in options and drafter == "lookup":
+        raise ViasdError(f"method {name!r}: option 'stop' needs a model drafter (drafter=model or drafter=hybrid)")
 
 
 def parse_method_list(text: str) -> list[MethodSpec]:

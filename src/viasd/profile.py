@@ -1,4 +1,4 @@
-"""Routing profiles: the calibrated slim-verifier masks, gate, draft length and measured costs of a model pair.
+"""Routing profiles: the calibrated slim-verifier masks, gate, draft length rules and measured costs of a model pair.
 
 A profile is a small JSON file. It names the models it was made for by fingerprint (config plus a
 sample of the weights), so a profile made for other models is refused instead of silently misrouting.
@@ -39,13 +39,14 @@ class RoutingProfile:
     gamma: int = 4
     cap: int = 32  # max tokens committed without the full target before a full pass is forced
     pregate: float = 0.0  # drafter confidence under which a round skips the slim pass (0: off)
+    stop: float = 0.0  # drafter confidence under which drafting stops for the round (0: off; older profiles)
     search: dict[str, Any] = field(default_factory=dict)  # how the masks were found
     calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
     created: str = ""
     format: str = FORMAT
 
     def __post_init__(self) -> None:
-        self.policy()  # refuses a bad gamma, cap or pre-gate with one line
+        self.policy()  # refuses a bad gamma, cap, pre-gate or stop threshold with one line
         if not self.gate.always_full and len(self.gate.thresholds) != len(self.masks) + 1:
             raise ViasdError(
                 f"routing profile: {len(self.masks)} slim mask(s) need {len(self.masks) + 1} gate thresholds, "
@@ -64,8 +65,9 @@ class RoutingProfile:
         return bool(self.drafter and self.drafter.get("self"))
 
     def policy(self, **overrides: Any) -> RoundPolicy:
-        """The round policy the profile describes, with some settings overridden (gamma=, cap=, pregate=)."""
-        settings = {"gamma": self.gamma, "cap": self.cap, "pregate": self.pregate}
+        """The round policy the profile describes, with some settings overridden (gamma=, cap=, pregate=, stop=;
+        None leaves the profile's)."""
+        settings = {"gamma": self.gamma, "cap": self.cap, "pregate": self.pregate, "stop": self.stop}
         settings.update({k: v for k, v in overrides.items() if v is not None})
         return RoundPolicy(self.gate, **settings)
 
@@ -90,6 +92,7 @@ class RoutingProfile:
                 gamma=_integer(data.get("gamma", 4), "gamma"),
                 cap=_integer(data.get("cap", 32), "cap"),
                 pregate=float(data.get("pregate", 0.0)),
+                stop=float(data.get("stop", 0.0)),
                 search=dict(data.get("search", {})),
                 calibration=dict(data.get("calibration", {})),
                 created=str(data.get("created", "")),

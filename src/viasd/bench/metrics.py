@@ -14,9 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from viasd.decode.stats import GenerationStats, TierStats
+from viasd.decode.stats import GenerationStats, SourceStats, TierStats
 
 ALL = "all"  # the category name of the overall summary
+SOURCE_COUNTS = ("rounds", "drafted", "evaluated", "accepted")  # what is counted per draft source
 
 # category -> quality metric. Categories not listed get no task metric, only agreement with plain decoding.
 QUALITY_METRICS: dict[str, str] = {
@@ -172,10 +173,11 @@ def combine_stats(parts: Sequence[GenerationStats], method: str | None = None) -
             value = getattr(part, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 setattr(total, f.name, getattr(total, f.name) + value)
-        for name, tier in part.tiers.items():
-            into = total.tier(name)
-            for f in fields(TierStats):
-                setattr(into, f.name, getattr(into, f.name) + getattr(tier, f.name))
+        for table, counters, kind in ((part.tiers, total.tier, TierStats), (part.sources, total.source, SourceStats)):
+            for name, counts in table.items():
+                into = counters(name)
+                for f in fields(kind):
+                    setattr(into, f.name, getattr(into, f.name) + getattr(counts, f.name))
         total.finish_reason = part.finish_reason
     return total
 
@@ -187,6 +189,17 @@ def tier_counts(stats: Mapping[str, Any]) -> dict[str, int]:
         return {name: int(t.get("decided", 0)) for name, t in tiers.items()}
     evaluated = int(stats.get("evaluated", 0))
     return {"full": evaluated} if evaluated else {}
+
+
+def source_counts(stats: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Rounds, drafted, evaluated and accepted draft tokens per draft source, summed over generations."""
+    out: dict[str, dict[str, int]] = {}
+    for x in stats:
+        for name, counts in (x.get("sources") or {}).items():
+            into = out.setdefault(name, dict.fromkeys(SOURCE_COUNTS, 0))
+            for key in SOURCE_COUNTS:
+                into[key] += int(counts.get(key, 0))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- summaries
@@ -224,6 +237,9 @@ class Summary:
     unevaluated_drafts: float | None = None  # share of draft tokens cut by an earlier rejection before any check
     slim_calls_per_token: float = 0.0
     rounds_per_token: float = 0.0  # draft-and-verify rounds (plain decoding: one per token)
+    drafter_calls_per_token: float = 0.0  # forward passes of the drafter model (prefill and catch-up included)
+    # Per draft source (a drafter, or a part of the hybrid drafter): rounds, drafted, evaluated, accepted.
+    sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 COST_PARTS = ("drafting", "slim verifier", "full target", "other")
@@ -312,6 +328,9 @@ def summarize_group(
     slim_calls = sum(int(x.get("slim_calls", 0)) for x in stats)
     s.slim_calls_per_token = slim_calls / s.new_tokens if s.new_tokens else 0.0
     s.rounds_per_token = sum(int(x.get("rounds", 0)) for x in stats) / s.new_tokens if s.new_tokens else 0.0
+    drafter_calls = sum(int(x.get("drafter_calls", 0)) for x in stats)
+    s.drafter_calls_per_token = drafter_calls / s.new_tokens if s.new_tokens else 0.0
+    s.sources = source_counts(stats)
     unchecked = sum(int(x.get("unchecked_tokens", 0)) for x in stats)
     s.unchecked_fraction = unchecked / s.new_tokens if s.new_tokens else 0.0
     rss = [int(r["peak_rss_bytes"]) for r in rows if r.get("peak_rss_bytes")]

@@ -246,6 +246,7 @@ def markdown(
             "drafted/token",
             "drafts never checked",
             "rounds/token",
+            "drafter passes/token",
             "slim passes/token",
             "full passes/token",
         ],
@@ -257,12 +258,14 @@ def markdown(
                 _num(s.drafted_per_token),
                 _pct(s.unevaluated_drafts),
                 _num(s.rounds_per_token, 3),
+                _num(s.drafter_calls_per_token, 3),
                 _num(s.slim_calls_per_token, 3),
                 _num(s.target_calls_per_token, 3),
             ]
             for s in overall
         ],
     )
+    out += _sources(overall, categories, by)
     metric_of = {
         c: next((by[(m, c)].quality_metric for m in methods if (m, c) in by and by[(m, c)].quality_metric), None)
         for c in categories
@@ -290,6 +293,57 @@ def markdown(
         out += ["", "## Errors", "", f"{len(errors)} task(s) could not run:", ""]
         out += [f"- {r['key']} ({r['method']}): {r['error']}" for r in errors[:20]]
     return "\n".join(out) + "\n"
+
+
+def _sources(overall: Sequence[Summary], categories: Sequence[str], by: Mapping[tuple[str, str], Summary]) -> list[str]:
+    """Tables of the methods that draft from more than one source (the hybrid drafter): what each source
+    supplied overall, and by category. Empty when no method has several sources."""
+    mixed = [s for s in overall if len(s.sources) > 1]
+    if not mixed:
+        return []
+    out = [
+        "",
+        "## Draft sources",
+        "",
+        "Methods whose drafts come from more than one source: the share of drafting rounds and of accepted draft "
+        "tokens each source supplied, its accepted tokens per round and how many of its drafts no verifier checked.",
+        "",
+    ]
+    rows = []
+    for s in mixed:
+        rounds = sum(c["rounds"] for c in s.sources.values())
+        accepted = sum(c["accepted"] for c in s.sources.values())
+        for name, c in s.sources.items():
+            rows.append(
+                [
+                    s.method,
+                    name,
+                    f"{c['rounds']} ({_pct(c['rounds'] / rounds if rounds else None)})",
+                    f"{c['accepted']} ({_pct(c['accepted'] / accepted if accepted else None)})",
+                    _num(c["accepted"] / c["rounds"] if c["rounds"] else None),
+                    _pct((c["drafted"] - c["evaluated"]) / c["drafted"] if c["drafted"] else None),
+                ]
+            )
+    out += _table(
+        ["method", "source", "drafting rounds", "accepted drafts", "accepted/round", "drafts never checked"], rows
+    )
+    out += ["", "## Draft sources by category", "", "Share of drafting rounds (accepted tokens per round).", ""]
+    rows = []
+    for s in mixed:
+        for name in s.sources:
+            cells = []
+            for c in categories:
+                cat = by.get((s.method, c))
+                counts = cat.sources.get(name) if cat is not None else None
+                rounds = sum(v["rounds"] for v in cat.sources.values()) if cat is not None else 0
+                if not counts or not rounds:
+                    cells.append("-")
+                    continue
+                per_round = counts["accepted"] / counts["rounds"] if counts["rounds"] else 0.0
+                cells.append(f"{_pct(counts['rounds'] / rounds)} ({per_round:.2f})")
+            rows.append([s.method, name, *cells])
+    out += _table(["method", "source", *categories], rows)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- plot

@@ -76,6 +76,13 @@ def calibrate(
     pregates: Annotated[
         str, typer.Option(help="Pre-gate thresholds to consider (drafter confidence; 0 = off), comma-separated.")
     ] = "0,0.3,0.5",
+    stops: Annotated[
+        str,
+        typer.Option(
+            help="Draft stop thresholds to consider (the drafter stops drafting after a token whose top probability "
+            "is under it; 0 = off), comma-separated."
+        ),
+    ] = "0,0.3,0.5",
     min_tier_share: Annotated[
         float | None,
         typer.Option(
@@ -95,7 +102,7 @@ def calibrate(
     seed: Annotated[int, typer.Option(help="Seed of the search samplers and random baselines.")] = 0,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
-    """Find the slim verifier's layer mask and calibrate the gate, gamma, cap and pre-gate for a model pair."""
+    """Find the slim verifier's layer mask and calibrate the gate, gamma, stop, cap and pre-gate for a model pair."""
     from rich.console import Console
 
     from viasd.calibration.pipeline import CalibrationSettings
@@ -136,6 +143,7 @@ def calibrate(
         sampler=sampler,
         seed=seed,
         pregates=_numbers(pregates, float, "--pregates"),
+        stops=_numbers(stops, float, "--stops"),
         **selection,
     )
     settings.check()
@@ -176,7 +184,7 @@ def _describe(profile: Any) -> str:
     predicted = profile.calibration["predicted"]
     return (
         f"{profile.masks[0].describe()}, gate {profile.gate.signal} {list(profile.gate.thresholds)}, "
-        f"gamma {profile.gamma}, cap {profile.cap}, pre-gate {profile.pregate:g}; predicted "
+        f"gamma {profile.gamma}, stop {profile.stop:g}, cap {profile.cap}, pre-gate {profile.pregate:g}; predicted "
         f"{predicted['via']['tokens_per_second']:.2f} tok/s (error rate {predicted['via']['error_rate']:.3f}) "
         f"vs sd {predicted['sd']['tokens_per_second']:.2f}, plain {predicted['plain']['tokens_per_second']:.2f}"
     )

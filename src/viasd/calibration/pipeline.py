@@ -93,6 +93,7 @@ class CalibrationSettings:
     preference: bool = True  # seed the search with the layers that are cheapest to skip one at a time
     min_tier_share: float = 0.0  # > 0: each tier must decide at least this share of draft tokens
     pregates: tuple[float, ...] = (0.0, 0.3, 0.5)  # pre-gate thresholds to try (0: off)
+    stops: tuple[float, ...] = (0.0,)  # draft stop thresholds to try (0: off)
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -117,6 +118,8 @@ class CalibrationSettings:
             raise ViasdError(f"--min-tier-share must be in [0, 1/3], got {self.min_tier_share}")
         if not self.pregates or not all(0.0 <= v <= 1.0 for v in self.pregates):
             raise ViasdError(f"--pregates must be in [0, 1], got {list(self.pregates)}")
+        if not self.stops or not all(0.0 <= v <= 1.0 for v in self.stops):
+            raise ViasdError(f"--stops must be in [0, 1], got {list(self.stops)}")
         if self.new_tokens < 8:
             raise ViasdError(f"--new-tokens must be >= 8, got {self.new_tokens}")
 
@@ -248,13 +251,16 @@ def _select(records: Sequence[GateRecords], table: CostTable, index: int, settin
         settings.quality_budget,
         min_tier_share=settings.min_tier_share,
         pregates=settings.pregates,
+        stops=settings.stops,
     )
 
 
 def _apply(profile: RoutingProfile, selection: Selection) -> RoutingProfile:
     """The profile with the selected round policy."""
     policy = selection.policy
-    return dataclasses.replace(profile, gate=policy.gate, gamma=policy.gamma, cap=policy.cap, pregate=policy.pregate)
+    return dataclasses.replace(
+        profile, gate=policy.gate, gamma=policy.gamma, cap=policy.cap, pregate=policy.pregate, stop=policy.stop
+    )
 
 
 # ------------------------------------------------------------------------------------------ pipeline
@@ -362,7 +368,7 @@ def calibrate_pair(
         seed=settings.seed,
     )
 
-    log("replaying rounds to pick gate thresholds, gamma, cap and pre-gate")
+    log("replaying rounds to pick gate thresholds, gamma, cap, pre-gate and draft stop threshold")
     for i, cand in enumerate(candidates):
         cand["selection"] = sel = _select(cand["records"], table, i, settings)
         log(
@@ -431,6 +437,7 @@ def calibrate_pair(
             "gammas": list(settings.gammas),
             "caps": list(settings.caps),
             "pregates": list(settings.pregates),
+            "stops": list(settings.stops),
             "prompts": texts,
             "search_prompts": len(search_seqs),
             "new_tokens": settings.new_tokens,
@@ -476,13 +483,13 @@ def reselect(
     progress: bool = False,
 ) -> RoutingProfile:
     """`profile` with its round policy selected again under `settings` (quality budget, tier shares, gammas, caps,
-    pre-gates), from its own masks, measured costs and regenerated gate records."""
+    pre-gates, stop thresholds), from its own masks, measured costs and regenerated gate records."""
     settings.check()
     profile.check_models(target.model, drafter.model)
     table = CostTable.from_dict(profile.calibration.get("costs", {}))
     index = int(profile.calibration.get("costs", {}).get("slim_mask_index", 0))
     records = profile_records(profile, target, drafter, WorkFile(work_file), log, progress)
-    log("replaying rounds to pick gate thresholds, gamma, cap and pre-gate")
+    log("replaying rounds to pick gate thresholds, gamma, cap, pre-gate and draft stop threshold")
     selection = _select(records, table, index, settings)
     calibration = {
         **profile.calibration,
@@ -492,6 +499,7 @@ def reselect(
         "gammas": list(settings.gammas),
         "caps": list(settings.caps),
         "pregates": list(settings.pregates),
+        "stops": list(settings.stops),
         "reselected": {"from_sha256": source_sha256, "date": utc_now()},
     }
     return _apply(dataclasses.replace(profile, calibration=calibration), selection)

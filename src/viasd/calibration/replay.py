@@ -5,14 +5,17 @@ models: a committed token is True when it is the target's greedy choice at its p
 counts errors as well as rounds, passes and tiers, exactly as the decoder would on that sequence.
 
 Cost model of one round with k draft tokens (the prompt prefill is counted as a target call, not timed):
-    drafter: k steps of cost c_d(1) (the first step may feed 2 tokens; in bf16 that costs the same)
+    drafter: k steps of cost c_d(1) (the first step may feed 2 tokens; in bf16 that costs the same); k is where
+             the drafter stops under the policy's `stop`, at most the round's draft length
     slim:    one pass of each slim view that ran over k + 1 tokens, c_s(k + 1)
     full:    when the full target runs, one pass over every token it has not processed, c_f(1 + unchecked + k)
 Records follow the committed sequence. They are exactly what the decoder saw as long as every token a lower tier
 keeps is the target's choice (tests/test_round.py checks that rounds, passes and tiers then match the decoder's).
 Elsewhere they approximate it: after a wrong token is committed the records cannot follow the drift, a wrong
 token kept and then corrected by a full pass in the same round conditioned the gate's later signals on drafts
-the records never see, and the pre-gate judges a whole block whose later drafts follow earlier, possibly wrong ones.
+the records never see, and the pre-gate and the draft stop threshold judge drafts that follow earlier, possibly
+wrong ones (the drafter's confidence after a wrong draft is not recorded: where a round drafts on past a wrong
+draft, the replay may draft a different number of tokens after it, though it commits the same ones).
 """
 
 from __future__ import annotations
@@ -25,21 +28,30 @@ from viasd.calibration.costs import Costs
 from viasd.calibration.records import GateRecords
 from viasd.decode.round import Round, RoundPolicy, draft_length, play_round
 from viasd.decode.stats import GenerationStats
+from viasd.drafters.base import stopped_length
 
 
 class RecordedPasses:
-    """A round's outcomes read from one sequence's records at position `at` (see `decode.round.RoundParts`)."""
+    """A round's outcomes read from one sequence's records at position `at` (see `decode.round.RoundParts`).
 
-    def __init__(self, records: GateRecords, signal: str) -> None:
+    stop: the policy's draft stop threshold; the drafts end where the drafter's recorded confidence says the
+    model drafter would stop (`drafters.base.stopped_length`, the rule the drafter itself follows).
+    """
+
+    def __init__(self, records: GateRecords, signal: str, stop: float = 0.0) -> None:
         self.records = records
         self.values = records.signal(signal)
+        self.stop = stop
         self.at = 0
         self.k = 0
 
     def draft(self, k: int) -> tuple[list[bool], float | None]:
-        self.k = k
         j, r = self.at, self.records
-        tops = r.draft_top[j : j + k]  # older records may lack the drafter's confidence
+        tops = r.draft_top[j : j + k]  # older records may lack the drafter's confidence (then no stop applies)
+        if len(tops) == k:
+            k = stopped_length(tops, self.stop)
+            tops = tops[:k]
+        self.k = k
         return r.draft_ok[j : j + k], (min(tops) if tops else None)
 
     def signals(self) -> list[float]:
@@ -126,7 +138,7 @@ def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | N
     for seq in records:
         if not policy.gate.always_full:
             out.stats.record_prefill(names)  # as the decoder: the full target prefills the prompt
-        parts = RecordedPasses(seq, policy.gate.signal)
+        parts = RecordedPasses(seq, policy.gate.signal, policy.stop)
         unchecked = 0
         while parts.at < len(seq):
             k = draft_length(policy.gamma, len(seq) - parts.at)

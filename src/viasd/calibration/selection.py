@@ -1,9 +1,9 @@
-"""Choosing the round policy: the fastest gate, draft length, cap and pre-gate within a quality budget.
+"""Choosing the round policy: the fastest gate, draft length and stop, cap and pre-gate within a quality budget.
 
-Every candidate (signal, k_accept <= k_full, gamma, cap, pre-gate) is replayed along the gate records with
-the measured costs (replay.py); the fastest whose estimated error rate (committed tokens that differ from
-the target's greedy choice) stays within the budget wins. Classic SD is replayed with the same costs and
-records for comparison.
+Every candidate (signal, k_accept <= k_full, gamma, cap, pre-gate, draft stop threshold) is replayed along the
+gate records with the measured costs (replay.py); the fastest whose estimated error rate (committed tokens that
+differ from the target's greedy choice) stays within the budget wins. Classic SD is replayed with the same costs and
+records for comparison, with every gamma and stop threshold.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def policy_dict(policy: RoundPolicy) -> dict[str, Any]:
         "gamma": policy.gamma,
         "cap": policy.cap,
         "pregate": policy.pregate,
+        "stop": policy.stop,
         "exact": policy.gate.always_full,
     }
 
@@ -94,9 +95,10 @@ def select_policy(
     quantiles: int = 20,
     min_tier_share: float = 0.0,
     pregates: Sequence[float] = (0.0,),
+    stops: Sequence[float] = (0.0,),
 ) -> Selection:
     """The fastest one-slim-tier policy whose replayed error rate is within `quality_budget`, and the fastest
-    classic SD gamma, under the same costs.
+    classic SD gamma and stop threshold, under the same costs.
 
     `min_tier_share` > 0 also requires each tier (accept, slim, full) to decide at least that share of the
     draft tokens, for a profile that exercises all three tiers even where fewer would be faster; the fastest
@@ -114,8 +116,13 @@ def select_policy(
         raise ViasdError("calibration: no gate records to select thresholds from")
     if not pregates or not all(0.0 <= v <= 1.0 for v in pregates):
         raise ViasdError(f"calibration: pre-gates must be in [0, 1], got {list(pregates)}")
-    pregate_values = sorted(set(pregates)) if has_draft_confidence(records) else [0.0]
-    sd = [(p, replay(records, p, costs)) for p in (RoundPolicy(Gate.exact(), gamma=g) for g in gammas)]
+    if not stops or not all(0.0 <= v <= 1.0 for v in stops):
+        raise ViasdError(f"calibration: draft stop thresholds must be in [0, 1], got {list(stops)}")
+    confident = has_draft_confidence(records)  # the pre-gate and the stop threshold judge the drafter's confidence
+    pregate_values = sorted(set(pregates)) if confident else [0.0]
+    stop_values = sorted(set(stops)) if confident else [0.0]
+    sd_policies = (RoundPolicy(Gate.exact(), gamma=g, stop=v) for g, v in itertools.product(gammas, stop_values))
+    sd = [(p, replay(records, p, costs)) for p in sd_policies]
     sd_policy, sd_pred = max(sd, key=lambda pair: pair[1].tokens_per_second)
     best: tuple[RoundPolicy, Prediction] | None = None
     free: tuple[RoundPolicy, Prediction] | None = None
@@ -123,10 +130,11 @@ def select_policy(
     for signal in signals:
         values = threshold_candidates([v for seq in records for v in seq.signal(signal)], quantiles)
         accepts, fulls = [NO_ACCEPT, *values], [*values, NO_FULL]
-        for gamma, cap, ka, kf, pregate in itertools.product(gammas, caps, accepts, fulls, pregate_values):
+        grid = itertools.product(gammas, caps, accepts, fulls, pregate_values, stop_values)
+        for gamma, cap, ka, kf, pregate, stop in grid:
             if kf < ka:
                 continue
-            policy = RoundPolicy(Gate(signal, (ka, kf)), gamma, cap, pregate)
+            policy = RoundPolicy(Gate(signal, (ka, kf)), gamma, cap, pregate, stop)
             pred = replay(records, policy, costs)
             candidates += 1
             if pred.error_rate > quality_budget:

@@ -37,8 +37,8 @@ def what_if_table(profile: RoutingProfile, records: Sequence[GateRecords], setti
     budget, share, gates = settings.quality_budget, settings.min_tier_share, settings.pregates
     right = always_right(records)
     scenarios = [
-        (f"as configured (budget {budget:.0%}, every tier >= {share:.0%}, pre-gates {list(gates)})", records, measured,
-         budget, share, gates),
+        (f"as configured (budget {budget:.0%}, every tier >= {share:.0%}, pre-gates {list(gates)}, "
+         f"stops {list(settings.stops)})", records, measured, budget, share, gates),
         (f"budget {budget:.0%}, tiers free", records, measured, budget, 0.0, gates),
         ("budget 5%, tiers free", records, measured, 0.05, 0.0, gates),
         ("budget 10%, tiers free", records, measured, 0.10, 0.0, gates),
@@ -47,12 +47,19 @@ def what_if_table(profile: RoutingProfile, records: Sequence[GateRecords], setti
         (f"slim always right and at half cost, budget {budget:.0%}", right, at_half_cost(measured), budget, 0.0, gates),
     ]  # fmt: skip
     lines = [
-        "| scenario | via tok/s | sd tok/s | via/sd | gate | gamma | cap | pre-gate | errors | tiers a/s/f |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| scenario | via tok/s | sd tok/s | via/sd | gate | gamma | stop | cap | pre-gate | errors | tiers a/s/f |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, data, costs, quality, tier_share, pregates in scenarios:
         sel = select_policy(
-            data, costs, settings.gammas, settings.caps, quality, min_tier_share=tier_share, pregates=pregates
+            data,
+            costs,
+            settings.gammas,
+            settings.caps,
+            quality,
+            min_tier_share=tier_share,
+            pregates=pregates,
+            stops=settings.stops,
         )
         p, pred = sel.policy, sel.prediction
         d = pred.decided
@@ -60,6 +67,7 @@ def what_if_table(profile: RoutingProfile, records: Sequence[GateRecords], setti
         lines.append(
             f"| {name} | {pred.tokens_per_second:.2f} | {sel.sd_prediction.tokens_per_second:.2f} | "
             f"{pred.tokens_per_second / sel.sd_prediction.tokens_per_second:.2f} | {p.gate.signal} [{thresholds}] | "
-            f"{p.gamma} | {p.cap} | {p.pregate:g} | {pred.error_rate:.3f} | {d['accept']}/{d['slim']}/{d['full']} |"
+            f"{p.gamma} | {p.stop:g} | {p.cap} | {p.pregate:g} | {pred.error_rate:.3f} | "
+            f"{d['accept']}/{d['slim']}/{d['full']} |"
         )
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """One VIA-SD round, the single place where its routing rules live.
 
-A round: the drafter proposes k tokens. Unless the round goes straight to the full target (nothing was
-drafted, the cap leaves no room, or the pre-gate doubts the draft), the shallowest slim view scores the
-block and the gate sends each draft token, left to right, to a tier:
+A round: the drafter proposes up to k tokens (fewer when it stops at a token it is unsure of: the policy's
+`stop`). Unless the round goes straight to the full target (nothing was drafted, the cap leaves no room, or
+the pre-gate doubts the draft), the shallowest slim view scores the block and the gate sends each draft
+token, left to right, to a tier:
 
 * accept (tier 0): the token is kept unchecked;
 * slim tier j (1..m): the token is checked against slim view j; a rejected token is replaced by that
@@ -44,10 +45,19 @@ def tier_names(slim_tiers: int) -> list[str]:
     return ["accept", *slims, "full"]
 
 
+def check_stop(stop: float) -> float:
+    """A draft stop threshold (a drafter probability; 0: off), refused in one line when out of range."""
+    if not 0.0 <= stop <= 1.0:  # NaN fails too
+        raise ViasdError(f"the draft stop threshold must be a probability in [0, 1], got {stop}")
+    return stop
+
+
 @dataclass(frozen=True)
 class RoundPolicy:
     """The rules of a round: the gate, the draft length, the cap and the pre-gate.
 
+    gamma: most draft tokens per round. stop: the drafter stops drafting after a token whose top probability
+    is under it (0: off; `drafters.base.stops_after`), so a round drafts between 1 and gamma tokens.
     cap: most tokens committed without the full target before a full pass is forced (bounds the catch-up
     cost and the drift from the target). pregate: a round whose least confident draft token has a drafter
     probability under it goes straight to the full target (0: off); such rounds mostly escalate anyway,
@@ -58,6 +68,7 @@ class RoundPolicy:
     gamma: int = 4
     cap: int = 32
     pregate: float = 0.0
+    stop: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma <= MAX_GAMMA:
@@ -66,6 +77,7 @@ class RoundPolicy:
             raise ViasdError(f"the cap on tokens committed without the full target must be >= 1, got {self.cap}")
         if not 0.0 <= self.pregate <= 1.0:
             raise ViasdError(f"the pre-gate must be a probability in [0, 1], got {self.pregate}")
+        check_stop(self.stop)
 
     @property
     def slim_tiers(self) -> int:
@@ -91,7 +103,8 @@ class RoundParts(Protocol[T]):
     """What a round needs from the models (or from records of them); T is what a committed token is."""
 
     def draft(self, k: int) -> tuple[Sequence[T], float | None]:
-        """Up to k draft tokens, and the drafter's least top probability over them (None: unknown)."""
+        """Up to k draft tokens (fewer where the drafter stopped under the policy's `stop`), and the drafter's
+        least top probability over them (None: unknown)."""
         ...
 
     def signals(self) -> Sequence[float]:

@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
-from viasd.decode.round import MAX_GAMMA, Round, draft_length
+from viasd.decode.round import MAX_GAMMA, Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
@@ -31,7 +31,11 @@ def verify_with_target(
 
 
 class SpeculativeDecoder(Decoder):
-    """Draft gamma tokens, verify them in one target pass, keep the accepted prefix plus one target token."""
+    """Draft up to gamma tokens, verify them in one target pass, keep the accepted prefix plus one target token.
+
+    stop: a model drafter stops drafting after a token whose top probability is under it (0: always gamma
+    tokens); see `drafters.base.stops_after`.
+    """
 
     method = "sd"
 
@@ -43,12 +47,14 @@ class SpeculativeDecoder(Decoder):
         gamma: int = 4,
         method: str | None = None,
         view: View | None = None,
+        stop: float = 0.0,
     ) -> None:
         super().__init__(target, tokenizer, view)
         if not 1 <= gamma <= MAX_GAMMA:
             raise ViasdError(f"the draft length gamma must be in 1..{MAX_GAMMA}, got {gamma}")
         self.drafter = drafter
         self.gamma = gamma
+        self.stop = check_stop(stop)
         self.session = KVSession(target, view)
         if method:
             self.method = method
@@ -62,8 +68,8 @@ class SpeculativeDecoder(Decoder):
             context = prompt + sink.tokens
             k = draft_length(self.gamma, sink.remaining, len(context), self.context_limit)
             with stats.timed("draft"):
-                proposal = self.drafter.propose(context, k, params, generator)
+                proposal = self.drafter.propose(context, k, params, generator, self.stop)
             with stats.timed("verify"):
                 committed, kept = verify_with_target(self.session, context, proposal, params, generator)
-            stats.record(Round(committed, len(proposal), full_kept=kept), sink.push(committed))
+            stats.record(Round(committed, len(proposal), full_kept=kept), sink.push(committed), source=proposal.source)
         stats.drafter_calls = self.drafter.forward_passes - drafter_before

@@ -22,6 +22,16 @@ class TierStats:
 
 
 @dataclass
+class SourceStats:
+    """What the drafts of one draft source (a drafter, or one part of a hybrid drafter) came to."""
+
+    rounds: int = 0  # rounds whose draft this source proposed (rounds with an empty draft count for none)
+    drafted: int = 0
+    evaluated: int = 0
+    accepted: int = 0
+
+
+@dataclass
 class GenerationStats:
     """Counters and timings of one generation; derived ratios are properties."""
 
@@ -42,6 +52,7 @@ class GenerationStats:
     finish_reason: str = ""
     tiers: dict[str, TierStats] = field(default_factory=dict)
     choice: dict[str, Any] | None = None  # what the `auto` method chose, and why
+    sources: dict[str, SourceStats] = field(default_factory=dict)  # per draft source, for drafting methods
 
     @property
     def rejection_rate(self) -> float:
@@ -69,19 +80,29 @@ class GenerationStats:
     def tier(self, name: str) -> TierStats:
         return self.tiers.setdefault(name, TierStats())
 
+    def source(self, name: str) -> SourceStats:
+        return self.sources.setdefault(name, SourceStats())
+
     def record_prefill(self, tiers: Sequence[str] = ()) -> None:
         """A full-target pass over the prompt outside any round."""
         self.target_calls += 1
         if tiers:
             self.tier("full").calls += 1
 
-    def record(self, played: Round[Any], taken: int, tiers: Sequence[str] = ()) -> None:
+    def record(self, played: Round[Any], taken: int, tiers: Sequence[str] = (), source: str = "") -> None:
         """Count one round. `taken`: how many of its committed tokens the output kept (a stop may cut the
-        rest). `tiers`: the tier names of a tiered method (accept, slim..., full), whose tiers are counted."""
+        rest). `tiers`: the tier names of a tiered method (accept, slim..., full), whose tiers are counted.
+        `source`: the draft source that proposed the round's draft, counted when it drafted anything."""
         self.rounds += 1
         self.drafted += played.drafted
         self.evaluated += played.evaluated
         self.accepted += played.accepted
+        if source and played.drafted:
+            counts = self.source(source)
+            counts.rounds += 1
+            counts.drafted += played.drafted
+            counts.evaluated += played.evaluated
+            counts.accepted += played.accepted
         if played.full:
             self.target_calls += 1
         else:

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
-from viasd.decode.round import Round, RoundPolicy, draft_length, play_round
+from viasd.decode.round import RoundPolicy, draft_length, play_round
 from viasd.decode.speculative import verify_with_target
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
@@ -87,23 +87,12 @@ class TieredDecoder(Decoder):
         while not sink.done:
             context = prompt + sink.tokens
             k = draft_length(self.policy.gamma, sink.remaining, len(context), self.context_limit)
-            played = self.round(context, k, unchecked, params, generator, stats)
+            passes = _ModelPasses(self, context, params, generator, stats)
+            played = play_round(self.policy, passes, k, unchecked)  # one round (see decode.round)
             taken = sink.push(played.committed)
             unchecked = 0 if played.full else unchecked + taken
-            stats.record(played, taken, names)
+            stats.record(played, taken, names, passes.proposal.source)
         stats.drafter_calls = self.drafter.forward_passes - drafter_before
-
-    def round(
-        self,
-        context: list[int],
-        k: int,
-        unchecked: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        stats: GenerationStats,
-    ) -> Round[int]:
-        """One VIA-SD round after `context` with up to k draft tokens (see decode.round)."""
-        return play_round(self.policy, _ModelPasses(self, context, params, generator, stats), k, unchecked)
 
 
 class SlimViews:
@@ -168,7 +157,9 @@ class _ModelPasses:
 
     def draft(self, k: int) -> tuple[list[int], float | None]:
         with self.stats.timed("draft"):
-            self.proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator)
+            self.proposal = self.decoder.drafter.propose(
+                self.context, k, self.params, self.generator, self.decoder.policy.stop
+            )
         block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
         slims = self.decoder.slims
         self.slim = SlimViews(

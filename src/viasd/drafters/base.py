@@ -1,7 +1,8 @@
-"""The drafter interface: given the committed tokens, propose the next few."""
+"""The drafter interface (given the committed tokens, propose the next few) and the per-round draft length rule."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -10,17 +11,39 @@ import torch
 from viasd.verify.sampling import SamplingParams
 
 
+def stops_after(confidence: float, stop: float) -> bool:
+    """Whether drafting ends after a draft token whose drafter confidence (its top probability) is `confidence`.
+
+    The one rule of the per-round draft length: a model drafter stops at its first token under the threshold
+    `stop` (0: never), that token included. Including it costs no drafter step (its distribution is already
+    computed) and barely any verification (a target pass over one more token costs about the same), and it is
+    still kept often. The decoders' drafters and the calibration replay both decide with this function.
+    """
+    return confidence < stop
+
+
+def stopped_length(confidences: Sequence[float], stop: float) -> int:
+    """How many drafts a drafter proposes when its confidences would be these: up to the first under `stop`."""
+    for i, confidence in enumerate(confidences):
+        if stops_after(confidence, stop):
+            return i + 1
+    return len(confidences)
+
+
 @dataclass
 class Proposal:
-    """Draft tokens with the distributions they were drawn from.
+    """Draft tokens with the distributions they were drawn from, and which drafter proposed them.
 
     probs: [k, V] sampling distributions p_i (None: the tokens are deterministic, one-hot p_i).
     soft: [k, V] smooth distributions for confidence gates (None when the drafter has none).
+    source: the name of the drafter that proposed them (a hybrid drafter names the part it used), for the
+    per-source statistics.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     soft: torch.Tensor | None = None
+    source: str = ""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -31,6 +54,7 @@ class Proposal:
             self.tokens[:k],
             None if self.probs is None else self.probs[:k],
             None if self.soft is None else self.soft[:k],
+            self.source,
         )
 
 
@@ -43,6 +67,9 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Start a new generation."""
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Proposal:
-        """Up to k tokens that follow `context` (prompt plus committed tokens)."""
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
+    ) -> Proposal:
+        """Up to k tokens that follow `context` (prompt plus committed tokens); a drafter with distributions
+        stops early after its first token whose top probability is under `stop` (`stops_after`)."""
         ...

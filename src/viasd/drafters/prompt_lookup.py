@@ -26,18 +26,30 @@ def lookup_continuation(context: list[int], k: int, max_ngram: int = 3, min_ngra
 
 
 class PromptLookupDrafter:
-    """A drafter without a model: its proposals are deterministic (one-hot p)."""
+    """A drafter without a model: its proposals are deterministic (one-hot p) and carry no confidence.
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    min_ngram: the shortest n-gram of the context's tail whose earlier occurrence counts as a match (longer
+    ones, up to max_ngram, are tried first). copy: the most tokens copied per round (None: as many as the
+    round may draft).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, copy: int | None = None, name: str = "lookup") -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        self.name = "prompt-lookup"
+        if copy is not None and copy < 1:
+            raise ValueError("need copy >= 1")
+        self.name = name
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.copy = copy
         self.forward_passes = 0
 
     def reset(self) -> None:
         """Stateless between rounds."""
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator) -> Proposal:
-        return Proposal(lookup_continuation(context, k, self.max_ngram, self.min_ngram))
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
+    ) -> Proposal:
+        """What followed the latest match, up to k (and `copy`) tokens; `stop` has nothing to judge here."""
+        k = k if self.copy is None else min(k, self.copy)
+        return Proposal(lookup_continuation(context, k, self.max_ngram, self.min_ngram), source=self.name)

@@ -39,6 +39,8 @@ class MethodTotals:
     tier_decided: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     tier_accepted: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     tier_rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    source_rounds: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    source_accepted: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, stats: GenerationStats) -> None:
         self.generations += 1
@@ -57,6 +59,9 @@ class MethodTotals:
             self.tier_decided[name] += tier.decided
             self.tier_accepted[name] += tier.accepted
             self.tier_rejected[name] += tier.rejected
+        for name, source in stats.sources.items():
+            self.source_rounds[name] += source.rounds
+            self.source_accepted[name] += source.accepted
 
 
 def _ratio(num: float, den: float) -> float:
@@ -200,6 +205,18 @@ class Metrics:
         ):
             out.family(
                 name, "counter", help_text, (({"method": m, "tier": k}, getattr(t, table)[k]) for m, t, k in tiers)
+            )
+        sources = [(m, t, source) for m, t in methods.items() for source in sorted(t.source_rounds)]
+        for name, help_text, table in (
+            ("viasd_draft_source_rounds_total", "Rounds whose draft each draft source proposed.", "source_rounds"),
+            (
+                "viasd_draft_source_accepted_total",
+                "Draft tokens kept, by the source that drafted them.",
+                "source_accepted",
+            ),
+        ):
+            out.family(
+                name, "counter", help_text, (({"method": m, "source": k}, getattr(t, table)[k]) for m, t, k in sources)
             )
         out.family(
             "viasd_tier_fraction",
