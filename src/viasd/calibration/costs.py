@@ -61,11 +61,21 @@ class CostTable:
     prefix: int
     repeats: int
 
-    def costs(self, *slims: int) -> Costs:
-        """Costs with the given masks (indices into the measured ones) as slim tiers 1, 2, ..."""
+    def costs(self, *slims: int, drafter: str | None = None) -> Costs:
+        """Costs with the given slim views (indices into the measured ones) as slim tiers 1, 2, ..., and the
+        named drafter candidate's steps (None: the one drafter of a table that measured one)."""
+        if "drafter" in self.seconds:  # a table of one drafter
+            key = "drafter"
+        elif drafter is not None:
+            key = f"drafter:{drafter}"
+        else:
+            named = [k for k in self.seconds if k.startswith("drafter:")]
+            key = named[0] if len(named) == 1 else "drafter: none named"
+        if key not in self.seconds:
+            raise ViasdError(f"the cost table has no drafter {drafter!r}")
         return Costs(
             tuple(self.lengths),
-            tuple(self.seconds["drafter"]),
+            tuple(self.seconds[key]),
             tuple(self.seconds["full"]),
             tuple(tuple(self.seconds[f"slim:{i}"]) for i in slims),
         )
@@ -95,7 +105,7 @@ class CostTable:
 
 def measure_costs(
     target: nn.Module,
-    drafter: nn.Module,
+    drafter: nn.Module | Mapping[str, tuple[nn.Module, ViewLike]],
     slims: Sequence[ViewLike],
     tokens: Sequence[int],
     lengths: Sequence[int],
@@ -103,9 +113,11 @@ def measure_costs(
     repeats: int = 5,
     seed: int = 0,
 ) -> CostTable:
-    """Time drafter, full and slim-view passes over L new tokens after `prefix` tokens of `tokens`.
+    """Time drafter steps, full passes and slim-view passes over L new tokens after `prefix` tokens of `tokens`.
 
     The slim pass runs as in decoding: on the full target's session, attending to its KV of the prefix.
+    `drafter` is one model (kind `drafter`) or named candidates, each a model and the view it drafts as
+    (kinds `drafter:<name>`).
     """
     lengths = sorted(set(lengths))
     if not lengths or lengths[0] < 1:
@@ -114,17 +126,24 @@ def measure_costs(
     if len(tokens) < need:
         tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
     head, tail = list(tokens[:prefix]), list(tokens[prefix:need])
-    full_session, draft_session = KVSession(target), KVSession(drafter)
+    full_session = KVSession(target)
     full_session.forward(head)
-    draft_session.forward(head)
+    candidates = (
+        {"drafter": (drafter, None)}
+        if isinstance(drafter, nn.Module)
+        else {f"drafter:{name}": pair for name, pair in drafter.items()}
+    )
+    draft_sessions = {kind: KVSession(model, view) for kind, (model, view) in candidates.items()}
+    for session in draft_sessions.values():
+        session.forward(head)
 
     def run(kind: str, n: int) -> float:
         ids = tail[:n]
         t0 = time.perf_counter()
-        if kind == "drafter":
-            draft_session.forward(ids, keep=1)
+        if kind in draft_sessions:
+            draft_sessions[kind].forward(ids, keep=1)
             elapsed = time.perf_counter() - t0
-            draft_session.truncate(prefix)
+            draft_sessions[kind].truncate(prefix)
         elif kind == "full":
             full_session.forward(ids, keep=n)
             elapsed = time.perf_counter() - t0
@@ -135,7 +154,7 @@ def measure_costs(
             full_session.truncate_pending(0)
         return elapsed
 
-    kinds = ["drafter", "full", *(f"slim:{i}" for i in range(len(slims)))]
+    kinds = [*draft_sessions, "full", *(f"slim:{i}" for i in range(len(slims)))]
     jobs = [(kind, n) for kind in kinds for n in lengths]
     for kind in kinds:  # warm-up
         run(kind, lengths[0])
