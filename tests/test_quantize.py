@@ -195,3 +195,19 @@ def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_p
     foreign.write_bytes(path.read_bytes())
     quant_cache.cached_quantize(other, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
     assert len(notes) == 2 and "another model" in notes[1]
+
+
+def test_siblings_computed_together_equal_their_own_products():
+    """q, k and v (and gate and up) read one input: quantized once and multiplied in one product, each gets exactly
+    what its own product would give."""
+    model = tiny_model("qwen2", dtype=torch.float32)
+    q = quantize(model, QuantRecipe("int8"))
+    attention = q.modules["model.layers.1.self_attn.q_proj"]
+    assert (
+        attention.siblings is not None and attention.siblings is q.modules["model.layers.1.self_attn.v_proj"].siblings
+    )
+    x = torch.randn(3, 5, 64)
+    with torch.inference_mode():
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            module = q.modules[f"model.layers.1.{name}"]
+            assert torch.allclose(module(x), module.product(x), atol=1e-5), name

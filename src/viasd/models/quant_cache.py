@@ -26,6 +26,7 @@ from viasd.models.quantize import (
     Int8WeightOnlyLinear,
     QuantizedLinears,
     QuantRecipe,
+    join_siblings,
     quantizable,
     quantize,
 )
@@ -137,6 +138,7 @@ def cached_quantize(
             out = _load(path, model, recipe)
             for module in out.modules.values():
                 module.to(device)
+            join_siblings(out.modules)
             return out
         except (DamagedCache, SafetensorError, ValueError, KeyError, OSError) as error:
             log(f"the cached {recipe.name} copies at {path} cannot be used ({error}); quantizing again")

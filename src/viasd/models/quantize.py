@@ -125,6 +125,7 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("bias", bias)
         self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth))  # [in], x is divided by s
         self._packed: Any = None  # fbgemm's packed copy of the weight, made at the first CPU pass
+        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
 
     def _fbgemm_packed(self) -> Any:
         if self._packed is None:
@@ -149,6 +150,12 @@ class Int8DynamicLinear(nn.Module):
         return cls(q, scale, bias, None if smooth is None else smooth.to(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None:
+            return self.siblings.output(x, self)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b for this layer alone."""
         rows = _flat(x).float()
         if self.inv_smooth is not None:
             rows = rows * self.inv_smooth
@@ -163,6 +170,48 @@ class Int8DynamicLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# Layers of one block that read the same input, by the names Llama-style decoders give them.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class Siblings:
+    """Int8 layers that take the same input (a block's q, k and v projections; its gate and up projections),
+    computed as one product: the input is quantized once and the weights are read in one pass. The first
+    sibling called with an input computes every sibling's output; the others take their columns of it."""
+
+    def __init__(self, members: Sequence[Int8DynamicLinear]) -> None:
+        weights = [m.weight_t for m in members]
+        biases = [m.bias if m.bias is not None else torch.zeros(w.shape[1], dtype=torch.float32) for m, w in
+                  zip(members, weights, strict=True)]  # fmt: skip
+        self.fused = Int8DynamicLinear(torch.cat(weights, dim=1).t(), torch.cat([m.scale for m in members]), None, None)
+        self.bias = torch.cat([b.float() for b in biases]) if any(m.bias is not None for m in members) else None
+        edges = torch.tensor([0, *(w.shape[1] for w in weights)]).cumsum(0).tolist()
+        self.columns = {id(m): (edges[i], edges[i + 1]) for i, m in enumerate(members)}
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor, member: Int8DynamicLinear) -> torch.Tensor:
+        if x is not self._input:  # holding the input keeps its identity from being reused by another tensor
+            out = self.fused.product(x.float()).float()
+            self._output = out if self.bias is None else out + self.bias
+            self._input = x
+        assert self._output is not None
+        start, stop = self.columns[id(member)]
+        return self._output[..., start:stop].to(x.dtype)
+
+
+def join_siblings(modules: Mapping[str, nn.Module]) -> None:
+    """Compute sibling int8 layers together (see `Siblings`); layers with smoothing keep their own product."""
+    for names in SIBLINGS:
+        parents = {name.rpartition(".")[0] for name in modules if name.rpartition(".")[2] == names[0]}
+        for parent in parents:
+            members = [modules.get(f"{parent}.{child}" if parent else child) for child in names]
+            if all(isinstance(m, Int8DynamicLinear) and m.inv_smooth is None for m in members):
+                group = Siblings(members)  # type: ignore[arg-type]
+                for member in members:
+                    member.siblings = group  # type: ignore[union-attr]
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -318,4 +367,5 @@ def quantize(model: nn.Module, recipe: QuantRecipe, sequences: Sequence[Sequence
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
             else:
                 out.modules[name] = Int4WeightOnlyLinear.from_linear(linear, recipe.group_size)
+    join_siblings(out.modules)
     return out
