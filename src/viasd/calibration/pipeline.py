@@ -449,6 +449,34 @@ def calibrate_pair(
     return _apply(profile, selection)
 
 
+def profile_prompts(profile: RoutingProfile) -> tuple[list[str], int]:
+    """The calibration prompts a profile recorded and the continuation length it generated for each."""
+    cal = profile.calibration
+    try:
+        return [str(t) for t in cal["prompts"]], int(cal["new_tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ViasdError(f"the profile does not record its calibration prompts: {exc}") from exc
+
+
+def profile_data(
+    profile: RoutingProfile,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    work: WorkFile,
+    log: Log = lambda text: None,
+    progress: bool = False,
+) -> tuple[list[GateRecords], list[int]]:
+    """The gate records a profile was selected from, regenerated from its own prompts and settings (or read
+    from the work file, where an earlier run left them), and the prompt length of each sequence."""
+    texts, new_tokens = profile_prompts(profile)
+    log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
+    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
+    sequences = teacher_sequences(target, pairs)
+    chunk = int(profile.search.get("chunk", 8))
+    records = records_for(target, drafter, sequences, profile.masks, chunk, work, True, progress)
+    return records, [len(prompt) for prompt, _ in pairs]
+
+
 def profile_records(
     profile: RoutingProfile,
     target: LoadedModel,
@@ -457,18 +485,8 @@ def profile_records(
     log: Log = lambda text: None,
     progress: bool = False,
 ) -> list[GateRecords]:
-    """The gate records a profile was selected from, regenerated from its own prompts and settings (or read
-    from the work file, where an earlier run left them)."""
-    cal = profile.calibration
-    try:
-        texts, new_tokens = [str(t) for t in cal["prompts"]], int(cal["new_tokens"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ViasdError(f"the profile does not record its calibration prompts: {exc}") from exc
-    log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
-    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
-    sequences = teacher_sequences(target, pairs)
-    chunk = int(profile.search.get("chunk", 8))
-    return records_for(target, drafter, sequences, profile.masks, chunk, work, True, progress)
+    """The gate records a profile was selected from (`profile_data` without the prompt lengths)."""
+    return profile_data(profile, target, drafter, work, log, progress)[0]
 
 
 def reselect(
