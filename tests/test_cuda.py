@@ -7,6 +7,7 @@ outputs compare token for token.
 """
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -120,6 +121,47 @@ def test_each_decision_reads_the_device_once(monkeypatch):
         )
     s = out.stats
     assert len(reads.reads) == s.sources["model"].rounds + s.slim_calls + s.target_calls - 1
+
+
+def test_outside_model_passes_the_gpu_is_waited_for_at_most_once_per_decision(monkeypatch):
+    """torch's sync debug mode warns at every CUDA synchronisation; model passes (transformers' own) are left
+    out. What remains is viasd's: at most one per decision, the reads of test_each_decision_reads_the_device_once."""
+    target, tok = cuda(tiny_model("llama")), tiny_tokenizer(64)
+    small = cuda(tiny_model("llama", layers=2, seed=1))
+    original = KVSession._run
+
+    def unwatched(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    monkeypatch.setattr(KVSession, "_run", unwatched)
+    policy = RoundPolicy(Gate("kl", (0.05, math.inf)), cap=6)
+    decoders = {
+        "sd": SpeculativeDecoder(target, tok, ModelDrafter(small), gamma=4),
+        "via": TieredDecoder(target, tok, ModelDrafter(small), [LayerMask.skipping(4, [1])], policy),
+        "plain": PlainDecoder(target, tok),
+    }
+    for params in (GREEDY, SAMPLED):
+        config = GenerationConfig(
+            max_new_tokens=24, ignore_eos=True, sampling=SamplingParams(**{**params.__dict__, "seed": 3})
+        )
+        for name, decoder in decoders.items():
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = decoder.generate(PROMPT, config)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+            s = out.stats
+            drafts = s.sources["model"].rounds if s.sources else 0
+            decisions = s.new_tokens if name == "plain" else drafts + s.slim_calls + s.target_calls - int(name == "via")
+            assert 0 < syncs <= decisions, (name, params, syncs, decisions)
 
 
 def law_setup():
