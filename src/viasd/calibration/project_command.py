@@ -82,7 +82,14 @@ def project(
     """Project tokens/s and speedups of plain, sd and via from pass costs and acceptance / gate statistics."""
     from rich.console import Console
 
-    from viasd.calibration.projection import Workload, costs_from_record, describe_explicit, explicit_records, project
+    from viasd.calibration.projection import (
+        EXPLICIT_GATE,
+        Workload,
+        costs_from_record,
+        describe_explicit,
+        explicit_records,
+        project,
+    )
     from viasd.decode.round import RoundPolicy
     from viasd.fileio import write_atomic
     from viasd.verify.gates import Gate
@@ -103,7 +110,7 @@ def project(
         rates = _numbers(tier_acceptance, "--tier-acceptance") if tier_acceptance else None
         records = explicit_records(acceptance, shares, slim_agreement, rates)
         workload = Workload(records, [0] * len(records), describe_explicit(acceptance, shares, slim_agreement, rates))
-        via = RoundPolicy(Gate("kl", (0.5, 2.0)), gamma=gamma or 4, cap=cap or 32)
+        via = RoundPolicy(EXPLICIT_GATE, gamma=gamma or 4, cap=cap or 32)
     record = _read_json(costs, "costs file")
     slims = [v.strip() for v in (slim or ("profile" if profile is not None else "")).split(",") if v.strip()]
     if not slims:

@@ -61,6 +61,7 @@ class ModelDrafter:
                     picked.append(torch.tensor([sample(probs[-1][0], generator)], device=logits.device))
             if i + 1 == k or (stop > 0 and stops_after(float(soft[-1].max()), stop)):
                 break
+            # A draw that found no distribution (BAD_TOKEN) is refused after the read; it must not index first.
             logits = self.session.forward(picked[-1].clamp_min(0), keep=1)
         smooth = torch.cat(soft)
         values, tops = host_values(torch.cat(picked), smooth.max(dim=-1).values)
