@@ -245,5 +245,10 @@ from viasd.calibration.cost_command import costs  # noqa: E402  (light: heavy im
 app.command("costs")(user_errors(costs))
 
 
+from viasd.calibration.project_command import project  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("project")(user_errors(project))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()

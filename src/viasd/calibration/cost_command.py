@@ -2,9 +2,11 @@
 
 Views are named as on the command line: `full` (the model as loaded), a quantization recipe (`int8`, `int8wo`,
 `int4`, `int8:keep=lm_head`, ...), `skip=R` (R of the layers skipped, evenly spread), `profile` (the routing
-profile's slim mask), or a combination joined by `+` (`skip=0.25+int8`). `--shape` times a randomly initialised
-model of a named real shape instead of loading one (timing needs no trained weights). `--kernels` times the
-matrix kernels alone. Registered in cli.py; heavy imports happen inside the command.
+profile's slim mask), or a combination joined by `+` (`skip=0.25+int8`). `--shape` (and `--drafter-shape`) time
+a randomly initialised model of a named real shape (models/shapes.py) instead of loading one: timing needs no
+trained weights, and the weights are made on the device, so no checkpoint is fetched. `--context` takes several
+cache lengths, each timed in turn. `--out` writes the figures as JSON, which `viasd project` reads. `--kernels`
+times the matrix kernels alone. Registered in cli.py; heavy imports happen inside the command.
 """
 
 from __future__ import annotations
@@ -55,18 +57,40 @@ def parse_view(text: str, model: Any, quantized: Any, profile_mask: Any) -> Any:
     return View(mask=mask, linears=linears)
 
 
+RANDOM_WEIGHTS = (
+    "random weights of the named shape, made on the device: timing needs no trained weights (a pass does the same "
+    "work whatever the weights hold)"
+)
+
+
 def costs(
     target: TargetOpt = DEFAULT_TARGET,
     drafter: DrafterOpt = DEFAULT_DRAFTER,
     shape: Annotated[
         str | None, typer.Option(help="Time a random model of this shape instead (e.g. qwen2.5-7b; see --help).")
     ] = None,
+    drafter_shape: Annotated[
+        str | None,
+        typer.Option(help="Time a random drafter of this shape (e.g. qwen2.5-0.5b); its views: --drafter-views."),
+    ] = None,
     views: Annotated[str, typer.Option(help="Views of the target, comma-separated.")] = "full,int8,int4",
     drafter_views: Annotated[
-        str | None, typer.Option(help="Views of the drafter to time too (e.g. full,int4); default none.")
+        str | None,
+        typer.Option(
+            help="Views of the drafter to time too (e.g. full,int4); default none (full with --drafter-shape)."
+        ),
     ] = None,
     tokens: Annotated[str, typer.Option(help="Tokens per pass, comma-separated.")] = "1,2,4,8,12,16",
-    context: Annotated[int, typer.Option(help="Tokens already in the cache before each pass.")] = 128,
+    context: Annotated[
+        str,
+        typer.Option(help="Tokens already in the cache before each pass; several, comma-separated, are timed in turn."),
+    ] = "128",
+    keep: Annotated[
+        int,
+        typer.Option(
+            help="Most rows of logits a target pass keeps (a verification pass keeps its block; the drafter keeps 1)."
+        ),
+    ] = 16,
     repeats: Annotated[int, typer.Option(help="Timings per view and length (medians are reported).")] = 5,
     agreement: Annotated[
         int,
@@ -90,13 +114,16 @@ def costs(
 
     err = Console(stderr=True)
     lengths = _list(tokens, int, "--tokens")
-    if min(lengths) < 1 or context < 1 or repeats < 1:
-        raise ViasdError("--tokens, --context and --repeats must be >= 1")
+    contexts = _list(context, int, "--context")
+    if min(lengths) < 1 or min(contexts) < 1 or repeats < 1 or keep < 1:
+        raise ViasdError("--tokens, --context, --keep and --repeats must be >= 1")
     record: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "tokens": lengths,
-        "context": context,
+        "context": contexts[0] if len(contexts) == 1 else contexts,
+        "contexts": contexts,
+        "keep": keep,
         "repeats": repeats,
     }
     tables: dict[str, dict[str, list[float]]] = {}
@@ -110,8 +137,16 @@ def costs(
             )
         record["kernel_shape"] = [in_features, out_features]
     else:
-        tables.update(_model_tables(err, target, drafter, shape, views, drafter_views, lengths, context, repeats,
-                                    profile, dtype, device, record, agreement))  # fmt: skip
+        if drafter_shape is not None and drafter_views is None:
+            drafter_views = "full"
+        models = (target, drafter, shape, drafter_shape, views, drafter_views)
+        record["tables"] = _model_tables(err, *models, lengths, contexts, keep, repeats, profile, dtype, device,
+                                         record, agreement)  # fmt: skip
+        for entry in record["tables"]:
+            title = f"{entry['role']} {entry['model']}" + (
+                f" @ context {entry['context']}" if len(contexts) > 1 else ""
+            )
+            tables[title] = entry["views"]
     record["load_average_at_finish"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     console = Console()
     for title, table in tables.items():
@@ -126,6 +161,8 @@ def costs(
     for title, scores in record.get("agreement", {}).items():
         lines = ", ".join(f"{name} {a / n:.3f} ({a}/{n})" for name, (a, n) in scores.items())
         console.print(f"{title}: greedy top-1 agreement with the model as loaded: {lines}", highlight=False)
+    if record.get("weights", {}).get("target") == RANDOM_WEIGHTS:
+        console.print(f"weights: {RANDOM_WEIGHTS}", highlight=False)
     record["seconds"] = tables
     if out is not None:
         from viasd.fileio import write_atomic
@@ -139,42 +176,59 @@ def _model_tables(
     target: str,
     drafter: str,
     shape: str | None,
+    drafter_shape: str | None,
     views: str,
     drafter_views: str | None,
     lengths: list[int],
-    context: int,
+    contexts: list[int],
+    keep: int,
     repeats: int,
     profile: str | None,
     dtype: str,
     device: str | None,
     record: dict[str, Any],
     agreement: int,
-) -> dict[str, dict[str, list[float]]]:
+) -> list[dict[str, Any]]:
+    """One table per model (target, then drafter) and context: {role, model, context, views: {view: seconds}}."""
     import random
 
-    from viasd.calibration.costs import measure_views
+    from viasd.calibration.costs import device_info, measure_views
     from viasd.calibration.teacher import view_agreement
     from viasd.engine import Engine
     from viasd.models.loading import LoadedModel, parse_dtype, resolve_device
+    from viasd.models.shapes import random_model
 
+    if shape is not None and drafter_views and drafter_shape is None:
+        raise ViasdError(
+            "--shape times a random target: name the drafter's shape too (--drafter-shape, e.g. qwen2.5-0.5b)"
+        )
     spec = engine_spec(target, drafter, profile=profile, device=device, dtype=dtype)
-    with err.status(f"loading {shape or target}"):
-        if shape is not None:
-            from viasd.models.shapes import random_model
+    where = resolve_device(device)
 
-            where = resolve_device(device)
-            model = random_model(shape, where, parse_dtype(dtype, where))
-            engine = Engine(spec, target=LoadedModel(model, None, shape, shape))  # type: ignore[arg-type]
-        else:
+    def random_loaded(name: str) -> LoadedModel:
+        with err.status(f"making a random {name} on {where}"):
+            return LoadedModel(random_model(name, where, parse_dtype(dtype, where)), None, name, name)  # type: ignore[arg-type]
+
+    if shape is not None:
+        engine = Engine(spec, target=random_loaded(shape))
+    else:
+        with err.status(f"loading {target}"):
             engine = Engine(spec)
     model = engine.target.model
-    vocab = int(model.config.vocab_size)
-    tokens = [random.Random(0).randrange(vocab) for _ in range(context + max(lengths))]
-    record.update(target=shape or target, shape=shape is not None, dtype=str(next(model.parameters()).dtype))
+    record.update(
+        target=shape or target,
+        shape=shape is not None,
+        drafter=(drafter_shape or drafter) if drafter_views else None,
+        dtype=str(next(model.parameters()).dtype),
+        machine=device_info(next(model.parameters()).device),
+        weights={"target": RANDOM_WEIGHTS if shape is not None else "as loaded"},
+    )
 
-    def table(loaded: LoadedModel, names: list[str]) -> dict[str, list[float]]:
+    def tables(loaded: LoadedModel, role: str, names: list[str], rows: int) -> list[dict[str, Any]]:
+        random_weights = loaded.tokenizer is None
+
         def quantized(recipe: str) -> Any:
-            if shape is None:
+            if not random_weights:
                 return engine.quantized(loaded, recipe)
             # Random weights: quantize them for the timing, but never cache them on disk.
             from viasd.models.quantize import QuantRecipe, quantize
@@ -188,14 +242,29 @@ def _model_tables(
             with err.status(f"scoring the agreement of {len(chosen)} views of {loaded.name}"):
                 scores = view_agreement(loaded.model, chosen, _agreement_sequences(engine, loaded, agreement))
             record.setdefault("agreement", {})[f"{loaded.name}"] = scores
-        total = len(chosen) * len(lengths) * (repeats + 1)
-        with err.status(f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths ({total} passes)"):
-            return measure_views(loaded.model, chosen, lengths, tokens, prefix=context, repeats=repeats)
+        vocab = int(loaded.model.config.vocab_size)
+        out = []
+        for ctx in contexts:
+            ids = [random.Random(0).randrange(vocab) for _ in range(ctx + max(lengths))]
+            total = len(chosen) * len(lengths) * (repeats + 1)
+            what = (
+                f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths, context {ctx} ({total} passes)"
+            )
+            with err.status(what):
+                seconds = measure_views(loaded.model, chosen, lengths, ids, prefix=ctx, repeats=repeats, keep=rows)
+            out.append({"role": role, "model": loaded.name, "context": ctx, "views": seconds})
+        return out
 
-    tables = {f"target {shape or target}": table(engine.target, _list(views, str, "--views"))}
+    found = tables(engine.target, "target", _list(views, str, "--views"), keep)
     if drafter_views:
-        tables[f"drafter {drafter}"] = table(engine.drafter, _list(drafter_views, str, "--drafter-views"))
-    return tables
+        if drafter_shape is not None:
+            small = random_loaded(drafter_shape)
+            record["weights"]["drafter"] = RANDOM_WEIGHTS
+        else:
+            small = engine.drafter
+            record["weights"]["drafter"] = "as loaded"
+        found += tables(small, "drafter", _list(drafter_views, str, "--drafter-views"), 1)
+    return found
 
 
 def _agreement_sequences(engine: Any, loaded: Any, count: int) -> list[tuple[list[int], int]]:

@@ -2,11 +2,14 @@
 
 Median seconds of a pass over L new tokens after a ~100-token prefix, for several L, with the measurements
 of every kind and length interleaved in a shuffled order, so drift in machine load spreads evenly over them.
+On a GPU a pass only queues its kernels, so every timing waits for the device before it starts and before it
+stops (`wait_for`).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import random
 import statistics
 import time
@@ -20,6 +23,33 @@ from torch import nn
 from viasd.errors import ViasdError
 from viasd.models.session import KVSession
 from viasd.models.views import ViewLike
+
+
+def wait_for(device: torch.device) -> None:
+    """Wait until the device has run everything queued on it (a no-op on the CPU, where passes are synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the costs were measured on: the device (a GPU's name and memory), torch, CUDA and the host."""
+    import platform
+
+    import transformers
+
+    info: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    return info
 
 
 @dataclass(frozen=True)
@@ -44,6 +74,10 @@ class Costs:
     def step(self) -> float:
         """One drafter step (one new token)."""
         return self._at(self.drafter, 1)
+
+    def drafter_pass(self, n: int) -> float:
+        """A drafter pass over n new tokens (reading the prompt, catching up after copied drafts)."""
+        return self._at(self.drafter, n)
 
     def slim_pass(self, n: int, tier: int = 1) -> float:
         return self._at(self.slim[tier - 1], n)
@@ -139,19 +173,21 @@ def measure_costs(
 
     def run(kind: str, n: int) -> float:
         ids = tail[:n]
+        session = draft_sessions.get(kind, full_session)
+        wait_for(session.device)
         t0 = time.perf_counter()
         if kind in draft_sessions:
-            draft_sessions[kind].forward(ids, keep=1)
-            elapsed = time.perf_counter() - t0
-            draft_sessions[kind].truncate(prefix)
+            session.forward(ids, keep=1)
         elif kind == "full":
-            full_session.forward(ids, keep=n)
-            elapsed = time.perf_counter() - t0
-            full_session.truncate(prefix)
+            session.forward(ids, keep=n)
         else:
-            full_session.forward_slim(ids, slims[int(kind.split(":")[1])], keep=n)
-            elapsed = time.perf_counter() - t0
-            full_session.truncate_pending(0)
+            session.forward_slim(ids, slims[int(kind.split(":")[1])], keep=n)
+        wait_for(session.device)
+        elapsed = time.perf_counter() - t0
+        if kind == "full" or kind in draft_sessions:
+            session.truncate(prefix)
+        else:
+            session.truncate_pending(0)
         return elapsed
 
     kinds = [*draft_sessions, "full", *(f"slim:{i}" for i in range(len(slims)))]
@@ -177,11 +213,14 @@ def measure_views(
     repeats: int = 5,
     seed: int = 0,
     on_step: Callable[[], None] = lambda: None,
+    keep: int | None = None,
 ) -> dict[str, list[float]]:
     """Median seconds of a pass of each view over L new tokens after `prefix` tokens, per L in `lengths`.
 
     Every view runs as a slim pass does in decoding (on the full model's cache of the prefix); the full model
-    (view None) as a verification pass. Jobs are interleaved in a shuffled order, `repeats` times.
+    (view None) as a verification pass. A pass keeps the logits of its last min(L, keep) positions (None: all
+    L; a drafter keeps 1, a verification pass its block). Jobs are interleaved in a shuffled order, `repeats`
+    times.
     """
     lengths = sorted(set(lengths))
     need = prefix + lengths[-1]
@@ -192,14 +231,18 @@ def measure_views(
 
     def run(name: str, n: int) -> float:
         view = views[name]
+        wait_for(session.device)
         t0 = time.perf_counter()
+        rows = n if keep is None else min(n, keep)
         if view is None:
-            session.forward(tail[:n], keep=n)
-            elapsed = time.perf_counter() - t0
+            session.forward(tail[:n], keep=rows)
+        else:
+            session.forward_slim(tail[:n], view, keep=rows)
+        wait_for(session.device)
+        elapsed = time.perf_counter() - t0
+        if view is None:
             session.truncate(prefix)
         else:
-            session.forward_slim(tail[:n], view, keep=n)
-            elapsed = time.perf_counter() - t0
             session.truncate_pending(0)
         on_step()
         return elapsed

@@ -610,6 +610,44 @@ def _held_out(
     return out
 
 
+def profile_prompts(profile: RoutingProfile) -> tuple[list[str], int]:
+    """The calibration prompts a profile recorded and the continuation length it generated for each."""
+    cal = profile.calibration
+    try:
+        return [str(t) for t in cal["prompts"]], int(cal["new_tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ViasdError(f"the profile does not record its calibration prompts: {exc}") from exc
+
+
+def profile_data(
+    profile: RoutingProfile,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    work: WorkFile,
+    log: Log = lambda text: None,
+    progress: bool = False,
+    quantized: Quantizer = quantize_plainly,
+) -> tuple[list[GateRecords], list[int]]:
+    """The gate records a profile was selected from, regenerated from its own prompts and settings (or read
+    from the work file, where an earlier run left them), and the prompt length of each sequence."""
+    texts, new_tokens = profile_prompts(profile)
+    log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
+    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
+    sequences = teacher_sequences(target, pairs)
+    chunk = int(profile.search.get("chunk", 8))
+    source = DraftSource.make(_drafter_name(profile), target, drafter, quantized)
+    slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized) for i, m in enumerate(profile.masks)]
+    records = records_for(target, source, sequences, slims, chunk, work, True, progress)
+    return records, [len(prompt) for prompt, _ in pairs]
+
+
+def _drafter_name(profile: RoutingProfile) -> str:
+    """A profile's drafter as a candidate name (model, model:RECIPE or self:RECIPE)."""
+    entry = profile.drafter or {}
+    recipe = entry.get("quant")
+    return f"{'self' if entry.get('self') else 'model'}{':' + recipe if recipe else ''}"
+
+
 def profile_records(
     profile: RoutingProfile,
     target: LoadedModel,
@@ -619,27 +657,8 @@ def profile_records(
     progress: bool = False,
     quantized: Quantizer = quantize_plainly,
 ) -> list[GateRecords]:
-    """The gate records a profile was selected from, regenerated from its own prompts and settings (or read
-    from the work file, where an earlier run left them)."""
-    cal = profile.calibration
-    try:
-        texts, new_tokens = [str(t) for t in cal["prompts"]], int(cal["new_tokens"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ViasdError(f"the profile does not record its calibration prompts: {exc}") from exc
-    log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
-    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
-    sequences = teacher_sequences(target, pairs)
-    chunk = int(profile.search.get("chunk", 8))
-    source = DraftSource.make(_drafter_name(profile), target, drafter, quantized)
-    slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized) for i, m in enumerate(profile.masks)]
-    return records_for(target, source, sequences, slims, chunk, work, True, progress)
-
-
-def _drafter_name(profile: RoutingProfile) -> str:
-    """A profile's drafter as a candidate name (model, model:RECIPE or self:RECIPE)."""
-    entry = profile.drafter or {}
-    recipe = entry.get("quant")
-    return f"{'self' if entry.get('self') else 'model'}{':' + recipe if recipe else ''}"
+    """The gate records a profile was selected from (`profile_data` without the prompt lengths)."""
+    return profile_data(profile, target, drafter, work, log, progress, quantized)[0]
 
 
 def reselect(

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -61,6 +62,12 @@ def context_limit(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     value = getattr(config, "max_position_embeddings", None)
     return int(value) if value else None
+
+
+def decision_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+    """The random generator of a generation's token decisions: on the model's device when they are made there
+    (`SamplingParams.on_device`), else on the CPU."""
+    return params.generator(device if params.on_device(device) else "cpu")
 
 
 class Decoder(ABC):

@@ -20,6 +20,12 @@ each crop trims them back to the window that ends at the cut: a later crop may o
 since. So on such caches a slim pass never reuses part of the pending entries; it drops them all (one crop
 of what the previous slim pass added) and recomputes. Cropping goes through each layer's own `crop`,
 layer by layer, because layers hold different lengths while pending entries exist.
+
+Passes return their logits where the model computed them (docs/gpu.md): on a GPU, reading a tensor on the host
+waits for every queued kernel, so the decoders decide on the device and move one small outcome per round to the
+host. Token ids go up without waiting (from pinned memory), and ids already on the device (a drafter's own draft
+tokens) are fed as they are: their values reach `tokens` when the caller, which moves them to the host once per
+round anyway, hands them over (`learn`), or else when `tokens` is next read.
 """
 
 from __future__ import annotations
@@ -42,6 +48,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def upload_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Token ids as a LongTensor on `device`; to a GPU the copy is queued without waiting for the device (a copy
+    from pageable memory would wait for every kernel queued before it)."""
+    host = torch.tensor(list(ids), dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+Ids = Sequence[int] | torch.Tensor  # host token ids, or a 1-D LongTensor of ids on the device
+
+
 def new_cache(model: nn.Module) -> DynamicCache:
     """An empty cache shaped by the model's config (sliding-window layers included) that can be rolled back."""
     cache = DynamicCache(config=model.config)
@@ -56,7 +74,8 @@ class KVSession:
         self.model = model
         self.base_view = as_view(base_view)
         self.cache = new_cache(model)
-        self.tokens: list[int] = []
+        self._tokens: list[int] = []
+        self._unread: list[torch.Tensor] = []  # ids fed from the device after _tokens, values not on the host yet
         self.pending: list[int] = []
         self.pending_view: View | None = None
         self.forward_passes = 0  # of every view together
@@ -73,10 +92,31 @@ class KVSession:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def tokens(self) -> list[int]:
+        """The committed tokens (ids fed from the device and not yet `learn`ed are read from it here)."""
+        if self._unread:
+            self._tokens.extend(torch.cat(self._unread).tolist())
+            self._unread = []
+        return self._tokens
+
+    @property
+    def committed(self) -> int:
+        """How many tokens are committed, without reading any from the device."""
+        return len(self._tokens) + sum(ids.numel() for ids in self._unread)
+
+    def learn(self, values: Sequence[int]) -> None:
+        """The values of the ids fed from the device since the last read, from a transfer the caller made anyway."""
+        if len(values) != sum(ids.numel() for ids in self._unread):
+            raise ValueError("learn needs one value per id fed from the device")
+        self._tokens.extend(int(v) for v in values)
+        self._unread = []
+
     def reset(self) -> None:
         """Forget the sequence (start a new generation)."""
         self.cache = new_cache(self.model)
-        self.tokens = []
+        self._tokens = []
+        self._unread = []
         self.pending = []
         self.pending_view = None
 
@@ -88,7 +128,7 @@ class KVSession:
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` committed tokens; drop every pending token."""
-        length = min(length, len(self.tokens))
+        length = min(length, self.committed)
         self._crop_layers(length)
         del self.tokens[length:]
         self.pending = []
@@ -97,26 +137,31 @@ class KVSession:
     def truncate_pending(self, count: int) -> None:
         """Keep only the first `count` pending tokens."""
         count = min(count, len(self.pending))
-        self._crop_layers(len(self.tokens) + count)
+        self._crop_layers(self.committed + count)
         del self.pending[count:]
 
-    def _run(self, ids: Sequence[int], view: View | None, keep: int) -> torch.Tensor:
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+    def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
+        device = self.device
+        input_ids = ids.to(device) if isinstance(ids, torch.Tensor) else upload_ids(ids, device)
         with torch.inference_mode(), applied(self.model, view):
-            out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
+            out = self.model(input_ids=input_ids.reshape(1, -1), cache=self.cache, use_cache=True, logits_to_keep=keep)
         self.forward_passes += 1
-        # Decisions happen on the CPU (random draws, comparisons); the copy is small next to a forward pass.
-        return out.logits[0, -keep:].float().cpu()
+        # float32 logits where the model made them: no host copy (on a CPU this is the tensor it always was).
+        return out.logits[0, -keep:].float()
 
-    def forward(self, ids: Sequence[int], keep: int = 1) -> torch.Tensor:
-        """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions."""
-        if not ids:
+    def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
+        """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the
+        model's device. `ids` on the device stay there (see `learn`)."""
+        if not len(ids):
             raise ValueError("forward needs at least one token")
         if self.pending:
             self.truncate_pending(0)
         keep = min(keep, len(ids))
         logits = self._run(ids, self.base_view, keep)
-        self.tokens.extend(ids)
+        if isinstance(ids, torch.Tensor):
+            self._unread.append(ids.reshape(-1))
+        else:
+            self.tokens.extend(ids)
         return logits
 
     def extend_to(self, sequence: Sequence[int], keep: int = 1) -> torch.Tensor:
@@ -158,9 +203,9 @@ class KVSession:
         if view is None:
             raise ValueError("extend_slim_to needs a view")
         shared = min(common_prefix_length(self.tokens, sequence), len(sequence) - keep)
-        if shared < len(self.tokens):
+        if shared < self.committed:
             self.truncate(shared)
-        frontier = len(self.tokens)
+        frontier = self.committed
         if view != self.pending_view or not self._stacks(view) or self.windowed:
             self.truncate_pending(0)
         tail = sequence[frontier:]
@@ -171,4 +216,4 @@ class KVSession:
     @property
     def length(self) -> int:
         """Positions held in the cache for layer 0 (committed plus pending)."""
-        return len(self.tokens) + len(self.pending)
+        return self.committed + len(self.pending)

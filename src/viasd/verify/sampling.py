@@ -1,4 +1,8 @@
-"""Sampling parameters and the pure maths that turns logits into the distributions we sample from."""
+"""Sampling parameters and the pure maths that turns logits into the distributions we sample from.
+
+Two ways to pick a token: `sample` on the host (a Python int; the CPU path of sampling), and `pick` / `draw`
+where the logits live, as a tensor, with no host sync (greedy decoding everywhere, sampling on accelerators).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ SEED_MAX = 2**64 - 1
 # Temperatures below this are greedy: sampling at them is argmax up to float rounding, and dividing
 # logits by them overflows float32 (or, in transformers' warpers, turns the distribution into NaN).
 GREEDY_BELOW = 1e-6
+# What `draw` gives for a row that is not a finite distribution; the host refuses it when it reads the token.
+BAD_TOKEN = -1
 
 
 @dataclass(frozen=True)
@@ -41,13 +47,23 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A fresh random generator, seeded when a seed is given."""
+        """A fresh random generator on `device`, seeded when a seed is given."""
         gen = torch.Generator(device=device)
         if self.seed is None:
             gen.seed()
         else:
             gen.manual_seed(self.seed)
         return gen
+
+    def on_device(self, device: torch.device) -> bool:
+        """Whether tokens are picked where the logits live (`pick`, verify/resident.py), else on the host.
+
+        Greedy decoding always is: argmax comparisons give the tokens the host path gave, without its one-hot
+        probability rows. Sampling is on any device but the CPU, where host decisions would wait for the device
+        at every token; on the CPU sampling keeps its host path, and with it the draws (and seeded outputs) it
+        always made.
+        """
+        return self.greedy or device.type != "cpu"
 
 
 def _is_number(value: object) -> bool:
@@ -58,12 +74,15 @@ def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of `logits` [n, V] (NaN counts as lowest): token ids [n], where the logits are."""
+    return logits.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
+
+
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """One-hot rows at the argmax of each row of `logits` [n, V] (NaN counts as lowest), float32."""
-    scores = logits.float().nan_to_num(nan=float("-inf"))
-    probs = torch.zeros_like(scores)
-    probs.scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
-    return probs
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return probs.scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -92,9 +111,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scores = scores.masked_fill(drop, float("-inf"))
     probs = scores.softmax(dim=-1)
     bad = ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
-    if bool(bad.any()):
-        probs[bad] = one_hot_argmax(logits[bad])
-    return probs
+    return torch.where(bad[:, None], one_hot_argmax(logits), probs)  # no host sync: the rows are picked on the device
 
 
 def soft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -111,3 +128,30 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     if (probs > 0).sum() == 1:
         return int(probs.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [n, V], drawn where the rows live, without waiting for the device.
+
+    The exponential race: argmax_v p(v) / E_v with E_v ~ Exp(1) is v with probability p(v) / sum p, which is how
+    torch.multinomial draws one sample, less its validity checks (they read the tensor on the host). A row that is
+    not a finite distribution with some mass gives BAD_TOKEN instead (the host refuses it on reading).
+    """
+    ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    rows = torch.where(ok[:, None], probs, 1.0)
+    race = torch.empty_like(rows).exponential_(generator=generator).clamp_min(torch.finfo(rows.dtype).tiny)
+    return torch.where(ok, (rows / race).argmax(dim=-1), BAD_TOKEN)
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """Token ids [n] for the rows of `logits` [n, V], where they live: the argmax when greedy, else a `draw` from
+    the warped distribution."""
+    return greedy_tokens(logits) if params.greedy else draw(warp_probs(logits, params), generator)
+
+
+def checked_token(value: float) -> int:
+    """A token id read from the device, refused in one line when a draw found no finite distribution."""
+    token = int(value)
+    if token < 0:
+        raise ViasdError("cannot sample: the token distribution is not finite (the model produced NaN or inf logits)")
+    return token
