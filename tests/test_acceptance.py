@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 
 from viasd.errors import ViasdError
 from viasd.verify.acceptance import residual, verify_block
-from viasd.verify.sampling import SamplingParams, warp_probs
+from viasd.verify.sampling import SamplingParams, sample, warp_probs
 
 # Every statistical test here uses a false-alarm rate of 1e-4 per test: a correct implementation
 # fails one with probability 1/10,000; a wrong one (tested by hand by breaking the residual) fails always.
@@ -76,8 +76,49 @@ def test_top_k_and_top_p_warping():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"seed": 2**64}, r"seed must be an integer in \[-9223372036854775808, 18446744073709551615\]"),
+        ({"seed": -(2**63) - 1}, "seed must be"),
+        ({"seed": 1.5}, "seed must be"),
     ],
 )
 def test_invalid_sampling_parameters_are_refused(kwargs, message):
     with pytest.raises(ViasdError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1e-300, top_p=0.5, top_k=3),
+        SamplingParams(temperature=0.5, top_p=1e-300),
+        SamplingParams(temperature=1e-3, top_p=5e-324),
+    ],
+    ids=["t1e-300", "t1e-40", "t1e-300-topp-topk", "topp1e-300", "t1e-3-topp-denormal"],
+)
+def test_tiny_temperature_or_top_p_gives_the_argmax_not_nan(params):
+    """Positive values so small that the warped distribution underflows behave as greedy sampling."""
+    logits = torch.tensor([[1.0, 7.5, -3.0, 7.25], [-80.0, 90.0, 0.0, 89.0], [0.0, 0.0, 0.0, 1e-3]])
+    probs = warp_probs(logits, params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(dim=-1), torch.ones(3))
+    assert probs.argmax(dim=-1).tolist() == [1, 1, 3] and (probs.max(dim=-1).values == 1.0).all()
+    gen = params.generator()
+    assert [sample(row, gen) for row in probs] == [1, 1, 3]
+
+
+def test_seeds_across_the_whole_64_bit_range_work_and_repeat():
+    logits = torch.tensor([[0.0, 0.1, 0.2, 0.3]])
+    for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        probs = warp_probs(logits, params)[0]
+        draws = [sample(probs, params.generator()) for _ in range(2)]
+        assert draws[0] == draws[1]
+
+
+def test_non_finite_distributions_never_reach_sampling():
+    nan_row = torch.tensor([[float("nan"), 1.0, 2.0, float("nan")]])
+    probs = warp_probs(nan_row, SamplingParams(temperature=0.7))
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    with pytest.raises(ViasdError, match="not finite"):
+        sample(torch.tensor([float("nan"), 0.5]), torch.Generator())

@@ -546,3 +546,33 @@ def test_calibrate_and_reselect_from_the_command_line(tmp_path):
     assert "| slim verifier always right" in what_if.output
     refused = runner.invoke(app, ["calibrate", *common, "--what-if"])
     assert refused.exit_code == 2 and "--what-if needs --reselect" in refused.output
+
+
+def test_calibration_chooses_among_quantized_slim_views_and_drafters(tmp_path):
+    """Slim views beyond layer masks (the target's int8 view, alone and on a searched mask) and drafters beyond the
+    small model (its int4 view, the target's own int8 view) compete in one calibration; the profile it writes
+    builds the chosen views, and re-selection reproduces it."""
+    target = loaded(tiny_model("qwen2", layers=6, dtype=torch.float32), "tiny-target")
+    drafter = loaded(tiny_model("qwen2", layers=2, seed=1, dtype=torch.float32), "tiny-drafter")
+    settings = CalibrationSettings(
+        skip_ratios=(0.34,), slim_quants=("int8",), drafters=("model", "model:int4", "self:int8"), iterations=3,
+        gammas=(2, 3), caps=(8,), prompts=2, search_prompts=1, held_out=0, new_tokens=12, cost_repeats=1,
+        random_masks=1, pregates=(0.0,),
+    )  # fmt: skip
+    profile = calibrate_pair(target, drafter, settings, work_file=tmp_path / "p.work")
+    candidates = profile.search["candidates"]
+    assert {(c["drafter"], c["slim"].get("quant")) for c in candidates} == {
+        (d, q) for d in settings.drafters for q in (None, "int8")
+    } and len(candidates) == 3 * 3  # the mask, int8 alone, int8 on the mask; three drafters
+    best = max(candidates, key=lambda c: c["predicted_via_tokens_per_second"])
+    assert profile.calibration["predicted"]["via"]["tokens_per_second"] == best["predicted_via_tokens_per_second"]
+    assert profile.quant == ([best["slim"]["quant"]] if best["slim"].get("quant") else [])
+    assert profile.self_drafter == best["drafter"].startswith("self")
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target, drafter=drafter)
+    decoder = engine.decoder("via")
+    assert (decoder.slims[0].linears is not None) == bool(profile.quant)
+    assert (decoder.drafter.session.model is target.model) == profile.self_drafter
+    again = reselect(load_profile(path), "sha", target, drafter, settings, work_file=tmp_path / "p.work")
+    assert (again.gate, again.gamma, again.cap) == (profile.gate, profile.gamma, profile.cap)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+NO_MODEL = "/nonexistent/model-dir"
 
 
 def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -31,6 +32,17 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         (["generate", "hi", "--method", "warp"], None, "unknown method 'warp'"),
         (["generate", "hi", "--method", "via:gamma=0"], None, "method option gamma must be in 1..64, got 0"),
         (["generate", "hi", "--method", "sd:cap=4"], None, "method 'sd' takes no option 'cap'"),
+        (["generate", "hi", "--seed", str(2**64)], None, "seed must be an integer in [-9223372036854775808, 1844"),
+        (["generate", "hi", "--temperature", "nan"], None, "temperature must be a finite number"),
+        (["generate", "hi", "--target", NO_MODEL, "--gamma", "0"], None, "--gamma must be >= 1"),
+        (
+            ["serve", "--target", NO_MODEL, "--port", "-1"],
+            None,
+            "--port must be in [0, 65535] (0 picks a free one), got -1",
+        ),
+        # (a bench that wrongly accepted these would fail fast on the missing model, not run)
+        (["bench", "--target", NO_MODEL, "--humaneval-timeout", "nan"], None, "--humaneval-timeout must be a finite"),
+        (["bench", "--target", NO_MODEL, "--gamma", "-2"], None, "--gamma must be >= 1"),
     ],
 )
 def test_invalid_input_gives_one_line_error(args, stdin, message):
@@ -39,6 +51,39 @@ def test_invalid_input_gives_one_line_error(args, stdin, message):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bench_refuses_a_file_as_out_and_a_damaged_run_in_one_line(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a directory")
+    damaged = tmp_path / "run"
+    damaged.mkdir()
+    (damaged / "results.jsonl").write_text("")
+    env = damaged / "environment.json"
+    cases = [
+        (None, ["--out", str(a_file)], "is a file"),
+        ('{"settings": {"target": "x"', ["--out", str(damaged), "--resume"], "environment.json is damaged"),
+        ("[1, 2]", ["--out", str(damaged), "--report-only"], "environment.json is damaged"),
+    ]
+    for contents, args, message in cases:
+        if contents is not None:
+            env.write_text(contents)
+        result = viasd("bench", "--target", NO_MODEL, "--count", "1", *args)
+        assert result.returncode == 2, (contents, args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, (contents, args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    # Other damage takes the same path: every unreadable record is one ViasdError.
+    from viasd.bench.command import read_environment
+    from viasd.errors import ViasdError
+
+    for contents in ('{"settings": 3}', "\udcff", ""):
+        env.write_text(contents, errors="surrogateescape")
+        with pytest.raises(ViasdError, match=r"environment\.json is damaged"):
+            read_environment(env)
+    env.unlink()
+    env.mkdir()
+    with pytest.raises(ViasdError, match=r"environment\.json is damaged"):
+        read_environment(env)
 
 
 def test_corrupt_model_file_gives_one_line_error(tmp_path):
@@ -52,8 +97,20 @@ def test_corrupt_model_file_gives_one_line_error(tmp_path):
 @pytest.mark.real
 def test_mismatched_tokenizers_are_refused():
     result = viasd("generate", "hi", "--target", "smollm2-135m", "--drafter", "qwen2.5-coder-0.5b", "--method", "sd")
-    assert result.returncode == 2 and "do not share a tokenizer" in result.stderr
+    assert result.returncode == 2 and "does not share the tokenizer" in result.stderr and "--drafter" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.real
+def test_the_default_method_with_another_target_needs_no_drafter():
+    """`generate --target smollm2-135m` with the default method: the default drafter (another tokenizer) is
+    left out before anything is fetched, and auto picks among the methods that need no drafter."""
+    out = viasd("generate", "Say hello.", "--target", "smollm2-135m", "-n", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "does not share this target's tokenizer" in out.stderr
+    choice = json.loads(out.stdout)["stats"]["choice"]
+    assert choice["method"] in ("plain", "lookup", "self:drafter_quant=int8")
+    assert "sd" not in choice["tokens_per_second"]
 
 
 @pytest.mark.real

@@ -168,3 +168,22 @@ def test_sampling_speculative_follows_target_distribution(params):
     total = sum(exp)
     assert abs(total - n) < 1e-6 * n
     assert chisquare(obs, [e * n / total for e in exp]).pvalue > ALPHA
+
+
+def test_an_underflowing_temperature_decodes_as_greedy_with_every_method():
+    """temperature 1e-300 is positive but too small to divide logits by: every decoder gives the greedy output."""
+    from viasd.decode.hf_assisted import HFAssistedDecoder
+
+    target, drafter, tok = tiny_model("llama"), tiny_model("llama", layers=2, seed=1), tiny_tokenizer(64)
+    greedy = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    want = PlainDecoder(target, tok).generate(PROMPT, greedy).tokens
+    tiny_t = GenerationConfig(
+        max_new_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=1e-300, top_p=0.9)
+    )
+    decoders = {
+        "plain": PlainDecoder(target, tok),
+        "sd": SpeculativeDecoder(target, tok, ModelDrafter(drafter), gamma=3),
+        "hf-assisted": HFAssistedDecoder(target, tok, drafter, gamma=3),
+    }
+    for name, decoder in decoders.items():
+        assert decoder.generate(PROMPT, tiny_t).tokens == want, name

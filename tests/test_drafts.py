@@ -75,7 +75,9 @@ def test_the_model_drafter_stops_where_the_rule_says_and_saves_its_steps():
         model = ModelDrafter(drafter)
         out = model.propose(context, 8, GREEDY, GEN, stop)
         n = stopped_length(tops, stop)
-        assert out.tokens == full.tokens[:n] and torch.equal(out.probs, full.probs[:n]) and out.source == "model"
+        assert out.tokens == full.tokens[:n] and torch.equal(out.soft, full.soft[:n]) and out.source == "model"
+        assert out.probs is None  # greedy drafts are argmaxes: one-hot, with no probability rows built
+        assert out.tops == tops[:n] and out.confidence == min(tops[:n])  # read from the device with the tokens
         assert model.forward_passes == n  # one step per draft token: the stop saves the rest
     assert 1 < stopped_length(tops, 0.25) < 8, tops  # one of the thresholds above cuts the block inside
     # The replay (calibration) decides with the same rule: see tests/test_round.py.
@@ -176,7 +178,7 @@ def test_the_model_drafters_cache_follows_every_committed_token_whichever_part_p
         sources.append(out.source)
         if out.source == "model":
             fresh = ModelDrafter(small).propose(context, k, GREEDY, GEN)
-            assert out.tokens == fresh.tokens and torch.allclose(out.probs, fresh.probs)
+            assert out.tokens == fresh.tokens and torch.allclose(out.soft, fresh.soft)
             assert drafter.forward_passes - before == k  # the catch-up rides on the first draft step
             assert drafter.model.session.tokens == context + out.tokens[:-1]
         # Commit part of the draft (the rest is rolled back), then tokens that repeat an earlier 2-gram (the next

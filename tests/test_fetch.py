@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -290,6 +291,106 @@ def test_list_default_models_reports_cached_state(registry: FakeRegistry, tmp_pa
     (after,) = list_default_models(cache, catalog=[registry.entry])
     assert after.cached and after.disk_size and after.path == cache / registry.entry.name
     assert {status.name for status in list_default_models(cache)} == {e.name for e in DEFAULT_MODELS}
+
+
+def _manifest(directory: Path) -> dict[str, dict[str, object]]:
+    return json.loads((directory / "viasd-manifest.json").read_text())["files"]
+
+
+def test_entries_record_every_file_and_a_truncated_one_is_fetched_again(registry: FakeRegistry, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    files = _manifest(path)
+    assert sorted(files) == ["config.json", "model.safetensors", fetch.SOURCE_FILE]
+    weights = path / "model.safetensors"
+    assert files["model.safetensors"] == {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}
+    weights.write_bytes(b"wei")  # truncated
+    (status,) = list_default_models(cache, catalog=[registry.entry])
+    assert (status.state, status.cached) == ("damaged", False)
+    assert status.problem == "model.safetensors has 3 bytes, expected 7"
+    downloads = registry.downloads
+    converter = FakeConverter()
+    assert _ensure(registry, cache, converter) == path  # the next use fetches it again
+    assert registry.downloads > downloads and len(converter.seen) == 1
+    assert weights.read_bytes() == b"weights" and list_default_models(cache, catalog=[registry.entry])[0].state == "ok"
+    (path / "config.json").unlink()  # a missing file: not a usable entry either
+    assert _ensure(registry, cache, FakeConverter()) == path and (path / "config.json").is_file()
+
+
+def test_same_size_damage_is_found_by_verify_and_repaired_by_force(registry: FakeRegistry, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    (path / "model.safetensors").write_bytes(b"WEIGHTS")  # same size, other bytes
+    assert list_default_models(cache, catalog=[registry.entry])[0].state == "ok"  # sizes only
+    (verified,) = list_default_models(cache, catalog=[registry.entry], verify=True)
+    assert verified.state == "damaged" and "model.safetensors has other contents" in (verified.problem or "")
+    assert _ensure(registry, cache, FakeConverter(fail=True)) == path  # sizes match: used as is, no fetch
+    converter = FakeConverter()
+    _ensure(registry, cache, converter, force=True)
+    assert len(converter.seen) == 1 and (path / "model.safetensors").read_bytes() == b"weights"
+    assert list_default_models(cache, catalog=[registry.entry], verify=True)[0].state == "ok"
+    (path / "viasd-manifest.json").write_text("{ torn")
+    assert list_default_models(cache, catalog=[registry.entry])[0].state == "damaged"
+
+
+def test_entries_from_before_manifests_still_load_as_unverified(registry: FakeRegistry, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    (path / "viasd-manifest.json").unlink()
+    (status,) = list_default_models(cache, catalog=[registry.entry], verify=True)
+    assert (status.state, status.cached) == ("unverified", True)
+    downloads = registry.downloads
+    assert _ensure(registry, cache, FakeConverter(fail=True)) == path and registry.downloads == downloads
+
+
+def _fake_smollm2_entry(cache: Path, model_dir: Path, manifest: bool) -> Path:
+    """A cache entry under the real catalog name smollm2-135m, holding a tiny model (nothing is downloaded)."""
+    entry = find_default_model("smollm2-135m")
+    assert entry is not None
+    path = cache / entry.name
+    shutil.copytree(model_dir, path)
+    (path / fetch.SOURCE_FILE).write_text(json.dumps({"name": entry.name, "sha256": entry.sha256}))
+    if manifest:
+        from viasd.models.manifest import write_manifest
+
+        write_manifest(path)
+    return path
+
+
+def test_viasd_models_reports_damage_in_one_line_with_the_repair_command(tiny_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = _fake_smollm2_entry(cache, tiny_dir, manifest=True)
+    env = {**os.environ, fetch.CACHE_ENV_VAR: str(cache), "COLUMNS": "200"}
+
+    def models(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "viasd", "models", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+    intact = models("--verify")
+    assert intact.returncode == 0 and "yes, verified" in intact.stdout, intact.stderr
+    config = (path / "config.json").read_bytes()
+    (path / "config.json").write_bytes(config[:-10])
+    listed = models()
+    assert listed.returncode == 2 and "DAMAGED" in listed.stdout
+    assert listed.stderr.strip().splitlines() == [
+        f"error: smollm2-135m is damaged: config.json has {len(config) - 10} bytes, expected {len(config)}. "
+        "Repair with: viasd models --fetch smollm2-135m --force"
+    ]
+    (path / "config.json").write_bytes(config[:-1] + b"!")  # same size
+    assert models().returncode == 0
+    verified = models("--verify")
+    assert verified.returncode == 2 and "config.json has other contents" in verified.stderr
+    assert "Traceback" not in verified.stderr and len(verified.stderr.strip().splitlines()) == 1
+    alone = models("--force")
+    assert alone.returncode == 2 and "--force" in alone.stderr
+
+
+def test_a_damaged_entry_without_a_manifest_names_the_repair_command_on_load(tiny_dir: Path, tmp_path: Path) -> None:
+    path = _fake_smollm2_entry(tmp_path / "cache", tiny_dir, manifest=False)
+    (path / "tokenizer.json").write_text("garbage, not a tokenizer")
+    with pytest.raises(ViasdError, match=r"repair it: viasd models --fetch smollm2-135m --force") as caught:
+        load_model("smollm2-135m", device="cpu", cache_dir=tmp_path / "cache")
+    assert "\n" not in str(caught.value)
 
 
 def test_unknown_default_model_name(tmp_path: Path) -> None:

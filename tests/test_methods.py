@@ -26,7 +26,7 @@ def test_plain_names_and_variants_parse():
     assert not parse_method("lookup").uses_drafter and parse_method("hf-assisted:gamma=2").uses_drafter
     # Every method's options are registered options, and the relaxed method says so.
     assert all(set(m.options) <= set(OPTIONS) for m in METHODS.values())
-    assert [m.name for m in METHODS.values() if not m.exact] == ["via"]
+    assert [m.name for m in METHODS.values() if not m.exact] == ["via", "llama.cpp"]  # relaxed; another runtime
     assert PARSED_MAX_GAMMA == MAX_GAMMA
 
 
@@ -35,15 +35,18 @@ def test_plain_names_and_variants_parse():
     [
         ("warp", "unknown method 'warp'"),
         ("sd:gamma", "write key=value"),
+        ("sd:depth=3", "key one of gamma, cap, profile, pregate, quant, drafter_quant, lookup, stop, drafter, match, copy, budget"),
         (
-            "sd:depth=3",
-            "write key=value with key one of gamma, cap, profile, pregate, stop, drafter, match, copy, budget",
+            "sd:cap=4",
+            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, quant, drafter_quant)",
         ),
-        ("sd:cap=4", "method 'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget)"),
         ("sd:budget=0.1", "option 'budget' needs drafter=hybrid"),
         ("sd:drafter=hybrid:budget=-1", "budget must be a number >= 0, got -1.0"),
         ("sd:drafter=hybrid:budget=inf", "budget must be a number >= 0, got inf"),
-        ("lookup:stop=0.4", "method 'lookup' takes no option 'stop' (it takes: gamma, match, copy)"),
+        ("plain:gamma=2", "takes no option 'gamma' (it takes: quant)"),
+        ("plain:quant=int3", "method option quant: unknown quantization 'int3'"),
+        ("hf-assisted:quant=int8", "takes no option 'quant'"),
+        ("lookup:stop=0.4", "method 'lookup' takes no option 'stop' (it takes: gamma, match, copy, quant)"),
         ("sd:stop=1.5", "stop must be in [0, 1], got 1.5"),
         ("sd:stop=nan", "stop must be in [0, 1], got nan"),
         ("sd:drafter=big", "drafter must be one of model, lookup, hybrid, got 'big'"),
@@ -52,7 +55,6 @@ def test_plain_names_and_variants_parse():
         ("sd:drafter=lookup:stop=0.3", "option 'stop' needs a model drafter"),
         ("sd:drafter=hybrid:match=0", "match must be in 1..16, got 0"),
         ("sd:drafter=hybrid:copy=65", "copy must be in 1..64, got 65"),
-        ("plain:gamma=2", "takes no option 'gamma' (it takes: none)"),
         ("via-exact:pregate=0.5", "takes no option 'pregate'"),
         ("via:gamma=0", "gamma must be in 1..64, got 0"),
         ("sd:gamma=1000", "gamma must be in 1..64, got 1000"),

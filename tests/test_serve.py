@@ -570,6 +570,37 @@ def test_in_process_app_serves_streams_and_counts(tiny_app: TestClient) -> None:
     assert metric(text, "viasd_target_calls_per_token", method="plain") == 1.0
 
 
+def test_numeric_edge_values_are_served_or_refused_never_500(tiny_app: TestClient) -> None:
+    """Underflowing temperatures and top_p sample the argmax; out-of-range seeds and NaN/Infinity get a 400
+    that names the field and its range."""
+    body = {"prompt": "t3 t4 t5 t3 t4", "max_tokens": 5, "ignore_eos": True}
+    greedy = tiny_app.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+    for extra in (
+        {"temperature": 1e-300},
+        {"temperature": 1e-40, "top_p": 0.3, "top_k": 2},
+        {"temperature": 0.5, "top_p": 1e-300},
+        {"temperature": 1e-300, "seed": -(2**63)},
+        {"temperature": 1e-300, "seed": 2**64 - 1},
+    ):
+        response = tiny_app.post("/v1/completions", json={**body, **extra})
+        assert response.status_code == 200, (extra, response.text)
+        assert response.json()["choices"][0]["text"] == greedy, extra
+    for seed in (2**64, -(2**63) - 1, 10**30):
+        assert_error(tiny_app.post("/v1/completions", json={**body, "seed": seed}), 400, "seed must be an integer in")
+    for raw, words in (
+        ('{"prompt": "t3", "temperature": NaN}', ("temperature must be a finite number in [0, 2]", "NaN")),
+        ('{"prompt": "t3", "temperature": Infinity}', ("temperature must be a finite number in [0, 2]", "Infinity")),
+        ('{"prompt": "t3", "top_p": -Infinity}', ("top_p must be a finite number in (0, 1]", "-Infinity")),
+        ('{"prompt": "t3", "temperature": 2.5}', ("temperature must be a finite number in [0, 2], got 2.5",)),
+        ('{"messages": [{"role": "user", "content": "t3"}], "top_p": NaN}', ("top_p", "NaN")),
+    ):
+        path = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
+        error = assert_error(tiny_app.post(path, content=raw), 400, *words)
+        assert error["param"] == words[0].split()[0]
+    text = tiny_app.get("/metrics").text
+    assert metric(text, "viasd_http_requests_total", path="/v1/completions", status="500") == 0
+
+
 def test_metrics_render_tiers_and_escape_labels() -> None:
     from viasd.decode.stats import GenerationStats, TierStats
     from viasd.serve.metrics import Metrics

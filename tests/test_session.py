@@ -13,7 +13,7 @@ from viasd.models.session import KVSession, common_prefix_length
 
 
 def fresh_cache(model, tokens, mask=None):
-    session = KVSession(model, base_mask=mask)
+    session = KVSession(model, base_view=mask)
     session.forward(tokens)
     return session.cache
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -31,6 +31,41 @@ def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1", pad_token="t0")
+
+
+CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML, as SmolLM2 and Qwen2.5 use it: the template's own markers are special tokens.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "You are a helpful assistant. Write a Python function that reverses a string.",
+    "system user assistant: what is 2+2? It is 4.",
+]
+
+
+def tiny_chat_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes and decodes back) with ChatML special tokens and template.
+
+    Ids 0, 1, 2 are <|endoftext|>, <|im_start|>, <|im_end|>; every id is below `vocab_size`.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(CHAT_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|im_end|>"
+    )
+    wrapped.chat_template = CHATML_TEMPLATE
+    return wrapped
 
 
 def tiny_model(

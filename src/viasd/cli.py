@@ -10,15 +10,18 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from viasd.cli_options import (
     DeviceMapOpt,
     DeviceOpt,
     DrafterOpt,
+    DrafterQuantOpt,
     DtypeOpt,
     GammaOpt,
     ProfileOpt,
+    QuantOpt,
     TargetOpt,
     engine_spec,
 )
@@ -45,7 +48,8 @@ def user_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except ViasdError as exc:
-            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            # The message is text, not markup: a path like "[x]" or a port like ":-1:" must print as written.
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err.print("interrupted")
@@ -70,7 +74,7 @@ def generate(
     prompt: Annotated[str | None, typer.Argument(help="The prompt; '-' or nothing reads standard input.")] = None,
     method: Annotated[
         str, typer.Option("--method", "-m", help="Decoding method or variant, e.g. via:gamma=4 (`viasd methods`).")
-    ] = "sd",
+    ] = "auto",
     target: TargetOpt = DEFAULT_TARGET,
     drafter: DrafterOpt = DEFAULT_DRAFTER,
     profile: ProfileOpt = None,
@@ -88,6 +92,8 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
 ) -> None:
     """Generate text for a prompt, streaming it to the terminal."""
     from viasd.decode.base import GenerationConfig
@@ -98,7 +104,17 @@ def generate(
     text = _read_prompt(prompt)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop or ()))
-    spec = engine_spec(target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map)
+    spec = engine_spec(
+        target,
+        drafter,
+        profile=profile,
+        gamma=gamma,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        quant=quant,
+        drafter_quant=drafter_quant,
+    )
     method_spec = parse_method(method)  # a bad method name fails before any model loads
     with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
         engine = Engine(spec)
@@ -113,7 +129,9 @@ def generate(
     if as_json:
         out = {
             "method": method,
+            "exact": method_spec.exact and spec.quant is None,  # a quantized target is another model
             "target": target,
+            "target_view": method_spec.get("quant") or spec.quant,
             "text": result.text,
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,
@@ -144,28 +162,52 @@ def generate(
 def models(
     fetch: Annotated[list[str] | None, typer.Option(help="Fetch and convert a default model (repeatable).")] = None,
     fetch_all: Annotated[bool, typer.Option("--all", help="Fetch every default model.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="With --fetch or --all: fetch again even when cached (repairs a damaged copy).")
+    ] = False,
+    verify: Annotated[
+        bool, typer.Option(help="Check every cached file's SHA-256 against the manifest written with it.")
+    ] = False,
 ) -> None:
     """List the embedded default models and fetch them into the local cache."""
     from viasd.models.catalog import default_model_names
-    from viasd.models.fetch import ensure_default_model, list_default_models
+    from viasd.models.fetch import ensure_default_model, list_default_models, repair_command
 
     names = default_model_names() if fetch_all else list(fetch or [])
+    if force and not names:
+        raise ViasdError("--force fetches again what --fetch NAME or --all names; name a model")
     for name in names:
-        path = ensure_default_model(name)
+        path = ensure_default_model(name, force=force)
         err.print(f"{name}: ready at {path}")
     table = Table(title="default models")
     for column in ("name", "role", "size", "cached", "description"):
         table.add_column(column)
-    for status in list_default_models():
+    statuses = list_default_models(verify=verify)
+    shown = {"ok": "yes, verified" if verify else "yes", "unverified": "yes, no manifest", "damaged": "DAMAGED"}
+    for status in statuses:
         role = {DEFAULT_TARGET: "target", DEFAULT_DRAFTER: "drafter"}.get(status.name, "")
         table.add_row(
             status.name,
             role,
             f"{status.download_size / 1e6:.0f} MB",
-            "yes" if status.cached else "no",
+            shown.get(status.state, "no"),
             status.description,
         )
     Console().print(table)
+    if verify:
+        for status in statuses:
+            if status.state == "unverified":
+                err.print(
+                    f"{status.name}: cached before viasd recorded manifests, so it cannot be verified; "
+                    f"`{repair_command(status.name)}` rebuilds it with one",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+    damaged = [status for status in statuses if status.state == "damaged"]
+    if damaged:
+        what = "; ".join(f"{status.name} is damaged: {status.problem}" for status in damaged)
+        command = "viasd models " + " ".join(f"--fetch {status.name}" for status in damaged) + " --force"
+        raise ViasdError(f"{what}. Repair with: {command}")
 
 
 @app.command()
@@ -198,6 +240,16 @@ app.command("bench")(user_errors(bench))
 from viasd.calibration.command import calibrate  # noqa: E402  (light: heavy imports happen inside the command)
 
 app.command("calibrate")(user_errors(calibrate))
+
+
+from viasd.calibration.cost_command import costs  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("costs")(user_errors(costs))
+
+
+from viasd.calibration.project_command import project  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("project")(user_errors(project))
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -21,6 +21,16 @@ GammaOpt = Annotated[int | None, typer.Option(help="Draft tokens per round (defa
 DeviceOpt = Annotated[str | None, typer.Option(help="Device, e.g. cpu, cuda, cuda:1 (default: cuda if present).")]
 DtypeOpt = Annotated[str, typer.Option(help="Weights dtype: auto, bf16, fp16, fp32.")]
 DeviceMapOpt = Annotated[str | None, typer.Option(help="'auto' spreads a large target over several GPUs.")]
+QuantOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Run the target as its quantized view (int8, int8wo, int4; e.g. int8:keep=lm_head): faster, and "
+        "a different model than the target as loaded. Quantized once and cached."
+    ),
+]
+DrafterQuantOpt = Annotated[
+    str | None, typer.Option("--drafter-quant", help="Run the drafter as its quantized view (int8, int8wo, int4).")
+]
 
 
 def engine_spec(
@@ -32,8 +42,20 @@ def engine_spec(
     device: str | None = None,
     dtype: str = "auto",
     device_map: str | None = None,
+    quant: str | None = None,
+    drafter_quant: str | None = None,
 ) -> EngineSpec:
-    """The EngineSpec of a command's shared options."""
+    """The EngineSpec of a command's shared options (quantization recipes checked here, before any model loads)."""
+    from viasd.methods import OPTIONS
+
     return EngineSpec(
-        target=target, drafter=drafter, device=device, dtype=dtype, device_map=device_map, profile=profile, gamma=gamma
+        target=target,
+        drafter=drafter,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        profile=profile,
+        gamma=gamma,
+        quant=OPTIONS["quant"].parse("--quant", quant) if quant else None,
+        drafter_quant=OPTIONS["drafter_quant"].parse("--drafter-quant", drafter_quant) if drafter_quant else None,
     )

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
     from viasd.models.layer_skip import LayerMask
+    from viasd.models.views import View
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
 
@@ -33,6 +34,13 @@ class EngineSpec:
     gamma: int | None = None  # draft tokens per round; None: the method's default (the profile's for via)
     self_skip_ratio: float = 0.25
     profile: str | None = None
+    quant: str | None = None  # run the target as its quantized view (a recipe name, e.g. int8): another model
+    drafter_quant: str | None = None  # run the drafter as its quantized view
+
+    def __post_init__(self) -> None:
+        # 0 must not silently mean "the default" (the decoders read a falsy gamma as unset).
+        if self.gamma is not None and self.gamma < 1:
+            raise ViasdError(f"--gamma must be >= 1 (draft tokens per round), got {self.gamma}")
 
 
 class Engine:
@@ -42,15 +50,20 @@ class Engine:
     """
 
     def __init__(self, spec: EngineSpec, target: LoadedModel | None = None, drafter: LoadedModel | None = None) -> None:
-        self.spec = spec
+        self._spec = spec
         self.target = target or self._load(spec.target)
         self._drafter = drafter
         self._drafter_checked = False
         self._decoders: dict[str, Decoder] = {}
         self._profiles: dict[str, RoutingProfile] = {}
+        self._views: dict[tuple[int, str], View] = {}
 
     def _load(self, name: str) -> LoadedModel:
         return load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
+
+    @property
+    def spec(self) -> EngineSpec:
+        return self._spec
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -61,24 +74,83 @@ class Engine:
         return self.spec.gamma
 
     @property
+    def quant(self) -> str | None:
+        return self.spec.quant
+
+    @property
+    def drafter_quant(self) -> str | None:
+        return self.spec.drafter_quant
+
+    def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
+        """`model`'s quantized view by recipe name (None: none), made once (cached on disk) and shared."""
+        if recipe is None:
+            return None
+        key = (id(model.model), recipe)
+        if key not in self._views:
+            from viasd.models.quant_cache import SMOOTHING_TEXTS, cached_quantize
+            from viasd.models.quantize import QuantRecipe
+            from viasd.models.views import View
+            from viasd.prompting import encode_prompt
+
+            def sequences() -> list[list[int]]:
+                return [encode_prompt(model.tokenizer, text) for text in SMOOTHING_TEXTS]
+
+            self._views[key] = View(linears=cached_quantize(model.model, QuantRecipe.parse(recipe), sequences))
+        return self._views[key]
+
+    @property
     def drafter(self) -> LoadedModel:
-        """The small drafter model, loaded on first use and checked against the target's vocabulary."""
+        """The small drafter model, loaded on first use and checked against the target's vocabulary (a default
+        drafter is checked before it is fetched)."""
         if self._drafter is None:
+            if self.drafter_fits() is False:
+                raise ViasdError(
+                    f"the drafter {self.spec.drafter!r} does not share the tokenizer of the target "
+                    f"{self.spec.target!r}: pass --drafter with a model of the target's family, or use a method "
+                    "that needs no drafter (plain, lookup, self)"
+                )
             self._drafter = self._load(self.spec.drafter)
         if not self._drafter_checked:
             check_same_vocabulary(self._drafter, self.target)
             self._drafter_checked = True
         return self._drafter
 
+    def drafter_fits(self) -> bool | None:
+        """Whether the drafter shares the target's tokenizer, known without loading it when it is a default
+        model (its vocabulary fingerprint is pinned); None when only loading it would tell."""
+        from viasd.models.catalog import find_default_model
+        from viasd.models.loading import vocabulary_fingerprint
+
+        if self._drafter is not None:
+            return True if self._drafter_checked else None
+        entry = find_default_model(self.spec.drafter)
+        if entry is None or not entry.vocabulary:
+            return None
+        return vocabulary_fingerprint(self.target.tokenizer) == entry.vocabulary
+
     def _profile_path(self, path: str | None) -> str | Path | None:
         from viasd.profile import shipped_profile_path
 
         return path or self.spec.profile or shipped_profile_path()
 
+    def gguf(self) -> Path:
+        """The target's GGUF file: the verified file of a default model (assembled once), or the file it was
+        loaded from."""
+        from viasd.models.catalog import find_default_model
+        from viasd.models.fetch import ensure_default_gguf
+
+        if find_default_model(self.spec.target) is not None:
+            return ensure_default_gguf(self.spec.target)
+        path = Path(self.target.path)
+        if path.suffix.lower() != ".gguf" or not path.is_file():
+            raise ViasdError(f"llama.cpp reads GGUF files: load the target from a .gguf file, not {self.target.path}")
+        return path
+
     def self_mask(self) -> LayerMask:
         """The self-drafter's layer mask: the profile's slim mask when it fits this target, else a spread mask."""
+        from viasd.models.fingerprint import model_fingerprint
         from viasd.models.layer_skip import num_decoder_layers, spread_mask
-        from viasd.profile import load_profile, model_fingerprint
+        from viasd.profile import load_profile
 
         path = self._profile_path(None)
         if path is not None:
@@ -98,7 +170,8 @@ class Engine:
         key = str(found)
         if key not in self._profiles:
             profile = load_profile(found)
-            profile.check_models(self.target.model, self.drafter.model)
+            # A profile whose drafter is the target's own view needs no second model.
+            profile.check_models(self.target.model, None if profile.self_drafter else self.drafter.model)
             self._profiles[key] = profile
         return self._profiles[key]
 

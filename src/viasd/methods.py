@@ -10,8 +10,10 @@ loading any model) stays free of torch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from viasd.errors import ViasdError
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from viasd.drafters.base import Drafter
     from viasd.models.layer_skip import LayerMask
     from viasd.models.loading import LoadedModel
+    from viasd.models.views import View
     from viasd.profile import RoutingProfile
 
 MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
@@ -56,6 +59,37 @@ class Parts(Protocol):
     def routing_profile(self, path: str | None = None) -> RoutingProfile: ...
 
     def self_mask(self) -> LayerMask: ...
+
+    def gguf(self) -> Path:
+        """The target's GGUF file (for runtimes that read GGUF)."""
+        ...
+
+    def decoder(self, method: str) -> Decoder:
+        """The decoder of another method (built once)."""
+        ...
+
+    def drafter_fits(self) -> bool | None:
+        """Whether the drafter shares the target's tokenizer (None: unknown without loading it)."""
+        ...
+
+    @property
+    def spec(self) -> Any:
+        """The engine's settings (EngineSpec)."""
+        ...
+
+    def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
+        """The quantized view of `model` by a recipe name (None: no view), made once and cached."""
+        ...
+
+    @property
+    def quant(self) -> str | None:
+        """The engine-wide quantization of the target (--quant), if any."""
+        ...
+
+    @property
+    def drafter_quant(self) -> str | None:
+        """The engine-wide quantization of the drafter (--drafter-quant), if any."""
+        ...
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -109,6 +143,16 @@ def _path(key: str, text: str) -> str:
     return text
 
 
+def _recipe(key: str, text: str) -> str:
+    """A quantization recipe name (`int8`, `int4`, `int8:smooth=0.5`, ...), checked now, kept as written."""
+    from viasd.models.quantize import QuantRecipe  # torch-free to parse, but lives with the kernels
+
+    try:
+        return QuantRecipe.parse(text).name
+    except ViasdError as error:
+        raise ViasdError(f"method option {key}: {error}") from None
+
+
 @dataclass(frozen=True)
 class Option:
     """A setting a method variant may override."""
@@ -125,6 +169,9 @@ OPTIONS: dict[str, Option] = {
         Option("cap", _int_in(1, 1 << 16), "most tokens committed without the full target (via)"),
         Option("profile", _path, "routing profile JSON (via)"),
         Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
+        Option("quant", _recipe, "run the target as its quantized view (int8, int8wo, int4): a faster, other model"),
+        Option("drafter_quant", _recipe, "run the drafter as its quantized view (self: the target's own view)"),
+        Option("lookup", _int_in(0, MAX_GAMMA), "prompt-lookup draft tokens per round, 0 = off (llama.cpp)"),
         Option(
             "stop",
             _fraction,
@@ -172,6 +219,11 @@ class MethodSpec:
         """Whether the variant needs the small drafter model (`sd:drafter=lookup` does not)."""
         return self.method.uses_drafter and self.options.get("drafter") != "lookup"
 
+    @property
+    def exact(self) -> bool:
+        """Exact with respect to the target as loaded (a quantized target is another model)."""
+        return self.method.exact and self.get("quant") is None
+
     def get(self, key: str) -> Any:
         """An option's value, or None when the variant leaves it at the method's default."""
         return self.options.get(key)
@@ -193,6 +245,15 @@ def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
     return spec.get("gamma") or parts.gamma or default
 
 
+def _target_view(parts: Parts, spec: MethodSpec) -> View | None:
+    """The target's view for a method: its quantized view when the variant or --quant asks for one."""
+    return parts.quantized(parts.target, spec.get("quant") or parts.quant)
+
+
+def _drafter_recipe(parts: Parts, spec: MethodSpec) -> str | None:
+    return spec.get("drafter_quant") or parts.drafter_quant
+
+
 def _stop(spec: MethodSpec, default: float) -> float:
     stop = spec.get("stop")
     return default if stop is None else float(stop)
@@ -205,15 +266,17 @@ def _lookup_drafter(spec: MethodSpec, match: int) -> Drafter:
     return PromptLookupDrafter(max_ngram=max(3, shortest), min_ngram=shortest, copy=spec.get("copy"))
 
 
-def _drafter(parts: Parts, spec: MethodSpec) -> Drafter:
-    """The drafter a variant names: the small model (default), prompt lookup, or the hybrid of both."""
+def _drafter(parts: Parts, spec: MethodSpec, recipe: str | None = None) -> Drafter:
+    """The drafter a variant names: the small model (default; as its quantized view by `recipe`), prompt lookup,
+    or the hybrid of both."""
     from viasd.drafters.hybrid import HybridDrafter
     from viasd.drafters.model_drafter import ModelDrafter
 
     kind = spec.get("drafter") or "model"
     if kind == "lookup":
         return _lookup_drafter(spec, LOOKUP_MATCH)
-    model = ModelDrafter(parts.drafter.model, name="model")
+    small = parts.drafter
+    model = ModelDrafter(small.model, parts.quantized(small, recipe or _drafter_recipe(parts, spec)), name="model")
     if kind == "model":
         return model
     budget = spec.get("budget")
@@ -223,47 +286,85 @@ def _drafter(parts: Parts, spec: MethodSpec) -> Drafter:
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.plain import PlainDecoder
 
-    return PlainDecoder(parts.target.model, parts.target.tokenizer)
+    return PlainDecoder(parts.target.model, parts.target.tokenizer, _target_view(parts, spec))
+
+
+def _speculative(parts: Parts, spec: MethodSpec, drafter: Drafter, stop: float = 0.0) -> Decoder:
+    from viasd.decode.speculative import SpeculativeDecoder
+
+    target, view, gamma = parts.target, _target_view(parts, spec), _gamma(parts, spec)
+    return SpeculativeDecoder(target.model, target.tokenizer, drafter, gamma, spec.name, view, stop)
 
 
 def _sd(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.decode.speculative import SpeculativeDecoder
-
-    target = parts.target
-    gamma, stop = _gamma(parts, spec), _stop(spec, DEFAULT_STOP)
-    return SpeculativeDecoder(target.model, target.tokenizer, _drafter(parts, spec), gamma, spec.name, stop)
+    return _speculative(parts, spec, _drafter(parts, spec), _stop(spec, DEFAULT_STOP))
 
 
 def _lookup(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.decode.speculative import SpeculativeDecoder
-
-    target = parts.target
-    drafter = _lookup_drafter(spec, LOOKUP_MATCH)
-    return SpeculativeDecoder(target.model, target.tokenizer, drafter, _gamma(parts, spec), spec.name)
+    return _speculative(parts, spec, _lookup_drafter(spec, LOOKUP_MATCH))
 
 
 def _self(parts: Parts, spec: MethodSpec) -> Decoder:
-    from viasd.decode.speculative import SpeculativeDecoder
+    """The target drafts for itself: its quantized view when `drafter_quant` is set, else with layers skipped."""
     from viasd.drafters.model_drafter import ModelDrafter
 
     target = parts.target
-    drafter = ModelDrafter(target.model, parts.self_mask(), name="self")
-    gamma, stop = _gamma(parts, spec), _stop(spec, 0.0)  # not measured for self: off unless asked
-    return SpeculativeDecoder(target.model, target.tokenizer, drafter, gamma, spec.name, stop)
+    view = parts.quantized(target, _drafter_recipe(parts, spec)) or parts.self_mask()
+    drafter = ModelDrafter(target.model, view, name="self")
+    return _speculative(parts, spec, drafter, _stop(spec, 0.0))  # stop not measured for self: off unless asked
 
 
 def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.hf_assisted import HFAssistedDecoder
 
+    if parts.quant or parts.drafter_quant:
+        raise ViasdError("hf-assisted runs transformers' own models: it takes no quantized view (--quant)")
     target = parts.target
     gamma = spec.get("gamma") or parts.gamma  # None keeps transformers' own draft policy
     return HFAssistedDecoder(target.model, target.tokenizer, parts.drafter.model, gamma, spec.name)
+
+
+def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
+    """llama.cpp on the target's GGUF file, with the threads torch uses, so both runtimes get the same cores."""
+    import torch
+
+    from viasd.decode.base import context_limit
+    from viasd.decode.llama_cpp import LlamaCppDecoder, load_llama
+
+    if parts.quant or parts.drafter_quant:
+        raise ViasdError("llama.cpp runs the GGUF file's own quantization: it takes no --quant")
+    target, lookup = parts.target, spec.get("lookup") or 0
+    context = min(context_limit(target.model) or 8192, 8192)
+    llama = load_llama(parts.gguf(), torch.get_num_threads(), context, lookup)
+    return LlamaCppDecoder(target.model, target.tokenizer, llama, lookup, spec.name)
+
+
+def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
+    """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
+    from viasd.auto import AutoDecoder, candidates, choose, probe_key
+
+    fits = parts.drafter_fits()
+    names = candidates(fits)
+    if fits is False:
+        print(
+            f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "
+            "choosing among methods that need no drafter",
+            file=sys.stderr,
+        )
+    engine = parts.spec
+    settings = {"drafter": engine.drafter, "quant": engine.quant, "gamma": engine.gamma, "profile": engine.profile}
+    record = choose(parts.decoder, names, parts.target.tokenizer, probe_key(parts.target.model, settings, names))
+    return AutoDecoder(parts.decoder(record["chosen"]), record, spec.name)
 
 
 def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.round import RoundPolicy
     from viasd.decode.tiered import TieredDecoder
     from viasd.verify.gates import Gate
+
+    if parts.quant:
+        raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
+    from viasd.models.views import View
 
     profile = parts.routing_profile(spec.get("profile"))
     policy = profile.policy(
@@ -272,37 +373,53 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     if spec.base == "via-exact":
         policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop)
     target = parts.target
-    return TieredDecoder(target.model, target.tokenizer, _drafter(parts, spec), profile.masks, policy, spec.name)
+    slims = []
+    for tier, mask in enumerate(profile.masks):  # each slim view: its layer mask, and quantized copies if any
+        quantized = parts.quantized(target, profile.slim_quant(tier))
+        slims.append(View(mask=mask, linears=quantized.linears if quantized else None))
+    recipe = _drafter_recipe(parts, spec) or (profile.drafter or {}).get("quant")
+    if profile.self_drafter:  # the profile's drafter is the target's own view
+        from viasd.drafters.model_drafter import ModelDrafter
+
+        drafter: Drafter = ModelDrafter(target.model, parts.quantized(target, recipe), name="self")
+    else:
+        drafter = _drafter(parts, spec, recipe)
+    return TieredDecoder(target.model, target.tokenizer, drafter, slims, policy, spec.name)
 
 
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method("plain", "plain autoregressive decoding of the target (baseline)", _plain),
+        Method(
+            "auto",
+            "the fastest exact method on this machine (plain, lookup, sd, quantized drafters): probed once, cached",
+            _auto,
+        ),
+        Method("plain", "plain autoregressive decoding of the target (baseline)", _plain, ("quant",)),
         Method(
             "sd",
             "classic speculative decoding with the small drafter model (exact)",
             _sd,
-            ("gamma", "stop", "drafter", "match", "copy", "budget"),
-            True,
+            ("gamma", "stop", "drafter", "match", "copy", "budget", "quant", "drafter_quant"),
+            uses_drafter=True,
         ),
         Method(
             "lookup",
             "speculative decoding with prompt-lookup (n-gram) drafts (exact)",
             _lookup,
-            ("gamma", "match", "copy"),
+            ("gamma", "match", "copy", "quant"),
         ),
         Method(
             "self",
-            "self-speculative decoding: the target with layers skipped drafts (exact)",
+            "self-speculative decoding: a cheaper view of the target drafts (layers skipped, or drafter_quant) (exact)",
             _self,
-            ("gamma", "stop"),
+            ("gamma", "stop", "quant", "drafter_quant"),
         ),
         Method(
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy", "budget"),
+            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy", "budget", "drafter_quant"),
             uses_drafter=True,
             exact=False,
         ),
@@ -310,7 +427,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd)",
             _via,
-            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget"),
+            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
@@ -319,6 +436,14 @@ METHODS: dict[str, Method] = {
             _hf_assisted,
             ("gamma",),
             uses_drafter=True,
+        ),
+        Method(
+            "llama.cpp",
+            "llama.cpp on the target's GGUF file (baseline; lookup=N: its prompt-lookup speculation; needs "
+            "viasd[llamacpp])",
+            _llama_cpp,
+            ("lookup",),
+            exact=False,
         ),
     )
 }

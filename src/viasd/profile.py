@@ -6,7 +6,6 @@ sample of the weights), so a profile made for other models is refused instead of
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -14,41 +13,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
+from viasd.models.fingerprint import model_fingerprint
 from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
 
 FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """A stable short hash of a model's architecture and weights (config + strided weight samples)."""
-    config = model.config.to_dict()
-    for volatile in (
-        "_name_or_path",
-        "transformers_version",
-        "torch_dtype",
-        "dtype",
-        "architectures",
-        "quantization_config",
-        "_attn_implementation_autoset",
-        "use_cache",
-    ):
-        config.pop(volatile, None)
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, param in model.named_parameters():
-        flat = param.detach().reshape(-1)
-        # Sample in fp32 so the fingerprint does not depend on the dtype the model was loaded in.
-        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
-        digest.update(name.encode())
-        digest.update(torch.round(sample * 1024).to(torch.int64).numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 @dataclass
@@ -57,7 +32,9 @@ class RoutingProfile:
 
     target: dict[str, str]  # {"name", "fingerprint"}
     drafter: dict[str, str] | None  # None: the profile works with any drafter of the target
-    masks: list[LayerMask]  # slim verifiers, shallowest first
+    masks: list[LayerMask]  # the slim views' layer masks, cheapest first
+    # Per slim view, the quantization of its Linear layers (a recipe name, e.g. int8), or None: bf16. Empty: none.
+    quant: list[str | None] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
     gamma: int = 4
     cap: int = 32  # max tokens committed without the full target before a full pass is forced
@@ -75,6 +52,17 @@ class RoutingProfile:
                 f"routing profile: {len(self.masks)} slim mask(s) need {len(self.masks) + 1} gate thresholds, "
                 f"got {len(self.gate.thresholds)}"
             )
+        if self.quant and len(self.quant) != len(self.masks):
+            raise ViasdError(f"routing profile: {len(self.masks)} slim view(s) but {len(self.quant)} quantizations")
+
+    def slim_quant(self, tier: int) -> str | None:
+        """The quantization recipe of slim view `tier` (0-based), or None."""
+        return self.quant[tier] if self.quant else None
+
+    @property
+    def self_drafter(self) -> bool:
+        """Whether the drafter is the target's own view (no second model)."""
+        return bool(self.drafter and self.drafter.get("self"))
 
     def policy(self, **overrides: Any) -> RoundPolicy:
         """The round policy the profile describes, with some settings overridden (gamma=, cap=, pregate=, stop=;
@@ -99,6 +87,7 @@ class RoutingProfile:
                 target=dict(data["target"]),
                 drafter=dict(data["drafter"]) if data.get("drafter") else None,
                 masks=[LayerMask.from_dict(m) for m in data["masks"]],
+                quant=[_recipe(q) for q in data.get("quant", [])],
                 gate=Gate(gate.get("signal", "kl"), tuple(float(t) for t in gate.get("thresholds", (0.05, 1.0)))),
                 gamma=_integer(data.get("gamma", 4), "gamma"),
                 cap=_integer(data.get("cap", 32), "cap"),
@@ -123,11 +112,22 @@ class RoutingProfile:
         for mask in self.masks:
             if mask.num_layers != len(target.get_decoder().layers):
                 raise ViasdError("the routing profile's masks do not match the target's layer count")
+        if self.self_drafter:
+            return
         if drafter is not None and self.drafter and self.drafter.get("fingerprint") != model_fingerprint(drafter):
             raise ViasdError(
                 f"the routing profile was calibrated with drafter {self.drafter.get('name')!r}, not this drafter; "
                 "run `viasd calibrate` for this model pair"
             )
+
+
+def _recipe(value: Any) -> str | None:
+    """A slim view's quantization: None, or a recipe name (checked)."""
+    if value is None:
+        return None
+    from viasd.models.quantize import QuantRecipe
+
+    return QuantRecipe.parse(str(value)).name
 
 
 def _integer(value: Any, name: str) -> int:

@@ -22,9 +22,11 @@ from viasd.cli_options import (
     DeviceMapOpt,
     DeviceOpt,
     DrafterOpt,
+    DrafterQuantOpt,
     DtypeOpt,
     GammaOpt,
     ProfileOpt,
+    QuantOpt,
     TargetOpt,
     engine_spec,
 )
@@ -35,7 +37,7 @@ DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
 # Settings that must be the same for rows of a resumed run to be comparable with the new ones.
 RESUME_KEYS = (
     "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "code_max_new_tokens", "temperature",
-    "top_p", "top_k", "seed", "gamma", "chat",
+    "top_p", "top_k", "seed", "gamma", "chat", "quant", "drafter_quant",
 )  # fmt: skip
 
 
@@ -69,6 +71,17 @@ def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> 
         raise ViasdError(f"cannot resume: the run was made with other settings ({detail})")
 
 
+def read_environment(path: Path) -> dict[str, Any]:
+    """A run's environment record, or a one-line error when it is unreadable, not JSON or not a record."""
+    try:
+        env = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ViasdError(f"{path} is damaged ({error}); move the run elsewhere or pick another --out") from None
+    if not isinstance(env, dict) or not isinstance(env.get("settings", {}), dict):
+        raise ViasdError(f"{path} is damaged (not a run's environment record); pick another --out")
+    return env
+
+
 def bench(
     methods: Annotated[
         str,
@@ -100,6 +113,8 @@ def bench(
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
     out: Annotated[Path | None, typer.Option(help="Output directory (default: runs/bench-<timestamp>).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out, skipping finished rows.")] = False,
     warmup: Annotated[bool, typer.Option(help="One untimed generation per method first.")] = True,
@@ -143,16 +158,31 @@ def bench(
         raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if code_max_new_tokens is not None and code_max_new_tokens < 1:
         raise ViasdError(f"--code-max-new-tokens must be >= 1, got {code_max_new_tokens}")
+    if not 0 < humaneval_timeout < float("inf"):  # NaN fails this too
+        raise ViasdError(f"--humaneval-timeout must be a finite number of seconds > 0, got {humaneval_timeout}")
     tasks = build_tasks(questions, parse_list(categories), count, humaneval)
     questions_file = questions or default_questions_path()
 
     if resume and out is None:
         raise ViasdError("--resume needs --out: the directory of the run to continue")
     out_dir = out or default_out_dir()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ViasdError(f"--out {out_dir} is a file: name a directory for the run's files")
     results_path = out_dir / RESULTS_JSONL
     if results_path.exists() and not resume:
         raise ViasdError(f"{out_dir} already holds a run: pass --resume to continue it, or another --out")
     profile_path = profile or shipped_profile_path()
+    spec = engine_spec(
+        target,
+        drafter,
+        profile=profile,
+        gamma=gamma,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        quant=quant,
+        drafter_quant=drafter_quant,
+    )
     settings: dict[str, Any] = {
         "methods": method_list,
         "target": target,
@@ -168,6 +198,8 @@ def bench(
         "top_k": top_k,
         "seed": seed,
         "gamma": gamma,
+        "quant": spec.quant,
+        "drafter_quant": spec.drafter_quant,
         "chat": chat,
         "questions": str(questions_file),
         "questions_sha256": file_sha256(questions_file) if count else None,
@@ -179,11 +211,13 @@ def bench(
     env_path = out_dir / ENV_JSON
     previous_env: dict[str, Any] = {}
     if resume and env_path.exists():
-        previous_env = json.loads(env_path.read_text(encoding="utf-8"))
+        previous_env = read_environment(env_path)
         check_resumable(previous_env.get("settings", {}), settings)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ViasdError(f"cannot create --out {out_dir}: {error.strerror or error}") from None
 
-    spec = engine_spec(target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map)
     with err.status(f"loading {target}"):
         engine = Engine(spec)
     parameter = next(engine.target.model.parameters())
@@ -251,10 +285,7 @@ def _load_run(out: Path | None, option: str) -> tuple[dict[str, Any], list[dict[
     env_path, results_path = out / ENV_JSON, out / RESULTS_JSONL
     if not env_path.exists() or not results_path.exists():
         raise ViasdError(f"{out} holds no benchmark run (no {ENV_JSON} and {RESULTS_JSONL})")
-    try:
-        env = json.loads(env_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ViasdError(f"{env_path} is not valid JSON: {error}") from None
+    env = read_environment(env_path)
     rows = ResultsFile(results_path).load()
     if not rows:
         raise ViasdError(f"{results_path} holds no results")

@@ -22,7 +22,7 @@ from viasd.bench.sandbox import check_humaneval
 from viasd.bench.tasks import HUMANEVAL_CATEGORY, Task
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
 from viasd.errors import ViasdError
-from viasd.prompting import Message, encode_messages
+from viasd.prompting import Message, encode_messages, encode_text
 from viasd.verify.sampling import SamplingParams
 
 WARMUP_TOKENS = 16
@@ -114,7 +114,7 @@ def turn_prompt(
     messages.append({"role": "user", "content": task.turns[turn]})
     ids = encode_messages(tokenizer, messages, chat=chat)
     if task.prefix:
-        ids += [int(t) for t in tokenizer(task.prefix, add_special_tokens=False)["input_ids"]]
+        ids += encode_text(tokenizer, task.prefix)
     return ids
 
 

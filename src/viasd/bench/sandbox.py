@@ -1,72 +1,38 @@
 """Running model-written code against HumanEval tests, away from the benchmark process.
 
-Each program runs in a fresh Python interpreter (isolated mode, empty environment) inside its own
-temporary directory, in a new session so the whole process group can be killed on timeout, under
-resource limits (CPU seconds, address space, file size, open files). Before the program starts, an
-audit hook refuses process creation, network use, writes outside the temporary directory and file
-deletion or renaming outside it. This guards the harness against careless or runaway code, the kind a
-model writes; it is not a security boundary against deliberately hostile code.
+Model output is untrusted input. Each program runs in a fresh Python interpreter (isolated mode, clean
+environment) in its own temporary directory, in a new session, under resource limits (CPU seconds,
+address space, file size, open files), with an in-process guard (`guard.py`) that turns ordinary accidents
+into clear failures. Where bubblewrap works (`isolation.py`), the program also runs in a sandbox of its
+own namespaces: no network, a read-only filesystem but its scratch directory, no view of other processes,
+and nothing left alive after the time limit. Where it does not, the guard alone remains, which deliberate
+code can undo: the benchmark warns once (a `SandboxWarning`) and says how to install bubblewrap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Runs first in the child: installs the audit hook, then executes the program file given as argv[1].
-_GUARD = r"""
-import os, sys
-_ROOT = os.path.realpath(os.getcwd())
-_BLOCKED = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill",
-            "os.killpg", "subprocess.Popen", "pty.spawn", "socket.connect",
-            "socket.bind", "socket.sendto", "ctypes.dlopen", "ctypes.dlsym", "shutil.rmtree", "os.chroot",
-            "os.setuid", "os.setgid", "resource.setrlimit", "sys.addaudithook")
-_PATHS = ("os.remove", "os.rmdir", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.mkdir",
-          "os.symlink", "os.link", "os.utime")
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+from viasd.bench.guard import GUARD
+from viasd.bench.isolation import SCRATCH, bwrap_command, find_bubblewrap
+from viasd.errors import ViasdError
 
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    try:
-        real = os.path.realpath(os.fsdecode(path))
-    except Exception:
-        return False
-    return real == _ROOT or real.startswith(_ROOT + os.sep)
+_REAP_SECONDS = 5.0
 
-def _hook(event, args):
-    if event in _BLOCKED:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & _WRITE_FLAGS)
-        if writing and path is not None and not _inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the sandbox is not allowed")
-    elif event in _PATHS:
-        paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
-        if not all(_inside(p) for p in paths):
-            raise PermissionError(f"sandbox: {event} outside the sandbox is not allowed")
 
-_program = open(sys.argv[1], encoding="utf-8").read()
-sys.addaudithook(_hook)
-del sys.argv[1:]
-try:
-    exec(compile(_program, "solution.py", "exec"), {"__name__": "__main__"})
-except SystemExit as stop:
-    # Exiting early skips the tests, whatever the status: that is not a pass.
-    sys.stderr.write(f"SystemExit({stop.code!r}) before the tests completed\n")
-    sys.stderr.flush()
-    os._exit(3)
-"""
+class SandboxWarning(UserWarning):
+    """Model-written code is about to run without OS-level isolation."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +49,14 @@ def humaneval_program(problem: Mapping[str, Any], completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
+def isolation_available() -> tuple[bool, str]:
+    """Whether programs run under bubblewrap here, and if not, why not."""
+    bwrap, reason = find_bubblewrap()
+    return bwrap is not None, reason
+
+
 def _limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
-    """Resource limits for the child, set between fork and exec."""
+    """Resource limits for the child, set between fork and exec (bubblewrap and the program inherit them)."""
     import resource
 
     for limit, value in (
@@ -98,18 +70,49 @@ def _limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
             resource.setrlimit(limit, (value, value))
 
 
+def _command(tmp: str, isolate: bool | None) -> tuple[list[str], dict[str, str]]:
+    """The command that runs guard.py on solution.py in `tmp`, and the environment to start it with."""
+    bwrap, reason = find_bubblewrap()
+    if isolate and bwrap is None:
+        raise ViasdError(f"cannot isolate model-written code: {reason}")
+    argv = [sys.executable, "-I", "-B", "guard.py", "solution.py"]
+    if isolate is not False and bwrap is not None:
+        env = {"PATH": "/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": SCRATCH, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
+        return bwrap_command(bwrap, tmp, argv, env), {"PATH": "/usr/bin:/bin"}
+    if isolate is None:
+        warnings.warn(
+            f"HumanEval code runs without OS-level isolation: {reason}. Only an in-process guard, which "
+            "deliberate code can undo, stands between it and this machine; install bubblewrap "
+            "(e.g. apt-get install bubblewrap) to run it in a sandbox",
+            SandboxWarning,
+            stacklevel=3,
+        )
+    return argv, {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
+
+
 def run_program(
-    program: str, timeout: float = 10.0, memory_bytes: int = 2 << 30, file_bytes: int = 16 << 20
+    program: str,
+    timeout: float = 10.0,
+    memory_bytes: int = 2 << 30,
+    file_bytes: int = 16 << 20,
+    isolate: bool | None = None,
 ) -> ExecutionResult:
-    """Run a Python program in the sandbox; it passes when it exits with status 0 within `timeout` seconds."""
+    """Run a Python program in the sandbox; it passes when it exits with status 0 within `timeout` seconds.
+
+    `isolate`: None uses bubblewrap when it works here and warns when it does not; True requires it (a
+    `ViasdError` when missing); False runs under the in-process guard only.
+    """
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ViasdError(f"the HumanEval timeout must be a finite number of seconds > 0, got {timeout}")
     with tempfile.TemporaryDirectory(prefix="viasd-exec-") as tmp:
         (Path(tmp) / "solution.py").write_text(program, encoding="utf-8")
-        (Path(tmp) / "guard.py").write_text(_GUARD, encoding="utf-8")
-        cpu = max(1, int(timeout) + 1)
+        (Path(tmp) / "guard.py").write_text(GUARD, encoding="utf-8")
+        command, env = _command(tmp, isolate)
+        cpu = max(1, math.ceil(timeout) + 1)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "guard.py", "solution.py"],
+            command,
             cwd=tmp,
-            env={"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"},
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -120,7 +123,7 @@ def run_program(
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            proc.communicate()
+            _reap(proc)
             return ExecutionResult(False, "timed out", f"no result within {timeout:g} s")
         finally:
             _kill_group(proc)
@@ -132,12 +135,26 @@ def run_program(
         return ExecutionResult(False, "failed", lines[-1][:300] if lines else f"exit status {proc.returncode}")
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Collect a killed child without waiting on its pipe for ever: outside a sandbox, a process the
+    program started in a session of its own may survive the kill and hold the pipe open."""
+    try:
+        proc.communicate(timeout=_REAP_SECONDS)
+    except subprocess.TimeoutExpired:
+        if proc.stderr is not None:
+            proc.stderr.close()
+        proc.wait()
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the child's whole process group (it runs in a session of its own)."""
+    """Kill the child's whole process group (it runs in a session of its own); under bubblewrap, killing it
+    also ends the sandbox's PID namespace, and with it every process the program started."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def check_humaneval(problem: Mapping[str, Any], completion: str, timeout: float = 10.0) -> ExecutionResult:
+def check_humaneval(
+    problem: Mapping[str, Any], completion: str, timeout: float = 10.0, isolate: bool | None = None
+) -> ExecutionResult:
     """Whether a completion passes its HumanEval problem's tests."""
-    return run_program(humaneval_program(problem, completion), timeout=timeout)
+    return run_program(humaneval_program(problem, completion), timeout=timeout, isolate=isolate)

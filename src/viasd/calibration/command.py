@@ -54,8 +54,25 @@ def calibrate(
     ] = False,
     objective: Annotated[str, typer.Option(help="Mask search objective: margin, kl or agreement.")] = "margin",
     skip_ratio: Annotated[
-        str, typer.Option("--skip-ratio", help="Skip ratio(s) to search, comma-separated; the fastest wins.")
+        str,
+        typer.Option(
+            "--skip-ratio", help="Skip ratio(s) to search, comma-separated; the fastest wins ('none': no layer masks)."
+        ),
     ] = "0.18,0.21,0.25",
+    slim_quants: Annotated[
+        str | None,
+        typer.Option(
+            help="Quantized views of the target to consider as slim views too (e.g. int8), alone and on the "
+            "smallest searched mask; comma-separated."
+        ),
+    ] = None,
+    drafters: Annotated[
+        str,
+        typer.Option(
+            help="Drafter candidates: model (the drafter as loaded), model:RECIPE (its quantized view), self:RECIPE "
+            "(the target's own quantized view); comma-separated. The fastest with the gate wins."
+        ),
+    ] = "model",
     iterations: Annotated[int, typer.Option(help="Search trials per skip ratio.")] = 60,
     time_budget: Annotated[
         float | None, typer.Option("--time-budget", help="Seconds for all mask searches together.")
@@ -134,7 +151,9 @@ def calibrate(
     }
     settings = CalibrationSettings(
         objective=objective,
-        skip_ratios=_numbers(skip_ratio, float, "--skip-ratio"),
+        skip_ratios=() if skip_ratio.strip() == "none" else _numbers(skip_ratio, float, "--skip-ratio"),
+        slim_quants=tuple(part.strip() for part in (slim_quants or "").split(",") if part.strip()),
+        drafters=tuple(part.strip() for part in drafters.split(",") if part.strip()),
         iterations=iterations,
         time_budget=time_budget,
         prompts=prompts,
@@ -156,8 +175,14 @@ def calibrate(
     with err.status(f"loading {target} and {drafter}"):
         engine = Engine(engine_spec(target, drafter, device=device, dtype=dtype))
         pair = (engine.target, engine.drafter)
+
+    def quantized(loaded: Any, recipe: str) -> Any:  # made once per model and recipe, cached on disk
+        view = engine.quantized(loaded, recipe)
+        assert view is not None and view.linears is not None
+        return view.linears
+
     if reselect is not None:
-        _reselect(reselect, out, what_if, pair, settings, work_file, log, err, progress)
+        _reselect(reselect, out, what_if, pair, settings, work_file, log, err, progress, quantized)
         return
 
     import optuna
@@ -175,6 +200,7 @@ def calibrate(
         resume=resume,
         log=log,
         progress=progress,
+        quantized=quantized,
     )
     save_profile(profile, out)
     err.print(f"wrote {out}: {_describe(profile)}", highlight=False, soft_wrap=True)
@@ -182,8 +208,12 @@ def calibrate(
 
 def _describe(profile: Any) -> str:
     predicted = profile.calibration["predicted"]
+    quant = f" + {profile.slim_quant(0)}" if profile.slim_quant(0) else ""
+    drafter = (profile.drafter or {}).get("quant")
+    drafter_text = f"drafter {'self' if profile.self_drafter else 'model'}{':' + drafter if drafter else ''}, "
     return (
-        f"{profile.masks[0].describe()}, gate {profile.gate.signal} {list(profile.gate.thresholds)}, "
+        f"{profile.masks[0].describe()}{quant}, {drafter_text}"
+        f"gate {profile.gate.signal} {list(profile.gate.thresholds)}, "
         f"gamma {profile.gamma}, stop {profile.stop:g}, cap {profile.cap}, pre-gate {profile.pregate:g}; predicted "
         f"{predicted['via']['tokens_per_second']:.2f} tok/s (error rate {predicted['via']['error_rate']:.3f}) "
         f"vs sd {predicted['sd']['tokens_per_second']:.2f}, plain {predicted['plain']['tokens_per_second']:.2f}"
@@ -200,6 +230,7 @@ def _reselect(
     log: Any,
     err: Any,
     progress: bool,
+    quantized: Any,
 ) -> None:
     """`--reselect`: the profile's round policy selected again, or (`--what-if`) the scenario table."""
     from viasd.calibration.pipeline import profile_records, reselect
@@ -211,10 +242,11 @@ def _reselect(
     if what_if:
         from viasd.calibration.whatif import what_if_table
 
-        profile.check_models(pair[0].model, pair[1].model)
-        records = profile_records(profile, *pair, WorkFile(work_file), log, progress)
+        profile.check_models(pair[0].model, None if profile.self_drafter else pair[1].model)
+        records = profile_records(profile, *pair, WorkFile(work_file), log, progress, quantized)
         print(what_if_table(profile, records, settings))
         return
-    new = reselect(profile, file_sha256(source), *pair, settings, work_file=work_file, log=log, progress=progress)
+    sha = file_sha256(source)
+    new = reselect(profile, sha, *pair, settings, work_file=work_file, log=log, progress=progress, quantized=quantized)
     save_profile(new, out)
     err.print(f"wrote {out}: {_describe(new)}", highlight=False, soft_wrap=True)

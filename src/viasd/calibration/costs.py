@@ -2,14 +2,18 @@
 
 Median seconds of a pass over L new tokens after a ~100-token prefix, for several L, with the measurements
 of every kind and length interleaved in a shuffled order, so drift in machine load spreads evenly over them.
+On a GPU a pass only queues its kernels, so every timing waits for the device before it starts and before it
+stops (`wait_for`).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import random
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +21,35 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
+from viasd.models.views import ViewLike
+
+
+def wait_for(device: torch.device) -> None:
+    """Wait until the device has run everything queued on it (a no-op on the CPU, where passes are synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """What the costs were measured on: the device (a GPU's name and memory), torch, CUDA and the host."""
+    import platform
+
+    import transformers
+
+    info: dict[str, Any] = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    return info
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,10 @@ class Costs:
         """One drafter step (one new token)."""
         return self._at(self.drafter, 1)
 
+    def drafter_pass(self, n: int) -> float:
+        """A drafter pass over n new tokens (reading the prompt, catching up after copied drafts)."""
+        return self._at(self.drafter, n)
+
     def slim_pass(self, n: int, tier: int = 1) -> float:
         return self._at(self.slim[tier - 1], n)
 
@@ -60,11 +95,21 @@ class CostTable:
     prefix: int
     repeats: int
 
-    def costs(self, *slims: int) -> Costs:
-        """Costs with the given masks (indices into the measured ones) as slim tiers 1, 2, ..."""
+    def costs(self, *slims: int, drafter: str | None = None) -> Costs:
+        """Costs with the given slim views (indices into the measured ones) as slim tiers 1, 2, ..., and the
+        named drafter candidate's steps (None: the one drafter of a table that measured one)."""
+        if "drafter" in self.seconds:  # a table of one drafter
+            key = "drafter"
+        elif drafter is not None:
+            key = f"drafter:{drafter}"
+        else:
+            named = [k for k in self.seconds if k.startswith("drafter:")]
+            key = named[0] if len(named) == 1 else "drafter: none named"
+        if key not in self.seconds:
+            raise ViasdError(f"the cost table has no drafter {drafter!r}")
         return Costs(
             tuple(self.lengths),
-            tuple(self.seconds["drafter"]),
+            tuple(self.seconds[key]),
             tuple(self.seconds["full"]),
             tuple(tuple(self.seconds[f"slim:{i}"]) for i in slims),
         )
@@ -94,17 +139,19 @@ class CostTable:
 
 def measure_costs(
     target: nn.Module,
-    drafter: nn.Module,
-    masks: Sequence[LayerMask],
+    drafter: nn.Module | Mapping[str, tuple[nn.Module, ViewLike]],
+    slims: Sequence[ViewLike],
     tokens: Sequence[int],
     lengths: Sequence[int],
     prefix: int = 100,
     repeats: int = 5,
     seed: int = 0,
 ) -> CostTable:
-    """Time drafter, full and slim passes over L new tokens after `prefix` tokens of `tokens`.
+    """Time drafter steps, full passes and slim-view passes over L new tokens after `prefix` tokens of `tokens`.
 
     The slim pass runs as in decoding: on the full target's session, attending to its KV of the prefix.
+    `drafter` is one model (kind `drafter`) or named candidates, each a model and the view it drafts as
+    (kinds `drafter:<name>`).
     """
     lengths = sorted(set(lengths))
     if not lengths or lengths[0] < 1:
@@ -113,28 +160,37 @@ def measure_costs(
     if len(tokens) < need:
         tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
     head, tail = list(tokens[:prefix]), list(tokens[prefix:need])
-    full_session, draft_session = KVSession(target), KVSession(drafter)
+    full_session = KVSession(target)
     full_session.forward(head)
-    draft_session.forward(head)
+    candidates = (
+        {"drafter": (drafter, None)}
+        if isinstance(drafter, nn.Module)
+        else {f"drafter:{name}": pair for name, pair in drafter.items()}
+    )
+    draft_sessions = {kind: KVSession(model, view) for kind, (model, view) in candidates.items()}
+    for session in draft_sessions.values():
+        session.forward(head)
 
     def run(kind: str, n: int) -> float:
         ids = tail[:n]
+        session = draft_sessions.get(kind, full_session)
+        wait_for(session.device)
         t0 = time.perf_counter()
-        if kind == "drafter":
-            draft_session.forward(ids, keep=1)
-            elapsed = time.perf_counter() - t0
-            draft_session.truncate(prefix)
+        if kind in draft_sessions:
+            session.forward(ids, keep=1)
         elif kind == "full":
-            full_session.forward(ids, keep=n)
-            elapsed = time.perf_counter() - t0
-            full_session.truncate(prefix)
+            session.forward(ids, keep=n)
         else:
-            full_session.forward_slim(ids, masks[int(kind.split(":")[1])], keep=n)
-            elapsed = time.perf_counter() - t0
-            full_session.truncate_pending(0)
+            session.forward_slim(ids, slims[int(kind.split(":")[1])], keep=n)
+        wait_for(session.device)
+        elapsed = time.perf_counter() - t0
+        if kind == "full" or kind in draft_sessions:
+            session.truncate(prefix)
+        else:
+            session.truncate_pending(0)
         return elapsed
 
-    kinds = ["drafter", "full", *(f"slim:{i}" for i in range(len(masks)))]
+    kinds = [*draft_sessions, "full", *(f"slim:{i}" for i in range(len(slims)))]
     jobs = [(kind, n) for kind in kinds for n in lengths]
     for kind in kinds:  # warm-up
         run(kind, lengths[0])
@@ -146,3 +202,126 @@ def measure_costs(
             samples[job].append(run(*job))
     seconds = {kind: [float(torch.tensor(samples[(kind, n)]).median()) for n in lengths] for kind in kinds}
     return CostTable(list(lengths), seconds, prefix, repeats)
+
+
+def measure_views(
+    model: nn.Module,
+    views: Mapping[str, ViewLike],
+    lengths: Sequence[int],
+    tokens: Sequence[int],
+    prefix: int = 100,
+    repeats: int = 5,
+    seed: int = 0,
+    on_step: Callable[[], None] = lambda: None,
+    keep: int | None = None,
+) -> dict[str, list[float]]:
+    """Median seconds of a pass of each view over L new tokens after `prefix` tokens, per L in `lengths`.
+
+    Every view runs as a slim pass does in decoding (on the full model's cache of the prefix); the full model
+    (view None) as a verification pass. A pass keeps the logits of its last min(L, keep) positions (None: all
+    L; a drafter keeps 1, a verification pass its block). Jobs are interleaved in a shuffled order, `repeats`
+    times.
+    """
+    lengths = sorted(set(lengths))
+    need = prefix + lengths[-1]
+    tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
+    head, tail = tokens[:prefix], tokens[prefix:need]
+    session = KVSession(model)
+    session.forward(head)
+
+    def run(name: str, n: int) -> float:
+        view = views[name]
+        wait_for(session.device)
+        t0 = time.perf_counter()
+        rows = n if keep is None else min(n, keep)
+        if view is None:
+            session.forward(tail[:n], keep=rows)
+        else:
+            session.forward_slim(tail[:n], view, keep=rows)
+        wait_for(session.device)
+        elapsed = time.perf_counter() - t0
+        if view is None:
+            session.truncate(prefix)
+        else:
+            session.truncate_pending(0)
+        on_step()
+        return elapsed
+
+    jobs = [(name, n) for name in views for n in lengths]
+    for name in views:  # warm-up
+        run(name, lengths[0])
+    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(jobs)
+        for job in jobs:
+            samples[job].append(run(*job))
+    return {name: [statistics.median(samples[(name, n)]) for n in lengths] for name in views}
+
+
+def measure_kernels(
+    in_features: int,
+    out_features: int,
+    rows: Sequence[int],
+    kinds: Sequence[str],
+    matrices: int = 40,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Median seconds of one [rows, in] x [in, out] product per kernel kind, per row count.
+
+    Each timing runs the input through `matrices` distinct weight matrices, as a model does, so the weights come
+    from memory and not from cache (one matrix timed over and over looks several times faster). Kinds:
+    `bf16` (torch's linear), `int8`, `int8wo`, `int4` (viasd's quantized modules), `fbgemm` (torch's dynamic
+    int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
+    """
+    from viasd.models.quantize import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear
+
+    torch.manual_seed(seed)
+    layers = [nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16) for _ in range(matrices)]
+
+    def build(kind: str) -> tuple[list[nn.Module], torch.dtype]:
+        if kind == "bf16":
+            return layers, torch.bfloat16
+        if kind == "int8":
+            return [Int8DynamicLinear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "int8wo":
+            return [Int8WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "int4":
+            return [Int4WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "fbgemm":
+            from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+            modules = []
+            for layer in layers:
+                module = DynamicLinear(in_features, out_features, bias_=False)
+                weight = layer.weight.float()
+                scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+                zeros = torch.zeros(out_features, dtype=torch.long)
+                module.set_weight_bias(torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8), None)
+                modules.append(module)
+            return modules, torch.float32
+        raise ViasdError(f"unknown kernel kind {kind!r}; choose from bf16, int8, int8wo, int4, fbgemm")
+
+    built = {kind: build(kind) for kind in kinds}
+    inputs = {n: torch.randn(n, in_features) for n in rows}
+
+    def run(kind: str, n: int) -> float:
+        modules, dtype = built[kind]
+        x = inputs[n].to(dtype)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for module in modules:
+                module(x)
+            return (time.perf_counter() - t0) / len(modules)
+
+    jobs = [(kind, n) for kind in kinds for n in rows]
+    for job in jobs:  # warm-up
+        run(*job)
+    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(jobs)
+        for job in jobs:
+            samples[job].append(run(*job))
+    return {kind: [statistics.median(samples[(kind, n)]) for n in rows] for kind in kinds}

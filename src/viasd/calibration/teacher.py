@@ -25,7 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask, skipping
+from viasd.models.views import ViewLike, applied
 
 # Attention implementations that take a custom additive 4D mask as is.
 _MASKABLE = ("sdpa", "eager")
@@ -117,9 +117,9 @@ def frontier_mask(n: int, start: int, chunk: int, dtype: torch.dtype) -> torch.T
 
 
 def slim_logits(
-    model: nn.Module, mask: LayerMask | None, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
+    model: nn.Module, view: ViewLike, seq: TeacherSequence, chunk: int = 8, batched: bool | None = None
 ) -> torch.Tensor:
-    """float32 logits [N - start, V] of `model` under `mask` at positions start..N-1, with the frontier
+    """float32 logits [N - start, V] of `model` as `view` at positions start..N-1, with the frontier
     advancing every `chunk` tokens (see the module docstring). The sequence's cache is left as it was.
 
     `batched`: one pass with a 4D mask (True) or one pass per chunk (False); None picks by attention kernel.
@@ -129,7 +129,7 @@ def slim_logits(
     n, m, device = len(seq.ids), seq.scored, _device(model)
     snap = _snapshot(seq.cache)
     try:
-        with torch.inference_mode(), skipping(model, mask):
+        with torch.inference_mode(), applied(model, view):
             if batched is None:
                 batched = model.config._attn_implementation in _MASKABLE
             if batched:
@@ -158,3 +158,22 @@ def slim_logits(
             return torch.cat(pieces)
     finally:
         _restore(seq.cache, snap)
+
+
+def view_agreement(
+    model: nn.Module, views: dict[str, ViewLike], sequences: Sequence[tuple[Sequence[int], int]]
+) -> dict[str, tuple[int, int]]:
+    """Per view, how many of the teacher-forced positions its top token equals the model's: (agreeing, positions).
+
+    Each sequence is (token ids, start); positions start..N-1 are scored. The view runs the whole sequence
+    itself (as a quantized model or a drafter does), so this measures the view as a model of its own.
+    """
+    totals = {name: [0, 0] for name in views}
+    for ids, start in sequences:
+        reference = model_logits(model, ids, start).argmax(dim=-1)
+        for name, view in views.items():
+            with applied(model, view):
+                top = model_logits(model, ids, start).argmax(dim=-1)
+            totals[name][0] += int((top == reference).sum())
+            totals[name][1] += int(reference.numel())
+    return {name: (agree, n) for name, (agree, n) in totals.items()}

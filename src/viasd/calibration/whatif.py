@@ -33,7 +33,9 @@ def at_half_cost(costs: Costs) -> Costs:
 def what_if_table(profile: RoutingProfile, records: Sequence[GateRecords], settings: CalibrationSettings) -> str:
     """Rows: the selection as configured, then looser budgets, then a cheaper or always-right slim verifier."""
     cost_data = profile.calibration.get("costs", {})
-    measured = CostTable.from_dict(cost_data).costs(int(cost_data.get("slim_mask_index", 0)))
+    measured = CostTable.from_dict(cost_data).costs(
+        int(cost_data.get("slim_mask_index", 0)), drafter=cost_data.get("drafter")
+    )
     budget, share, gates = settings.quality_budget, settings.min_tier_share, settings.pregates
     right = always_right(records)
     scenarios = [

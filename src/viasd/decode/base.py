@@ -7,12 +7,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.output import OutputSink, StopConditions
 from viasd.decode.stats import GenerationStats
 from viasd.errors import ViasdError
+from viasd.models.views import View
 from viasd.verify.sampling import SamplingParams
 
 
@@ -62,14 +64,22 @@ def context_limit(model: nn.Module) -> int | None:
     return int(value) if value else None
 
 
+def decision_generator(params: SamplingParams, device: torch.device) -> torch.Generator:
+    """The random generator of a generation's token decisions: on the model's device when they are made there
+    (`SamplingParams.on_device`), else on the CPU."""
+    return params.generator(device if params.on_device(device) else "cpu")
+
+
 class Decoder(ABC):
-    """One decoding method over a target model. Subclasses implement `_decode`."""
+    """One decoding method over a target model, run as `view` (None: as it is; a quantized view makes a
+    faster, different model). Subclasses implement `_decode`."""
 
     method: str = "decoder"
 
-    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase, view: View | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
+        self.view = view
         self.eos_ids = eos_token_ids(target, tokenizer)
         self.context_limit = context_limit(target)
 

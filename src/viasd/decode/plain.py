@@ -5,12 +5,14 @@ from __future__ import annotations
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from viasd.decode.base import Decoder
+from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.output import OutputSink
 from viasd.decode.round import Round
 from viasd.decode.stats import GenerationStats
 from viasd.models.session import KVSession
-from viasd.verify.sampling import SamplingParams, sample, warp_probs
+from viasd.models.views import View
+from viasd.verify.resident import host_values
+from viasd.verify.sampling import SamplingParams, checked_token, pick, sample, warp_probs
 
 
 class PlainDecoder(Decoder):
@@ -18,17 +20,21 @@ class PlainDecoder(Decoder):
 
     method = "plain"
 
-    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
-        super().__init__(target, tokenizer)
-        self.session = KVSession(target)
+    def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase, view: View | None = None) -> None:
+        super().__init__(target, tokenizer, view)
+        self.session = KVSession(target, view)
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
-        generator = params.generator()
+        generator = decision_generator(params, self.session.device)
         self.session.reset()
         with stats.timed("verify"):
             logits = self.session.extend_to(prompt, keep=1)
             while True:
-                token = sample(warp_probs(logits, params)[-1], generator)
+                if params.on_device(logits.device):  # picked where the logits are, read with one transfer
+                    ((value,),) = host_values(pick(logits[-1:], params, generator))
+                    token = checked_token(value)
+                else:  # the host path of sampling on a CPU
+                    token = sample(warp_probs(logits, params)[-1], generator)
                 stats.record(Round([token], 0, full_kept=0), sink.push([token]))
                 if sink.done:
                     break

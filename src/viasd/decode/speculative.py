@@ -6,23 +6,35 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from viasd.decode.base import Decoder
+from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.output import OutputSink
 from viasd.decode.round import MAX_GAMMA, Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
-from viasd.models.session import KVSession
+from viasd.models.session import KVSession, upload_ids
+from viasd.models.views import View
 from viasd.verify.acceptance import verify_block
-from viasd.verify.sampling import SamplingParams, sample, warp_probs
+from viasd.verify.resident import block_outcomes, first_rejection, host_values
+from viasd.verify.sampling import SamplingParams, checked_token, sample, warp_probs
 
 
 def verify_with_target(
     session: KVSession, context: list[int], proposal: Proposal, params: SamplingParams, generator: torch.Generator
 ) -> tuple[list[int], int]:
     """Verify a draft block against the full target: one pass over every token it has not processed yet plus
-    the block, then speculative sampling. Returns the committed tokens and how many drafts were kept."""
-    probs = warp_probs(session.extend_to(context + proposal.tokens, keep=len(proposal) + 1), params)
+    the block, then speculative sampling. Returns the committed tokens and how many drafts were kept.
+
+    Where the logits live (`SamplingParams.on_device`), the verdict is made there and read with one transfer:
+    how many drafts were kept and the token after them.
+    """
+    logits = session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
+    if params.on_device(logits.device):
+        tokens = upload_ids(proposal.tokens, logits.device)
+        outcomes = block_outcomes(tokens, proposal.probs, logits, params, generator)
+        ((kept, token),) = host_values(first_rejection(outcomes))
+        return [*proposal.tokens[: int(kept)], checked_token(token)], int(kept)
+    probs = warp_probs(logits, params)  # the host path of sampling on a CPU
     if not len(proposal):
         return [sample(probs[-1], generator)], 0
     verdict = verify_block(proposal.tokens, proposal.probs, probs, generator)
@@ -45,20 +57,21 @@ class SpeculativeDecoder(Decoder):
         drafter: Drafter,
         gamma: int = 4,
         method: str | None = None,
+        view: View | None = None,
         stop: float = 0.0,
     ) -> None:
-        super().__init__(target, tokenizer)
+        super().__init__(target, tokenizer, view)
         if not 1 <= gamma <= MAX_GAMMA:
             raise ViasdError(f"the draft length gamma must be in 1..{MAX_GAMMA}, got {gamma}")
         self.drafter = drafter
         self.gamma = gamma
         self.stop = check_stop(stop)
-        self.session = KVSession(target)
+        self.session = KVSession(target, view)
         if method:
             self.method = method
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
-        generator = params.generator()
+        generator = decision_generator(params, self.session.device)
         self.session.reset()
         self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes

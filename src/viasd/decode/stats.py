@@ -51,6 +51,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     finish_reason: str = ""
     tiers: dict[str, TierStats] = field(default_factory=dict)
+    choice: dict[str, Any] | None = None  # what the `auto` method chose, and why
     sources: dict[str, SourceStats] = field(default_factory=dict)  # per draft source, for drafting methods
 
     @property

@@ -1,4 +1,4 @@
-"""VIA-SD: drafter -> slim verifier(s) (the target with layers skipped) -> full target.
+"""VIA-SD: drafter -> slim verifier(s) (cheaper views of the target: layers skipped) -> full target.
 
 The round itself (which tier settles which draft token) is `decode.round.play_round`; this module gives
 it real model passes and keeps the caches right.
@@ -23,18 +23,19 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from viasd.decode.base import Decoder
+from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.output import OutputSink
 from viasd.decode.round import RoundPolicy, draft_length, play_round
 from viasd.decode.speculative import verify_with_target
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
-from viasd.models.session import KVSession
+from viasd.models.session import KVSession, upload_ids
+from viasd.models.views import View, ViewLike, as_view
 from viasd.verify.acceptance import check_token
-from viasd.verify.gates import Gate, draft_confidence
-from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
+from viasd.verify.gates import Gate
+from viasd.verify.resident import STANDS, block_outcomes, host_values
+from viasd.verify.sampling import SamplingParams, checked_token, sample, soft_probs, warp_probs
 
 
 class TieredDecoder(Decoder):
@@ -47,28 +48,29 @@ class TieredDecoder(Decoder):
         target: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         drafter: Drafter,
-        masks: Sequence[LayerMask],
+        slims: Sequence[ViewLike],
         policy: RoundPolicy,
         method: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer)
+        views = [as_view(s) for s in slims]
         if not policy.gate.always_full:
-            if not masks:
-                raise ViasdError("a tiered decoder needs at least one slim layer mask")
-            if policy.slim_tiers != len(masks):
+            if not views or any(v is None for v in views):
+                raise ViasdError("a tiered decoder needs at least one slim view")
+            if policy.slim_tiers != len(views):
                 raise ViasdError(
-                    f"{len(masks)} slim tier(s) need {len(masks) + 1} gate thresholds, "
+                    f"{len(views)} slim tier(s) need {len(views) + 1} gate thresholds, "
                     f"got {len(policy.gate.thresholds)}"
                 )
         self.drafter = drafter
-        self.masks = list(masks)
+        self.slims: list[View] = [v for v in views if v is not None]  # cheapest first
         self.policy = policy
         self.session = KVSession(target)
         if method:
             self.method = method
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
-        generator = params.generator()
+        generator = decision_generator(params, self.session.device)
         self.session.reset()
         self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
@@ -98,7 +100,9 @@ class SlimViews:
     """The slim tiers' side of a round over one draft block: gate signals, checks and the bonus token.
 
     `view_logits(j)` gives slim view j's logits [k + 1, V] over the block; it is called lazily and once per
-    view, so a deeper view runs only when a token reaches its tier.
+    view, so a deeper view runs only when a token reaches its tier. Where the logits live
+    (`SamplingParams.on_device`), a view's checks and bonus are decided there for the whole block at once
+    (verify/resident.py) and read with one transfer per view, the shallowest view's gate signals in the same one.
     """
 
     def __init__(
@@ -115,23 +119,46 @@ class SlimViews:
         self.params = params
         self.generator = generator
         self.computed: dict[int, torch.Tensor] = {}
+        self.read: dict[int, tuple[list[float], list[float]]] = {}  # per view: signals, outcomes (on the host)
 
     def view(self, tier: int) -> torch.Tensor:
         if tier not in self.computed:
             self.computed[tier] = self.view_logits(tier)
         return self.computed[tier]
 
+    def outcomes(self, tier: int) -> tuple[list[float], list[float]]:
+        """View `tier`'s outcomes over the block, decided on its device (and for view 1 the gate signals), read
+        in one transfer."""
+        if tier not in self.read:
+            logits = self.view(tier)
+            tokens = upload_ids(self.proposal.tokens, logits.device)
+            decided = block_outcomes(tokens, self.proposal.probs, logits, self.params, self.generator)
+            if tier == 1:
+                slim = soft_probs(logits[: len(self.proposal)], self.params)
+                signals, outcomes = host_values(self.gate.signals(slim, self.proposal.soft, tokens), decided)
+            else:
+                signals, (outcomes,) = [], host_values(decided)
+            self.read[tier] = (signals, outcomes)
+        return self.read[tier]
+
     def signals(self) -> list[float]:
+        if self.params.on_device(self.view(1).device):
+            return self.outcomes(1)[0]
         slim = soft_probs(self.view(1)[: len(self.proposal)], self.params)
         return self.gate.signals(slim, self.proposal.soft, self.proposal.tokens).tolist()
 
     def check(self, i: int, tier: int) -> int | None:
-        verifier = warp_probs(self.view(tier)[i : i + 1], self.params)[0]
+        if self.params.on_device(self.view(tier).device):
+            outcome = self.outcomes(tier)[1][i]
+            return None if outcome == STANDS else checked_token(outcome)
+        verifier = warp_probs(self.view(tier)[i : i + 1], self.params)[0]  # the host path of sampling on a CPU
         draft = None if self.proposal.probs is None else self.proposal.probs[i]
         return check_token(self.proposal.tokens[i], draft, verifier, self.generator)
 
     def bonus(self, tier: int) -> int:
         k = len(self.proposal)
+        if self.params.on_device(self.view(tier).device):
+            return checked_token(self.outcomes(tier)[1][k])
         return sample(warp_probs(self.view(tier)[k : k + 1], self.params)[0], self.generator)
 
 
@@ -160,15 +187,15 @@ class _ModelPasses:
                 self.context, k, self.params, self.generator, self.decoder.policy.stop
             )
         block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
-        masks = self.decoder.masks
+        slims = self.decoder.slims
         self.slim = SlimViews(
             self.proposal,
-            lambda tier: session.extend_slim_to(block, masks[tier - 1], keep=keep),
+            lambda tier: session.extend_slim_to(block, slims[tier - 1], keep=keep),
             self.decoder.policy.gate,
             self.params,
             self.generator,
         )
-        return self.proposal.tokens, draft_confidence(self.proposal.soft)
+        return self.proposal.tokens, self.proposal.confidence
 
     def signals(self) -> list[float]:
         assert self.slim is not None

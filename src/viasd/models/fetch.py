@@ -5,6 +5,10 @@ member of each is streamed out with `zipfile`, and the assembled file must match
 SHA-256 before transformers reads it. The result is a plain Hugging Face directory (config, tokenizer,
 bf16 safetensors) in the cache, which later loads in seconds. The final directory only ever appears by
 an atomic rename of a finished one, and a lock file keeps two processes from converting at once.
+
+Every entry carries a manifest of its files' sizes and hashes (see `manifest.py`): a damaged entry (a
+truncated or replaced file) is fetched again on its next use, and `force` fetches again regardless.
+Entries written before manifests existed have none; they load as before and are reported unverified.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tqdm.auto import tqdm
 
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_MODELS, DefaultModel, WheelPart
+from viasd.models.manifest import ManifestError, problems, read_manifest, write_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -52,9 +57,19 @@ class DefaultModelStatus:
     name: str
     description: str
     download_size: int
-    cached: bool
+    cached: bool  # usable: state "ok" or "unverified"
     path: Path
     disk_size: int | None
+    state: str = "missing"  # "missing", "ok", "unverified" (no manifest) or "damaged"
+    problem: str | None = None  # what is damaged
+
+
+USABLE = frozenset({"ok", "unverified"})
+
+
+def repair_command(name: str) -> str:
+    """The one command that rebuilds a default model's cache entry."""
+    return f"viasd models --fetch {name} --force"
 
 
 # --------------------------------------------------------------------------------------------- cache
@@ -86,6 +101,26 @@ def _is_cached(directory: Path, entry: DefaultModel) -> bool:
     """True when `directory` holds a finished conversion of exactly this pinned GGUF."""
     source = _read_source(directory)
     return source is not None and source.get("sha256") == entry.sha256 and (directory / "config.json").is_file()
+
+
+def cache_state(directory: Path, entry: DefaultModel, hashes: bool = False) -> tuple[str, str | None]:
+    """The state of `entry`'s cache directory and, when damaged, what is wrong with it.
+
+    Sizes are always checked against the manifest; contents (SHA-256) only with `hashes`.
+    """
+    if not _is_cached(directory, entry):
+        return "missing", None
+    try:
+        records = read_manifest(directory)
+    except ManifestError as error:
+        return "damaged", str(error)
+    if records is None:
+        return "unverified", None
+    found = problems(directory, records, hashes)
+    if not found:
+        return "ok", None
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return "damaged", "; ".join(found[:3]) + more
 
 
 def _directory_size(directory: Path) -> int:
@@ -333,6 +368,7 @@ def _build(
     else:
         gguf_path.unlink()
     (out_dir / SOURCE_FILE).write_text(json.dumps(_source_record(entry), indent=2) + "\n")
+    write_manifest(out_dir)
     return out_dir
 
 
@@ -341,6 +377,7 @@ def ensure_default_model(
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
     *,
+    force: bool = False,
     keep_gguf: bool = False,
     downloader: Downloader = pip_download,
     converter: Converter = convert_gguf,
@@ -348,19 +385,23 @@ def ensure_default_model(
 ) -> Path:
     """Return the cached Hugging Face directory of default model `name`, building it on first use.
 
-    `keep_gguf` keeps the verified GGUF file inside the directory; `downloader`, `converter` and
-    `catalog` are there to swap the slow steps out in tests.
+    A cached entry whose files do not have the sizes its manifest recorded is fetched again; `force`
+    fetches again even when the entry looks fine. `keep_gguf` keeps the verified GGUF file inside the
+    directory; `downloader`, `converter` and `catalog` are there to swap the slow steps out in tests.
     """
     entry = _find_entry(name, catalog)
     cache = _resolve_cache_dir(cache_dir)
     final = cache / entry.name
-    if _is_cached(final, entry):
+    if not force and cache_state(final, entry)[0] in USABLE:
         return final
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(cache / f".{entry.name}.lock", progress):
-            if _is_cached(final, entry):  # another process finished it while we waited
+            state, problem = cache_state(final, entry)
+            if not force and state in USABLE:  # another process finished it while we waited
                 return final
+            if state == "damaged":
+                _say(f"{entry.name}: the cached copy is damaged ({problem}); fetching it again", progress)
             _remove_stale(cache, entry)
             work_dir = Path(tempfile.mkdtemp(prefix=f".{entry.name}.partial-", dir=cache))
             try:
@@ -376,22 +417,61 @@ def ensure_default_model(
 
 
 def list_default_models(
-    cache_dir: str | os.PathLike[str] | None = None, catalog: Sequence[DefaultModel] = DEFAULT_MODELS
+    cache_dir: str | os.PathLike[str] | None = None,
+    catalog: Sequence[DefaultModel] = DEFAULT_MODELS,
+    verify: bool = False,
 ) -> list[DefaultModelStatus]:
-    """Every default model with its download size and whether (and where) it is cached."""
+    """Every default model with its download size and whether (and where) it is cached, and intact.
+
+    `verify` also compares every cached file's SHA-256 with its manifest (reads all of them).
+    """
     cache = _resolve_cache_dir(cache_dir)
     statuses = []
     for entry in catalog:
         path = cache / entry.name
-        cached = _is_cached(path, entry)
+        state, problem = cache_state(path, entry, hashes=verify)
         statuses.append(
             DefaultModelStatus(
                 name=entry.name,
                 description=entry.description,
                 download_size=entry.size,
-                cached=cached,
+                cached=state in USABLE,
                 path=path,
-                disk_size=_directory_size(path) if cached else None,
+                disk_size=_directory_size(path) if state != "missing" else None,
+                state=state,
+                problem=problem,
             )
         )
     return statuses
+
+
+def ensure_default_gguf(
+    name: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    *,
+    downloader: Downloader = pip_download,
+    catalog: Sequence[DefaultModel] = DEFAULT_MODELS,
+) -> Path:
+    """The verified GGUF file of default model `name` (for runtimes that read GGUF, such as llama.cpp), assembled
+    once into `<cache>/gguf/`. A file of the wrong size is assembled again; a new file is verified by SHA-256."""
+    entry = _find_entry(name, catalog)
+    folder = _resolve_cache_dir(cache_dir) / "gguf"
+    final = folder / entry.gguf_filename
+    if final.is_file() and final.stat().st_size == entry.size:
+        return final
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with _exclusive_lock(folder / f".{entry.name}.lock", progress):
+            if final.is_file() and final.stat().st_size == entry.size:
+                return final
+            work_dir = Path(tempfile.mkdtemp(prefix=f".{entry.name}.partial-", dir=folder))
+            try:
+                partial = work_dir / entry.gguf_filename
+                verify_gguf(entry, partial, assemble_gguf(entry, partial, work_dir, downloader, progress))
+                partial.rename(final)
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
+    except OSError as error:
+        raise ViasdError(f"cannot fetch the GGUF file of {entry.name} into {folder}: {error}") from error
+    return final

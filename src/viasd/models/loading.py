@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from viasd.errors import ViasdError
 from viasd.models.catalog import find_default_model
-from viasd.models.fetch import ensure_default_model, read_gguf
+from viasd.models.fetch import ensure_default_model, read_gguf, repair_command
 
 if TYPE_CHECKING:
     import torch
@@ -168,7 +168,10 @@ def _load_any(
     """Dispatch on what `spec` names; returns model, tokenizer and local path (None for hub ids)."""
     if find_default_model(spec) is not None:
         directory = ensure_default_model(spec, cache_dir=cache_dir)
-        return (*_load_directory(directory, dtype, device_map), directory)
+        try:
+            return (*_load_directory(directory, dtype, device_map), directory)
+        except ViasdError as error:  # files the manifest cannot vouch for (same size, or no manifest)
+            raise ViasdError(f"{error}; if the cached copy is damaged, repair it: {repair_command(spec)}") from error
     path = Path(spec).expanduser()
     if path.is_dir():
         return (*_load_directory(path, dtype, device_map), path)
@@ -216,6 +219,15 @@ def _head_size(loaded: LoadedModel) -> int:
 
 def _id_to_token(loaded: LoadedModel) -> dict[int, str]:
     return {index: token for token, index in loaded.tokenizer.get_vocab().items()}
+
+
+def vocabulary_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of a tokenizer's token -> id map: equal for tokenizers that mean the same by every id."""
+    import hashlib
+    import json
+
+    items = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def check_same_vocabulary(a: LoadedModel, b: LoadedModel) -> int:

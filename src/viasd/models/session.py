@@ -4,10 +4,10 @@ Cache invariants (tested in tests/test_session.py):
 
 * `tokens` are committed: for every layer that the session's base view runs, cache positions
   [0, len(tokens)) hold exactly the K/V that one fresh forward pass of that view over `tokens` writes.
-* `pending` tokens sit beyond that frontier. They were processed by a layer-skipping sub-view (the slim
-  verifier), so only the layers of that sub-view hold entries for them, and those entries differ from
-  what the base view would write (the residual stream differs). They are never promoted to committed:
-  any base-view forward first crops every layer back to len(tokens), then recomputes.
+* `pending` tokens sit beyond that frontier. They were processed by a sub-view (a slim verifier: layers
+  skipped, weights quantized, or both), so only the layers that view runs hold entries for them, and those
+  entries differ from what the base view would write. They are never promoted to committed: any base-view
+  forward first crops every layer back to len(tokens), then recomputes.
 * Layer 0 always runs (LayerMask enforces it), so the cache length that transformers reads from
   layer 0 is len(tokens) + len(pending), which is where new positions start.
 * transformers sizes each attention mask from the first cache layer of its kind (sliding window or full
@@ -20,6 +20,12 @@ each crop trims them back to the window that ends at the cut: a later crop may o
 since. So on such caches a slim pass never reuses part of the pending entries; it drops them all (one crop
 of what the previous slim pass added) and recomputes. Cropping goes through each layer's own `crop`,
 layer by layer, because layers hold different lengths while pending entries exist.
+
+Passes return their logits where the model computed them (docs/gpu.md): on a GPU, reading a tensor on the host
+waits for every queued kernel, so the decoders decide on the device and move one small outcome per round to the
+host. Token ids go up without waiting (from pinned memory), and ids already on the device (a drafter's own draft
+tokens) are fed as they are: their values reach `tokens` when the caller, which moves them to the host once per
+round anyway, hands them over (`learn`), or else when `tokens` is next read.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.models.layer_skip import LayerMask, skipping
+from viasd.models.views import View, ViewLike, applied, as_view
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -42,6 +48,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def upload_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Token ids as a LongTensor on `device`; to a GPU the copy is queued without waiting for the device (a copy
+    from pageable memory would wait for every kernel queued before it)."""
+    host = torch.tensor(list(ids), dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+Ids = Sequence[int] | torch.Tensor  # host token ids, or a 1-D LongTensor of ids on the device
+
+
 def new_cache(model: nn.Module) -> DynamicCache:
     """An empty cache shaped by the model's config (sliding-window layers included) that can be rolled back."""
     cache = DynamicCache(config=model.config)
@@ -50,34 +68,57 @@ def new_cache(model: nn.Module) -> DynamicCache:
 
 
 class KVSession:
-    """A model (under an optional base routing mask) with the KV cache of one growing sequence."""
+    """A model, run as an optional base view, with the KV cache of one growing sequence."""
 
-    def __init__(self, model: nn.Module, base_mask: LayerMask | None = None) -> None:
+    def __init__(self, model: nn.Module, base_view: ViewLike = None) -> None:
         self.model = model
-        self.base_mask = base_mask
+        self.base_view = as_view(base_view)
         self.cache = new_cache(model)
-        self.tokens: list[int] = []
+        self._tokens: list[int] = []
+        self._unread: list[torch.Tensor] = []  # ids fed from the device after _tokens, values not on the host yet
         self.pending: list[int] = []
-        self.pending_mask: LayerMask | None = None
+        self.pending_view: View | None = None
         self.forward_passes = 0  # of every view together
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
 
-    def _stacks(self, mask: LayerMask) -> bool:
-        """Whether a pass of `mask` may go on top of pending entries (it runs every mask-size layer)."""
-        return all(mask.attention[i] for i in self.mask_size_layers if i < mask.num_layers)
+    def _stacks(self, view: View) -> bool:
+        """Whether a pass of `view` may go on top of pending entries (it runs every mask-size layer)."""
+        mask = view.mask
+        return mask is None or all(mask.attention[i] for i in self.mask_size_layers if i < mask.num_layers)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def tokens(self) -> list[int]:
+        """The committed tokens (ids fed from the device and not yet `learn`ed are read from it here)."""
+        if self._unread:
+            self._tokens.extend(torch.cat(self._unread).tolist())
+            self._unread = []
+        return self._tokens
+
+    @property
+    def committed(self) -> int:
+        """How many tokens are committed, without reading any from the device."""
+        return len(self._tokens) + sum(ids.numel() for ids in self._unread)
+
+    def learn(self, values: Sequence[int]) -> None:
+        """The values of the ids fed from the device since the last read, from a transfer the caller made anyway."""
+        if len(values) != sum(ids.numel() for ids in self._unread):
+            raise ValueError("learn needs one value per id fed from the device")
+        self._tokens.extend(int(v) for v in values)
+        self._unread = []
+
     def reset(self) -> None:
         """Forget the sequence (start a new generation)."""
         self.cache = new_cache(self.model)
-        self.tokens = []
+        self._tokens = []
+        self._unread = []
         self.pending = []
-        self.pending_mask = None
+        self.pending_view = None
 
     def _crop_layers(self, length: int) -> None:
         for layer in self.cache.layers:
@@ -87,35 +128,40 @@ class KVSession:
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` committed tokens; drop every pending token."""
-        length = min(length, len(self.tokens))
+        length = min(length, self.committed)
         self._crop_layers(length)
         del self.tokens[length:]
         self.pending = []
-        self.pending_mask = None
+        self.pending_view = None
 
     def truncate_pending(self, count: int) -> None:
         """Keep only the first `count` pending tokens."""
         count = min(count, len(self.pending))
-        self._crop_layers(len(self.tokens) + count)
+        self._crop_layers(self.committed + count)
         del self.pending[count:]
 
-    def _run(self, ids: Sequence[int], mask: LayerMask | None, keep: int) -> torch.Tensor:
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        with torch.inference_mode(), skipping(self.model, mask):
-            out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep)
+    def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
+        device = self.device
+        input_ids = ids.to(device) if isinstance(ids, torch.Tensor) else upload_ids(ids, device)
+        with torch.inference_mode(), applied(self.model, view):
+            out = self.model(input_ids=input_ids.reshape(1, -1), cache=self.cache, use_cache=True, logits_to_keep=keep)
         self.forward_passes += 1
-        # Decisions happen on the CPU (random draws, comparisons); the copy is small next to a forward pass.
-        return out.logits[0, -keep:].float().cpu()
+        # float32 logits where the model made them: no host copy (on a CPU this is the tensor it always was).
+        return out.logits[0, -keep:].float()
 
-    def forward(self, ids: Sequence[int], keep: int = 1) -> torch.Tensor:
-        """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions."""
-        if not ids:
+    def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
+        """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the
+        model's device. `ids` on the device stay there (see `learn`)."""
+        if not len(ids):
             raise ValueError("forward needs at least one token")
         if self.pending:
             self.truncate_pending(0)
         keep = min(keep, len(ids))
-        logits = self._run(ids, self.base_mask, keep)
-        self.tokens.extend(ids)
+        logits = self._run(ids, self.base_view, keep)
+        if isinstance(ids, torch.Tensor):
+            self._unread.append(ids.reshape(-1))
+        else:
+            self.tokens.extend(ids)
         return logits
 
     def extend_to(self, sequence: Sequence[int], keep: int = 1) -> torch.Tensor:
@@ -127,43 +173,47 @@ class KVSession:
         self.truncate(shared)
         return self.forward(sequence[shared:], keep=keep)
 
-    def forward_slim(self, ids: Sequence[int], mask: LayerMask, keep: int = 1) -> torch.Tensor:
+    def forward_slim(self, ids: Sequence[int], view: ViewLike, keep: int = 1) -> torch.Tensor:
         """Process `ids` after the pending tokens with a sub-view (slim); they become pending.
 
         Pending entries written by a different sub-view are dropped first: each view's entries are
         only meaningful to that view.
         """
-        if not ids:
-            raise ValueError("forward_slim needs at least one token")
-        if self.pending and mask != self.pending_mask:
+        view = as_view(view)
+        if not ids or view is None:
+            raise ValueError("forward_slim needs at least one token and a view")
+        if self.pending and view != self.pending_view:
             self.truncate_pending(0)
-        if self.pending and not self._stacks(mask):
-            raise ValueError("this layer mask skips a layer the attention masks are sized from: it cannot stack")
+        if self.pending and not self._stacks(view):
+            raise ValueError("this view skips a layer the attention masks are sized from: it cannot stack")
         keep = min(keep, len(ids))
-        logits = self._run(ids, mask, keep)
+        logits = self._run(ids, view, keep)
         self.pending.extend(ids)
-        self.pending_mask = mask
+        self.pending_view = view
         return logits
 
-    def extend_slim_to(self, sequence: Sequence[int], mask: LayerMask, keep: int = 1) -> torch.Tensor:
+    def extend_slim_to(self, sequence: Sequence[int], view: ViewLike, keep: int = 1) -> torch.Tensor:
         """Process `sequence` with the sub-view on top of the committed tokens; logits of the last `keep`.
 
         Committed tokens that disagree with `sequence` (rejected drafts the full view processed) are cropped;
         the sub-view never writes below the committed frontier. Pending tokens are reused as far as they
         agree with `sequence`.
         """
+        view = as_view(view)
+        if view is None:
+            raise ValueError("extend_slim_to needs a view")
         shared = min(common_prefix_length(self.tokens, sequence), len(sequence) - keep)
-        if shared < len(self.tokens):
+        if shared < self.committed:
             self.truncate(shared)
-        frontier = len(self.tokens)
-        if mask != self.pending_mask or not self._stacks(mask) or self.windowed:
+        frontier = self.committed
+        if view != self.pending_view or not self._stacks(view) or self.windowed:
             self.truncate_pending(0)
         tail = sequence[frontier:]
         reuse = min(common_prefix_length(self.pending, tail), len(tail) - keep)
         self.truncate_pending(reuse)
-        return self.forward_slim(tail[reuse:], mask, keep=keep)
+        return self.forward_slim(tail[reuse:], view, keep=keep)
 
     @property
     def length(self) -> int:
         """Positions held in the cache for layer 0 (committed plus pending)."""
-        return len(self.tokens) + len(self.pending)
+        return self.committed + len(self.pending)

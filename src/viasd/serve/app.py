@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,6 +33,7 @@ from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
 from viasd.serve.metrics import Metrics
 from viasd.serve.middleware import GuardMiddleware
+from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
 from viasd.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -43,16 +45,21 @@ from viasd.serve.schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    Health,
     ModelCard,
     ModelList,
+    QueueState,
     Usage,
+    field_range,
 )
 from viasd.serve.settings import ServeSettings
 from viasd.verify.sampling import SamplingParams
 
 log = logging.getLogger("viasd.serve")
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+# pydantic error types about a number out of its range (or not finite), answered with the field's whole range
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
 _DISCONNECT_POLL_SECONDS = 0.25
 # our finish reasons -> OpenAI's
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -71,8 +78,11 @@ def sse(payload: BaseModel | dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def validation_message(errors: Sequence[Any]) -> str:
-    """A one-line account of what is wrong with a request body, from pydantic's error list."""
+def validation_message(errors: Sequence[Any], model: type[BaseModel] | None = None) -> str:
+    """A one-line account of what is wrong with a request body, from pydantic's error list.
+
+    A number out of range (or NaN, or infinite) is reported with the field's whole range, read from `model`.
+    """
     problems: list[str] = []
     for item in errors:
         if item.get("type") == "json_invalid":
@@ -81,9 +91,20 @@ def validation_message(errors: Sequence[Any]) -> str:
         loc = [str(part) for part in item.get("loc", ()) if part != "body"]
         where = ".".join(loc) or "body"
         message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
-        problems.append(f"{where}: {message}")
+        bounds = field_range(model, loc[0]) if model is not None and len(loc) == 1 else None
+        if item.get("type") in _RANGE_ERRORS and bounds:
+            problems.append(f"{where} must be {bounds}, got {_shown(item.get('input'))}")
+        else:
+            problems.append(f"{where}: {message}")
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     return "invalid request: " + "; ".join(problems[:5]) + more
+
+
+def _shown(value: Any) -> str:
+    """A rejected input as the client wrote it in JSON: NaN and Infinity by their JSON names."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN (not a number)" if math.isnan(value) else f"{'-' if value < 0 else ''}Infinity"
+    return json.dumps(value) if isinstance(value, (int, float, str)) else repr(value)
 
 
 async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
@@ -94,7 +115,10 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
     try:
         return model.model_validate_json(body)
     except ValidationError as error:
-        raise APIError(400, validation_message(error.errors()), code="invalid_request") from error
+        errors = error.errors()
+        first = [str(part) for part in errors[0].get("loc", ())] if errors else []
+        param = ".".join(first) or None
+        raise APIError(400, validation_message(errors, model), code="invalid_request", param=param) from error
 
 
 def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
@@ -124,6 +148,20 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
+    served = Served(
+        model_id=settings.model_id,
+        methods=settings.methods,
+        max_tokens=settings.max_tokens_limit,
+        vocab_size=vocab_size,
+        api_key=settings.api_key is not None,
+    )
+    install_openapi(
+        app,
+        {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+        events=[ChatCompletionChunk],
+        served=served,
+    )
+    keyed = settings.api_key is not None
     app.add_middleware(
         GuardMiddleware,
         metrics=metrics,
@@ -298,16 +336,12 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     # ------------------------------------------------------------------------------------ routes
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Health:
         waiting, running = service.depth()
-        return {
-            "status": "ok",
-            "model": settings.model_id,
-            "methods": list(settings.methods),
-            "queue": {"waiting": waiting, "running": running, "capacity": service.capacity},
-        }
+        queue = QueueState(waiting=waiting, running=running, capacity=service.capacity)
+        return Health(model=settings.model_id, methods=list(settings.methods), queue=queue)
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=error_responses(api_key=keyed))
     async def prometheus() -> PlainTextResponse:
         waiting, running = service.depth()
         text = metrics.render(waiting=waiting, running=running, capacity=service.capacity)
@@ -316,16 +350,20 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     def model_card() -> ModelCard:
         return ModelCard(id=settings.model_id, created=created, methods=list(settings.methods))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(api_key=keyed))
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=error_responses(404, api_key=keyed))
     async def get_model(model_id: str) -> ModelCard:
         check_model(model_id)
         return model_card()
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=completion_responses(ChatCompletion, ChatCompletionChunk, keyed),
+    )
     async def chat_completions(request: Request) -> Response | ChatCompletion:
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
@@ -367,7 +405,7 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
         )
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=completion_responses(Completion, Completion, keyed))
     async def completions(request: Request) -> Response | Completion:
         req = await parse_body(request, CompletionRequest)
         check_model(req.model)

@@ -16,9 +16,11 @@ from viasd.cli_options import (
     DeviceMapOpt,
     DeviceOpt,
     DrafterOpt,
+    DrafterQuantOpt,
     DtypeOpt,
     GammaOpt,
     ProfileOpt,
+    QuantOpt,
     TargetOpt,
     engine_spec,
 )
@@ -75,7 +77,7 @@ def serve(
     methods: Annotated[
         str,
         typer.Option(help="Decoding methods to load, comma-separated; the first is the default, requests pick one."),
-    ] = "sd,plain",
+    ] = "auto,plain",
     profile: ProfileOpt = None,
     gamma: GammaOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind; the default accepts local clients only.")] = "127.0.0.1",
@@ -102,6 +104,8 @@ def serve(
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = True,
 ) -> None:
@@ -111,6 +115,8 @@ def serve(
     from viasd.serve.settings import ServeSettings, parse_methods
 
     err = Console(stderr=True)
+    if not 0 <= port <= 65535:
+        raise ViasdError(f"--port must be in [0, 65535] (0 picks a free one), got {port}")
     if shutdown_timeout < 0:
         raise ViasdError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
     if log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
@@ -133,7 +139,15 @@ def serve(
         from viasd.serve.app import create_app
 
         spec = engine_spec(
-            target, drafter, profile=profile, gamma=gamma, device=device, dtype=dtype, device_map=device_map
+            target,
+            drafter,
+            profile=profile,
+            gamma=gamma,
+            device=device,
+            dtype=dtype,
+            device_map=device_map,
+            quant=quant,
+            drafter_quant=drafter_quant,
         )
         with err.status(f"loading {target} for {', '.join(settings.methods)}"):
             engine = Engine(spec)

@@ -10,17 +10,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+import annotated_types
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
+# Published in the schema for fields that are accepted only at their neutral value; the validators below
+# enforce them with messages that say why.
+_ONLY_ZERO: dict[str, Any] = {"enum": [0, None], "description": "only 0 is supported"}
+_ONLY_FALSE: dict[str, Any] = {"enum": [False, None], "description": "not supported: false or leave it out"}
+_EMPTY: dict[str, Any] = {"maxItems": 0, "maxProperties": 0}
+_TEXT = {"type": "string", "pattern": r"\S"}  # not empty or blank: an empty prompt is refused
+_PROMPT_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        _TEXT,
+        {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    ]
+}
 
 
 class StreamOptions(BaseModel):
@@ -36,17 +44,19 @@ class _Request(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, description="extension: 0 disables top-k")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
+    stop: str | list[str] | None = Field(
+        default=None, json_schema_extra={"minLength": 1, "maxItems": MAX_STOP_STRINGS, "items": {"minLength": 1}}
+    )
+    n: int | None = Field(default=None, json_schema_extra={"enum": [1, None]}, description="only 1 is supported")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False, json_schema_extra=_ONLY_ZERO)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False, json_schema_extra=_ONLY_ZERO)
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
     user: str | None = None
     method: str | None = Field(default=None, description="extension: decoding method, one of the loaded ones")
     ignore_eos: bool = Field(default=False, description="extension: keep generating past end-of-sequence")
@@ -92,10 +102,10 @@ class _Request(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["type", "text"]})
 
-    type: str
-    text: str | None = None
+    type: str = Field(json_schema_extra={"enum": ["text"]}, description="only text parts are supported")
+    text: str | None = Field(default=None, json_schema_extra={"type": "string"})
 
 
 class ChatMessage(BaseModel):
@@ -122,13 +132,31 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+# At least one message must have some text: an empty prompt is refused.
+_SOME_TEXT = {
+    "contains": {
+        "type": "object",
+        "required": ["content"],
+        "properties": {
+            "content": {
+                "anyOf": [_TEXT, {"type": "array", "contains": {"type": "object", "properties": {"text": _TEXT}}}]
+            }
+        },
+    }
+}
+
+
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra=_SOME_TEXT)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
+    tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
+    functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
+        description="only type 'text' is supported",
+    )
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
@@ -145,11 +173,14 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] = Field(
+        json_schema_extra=_PROMPT_SCHEMA,
+        description="a string, a one-element list of strings, or a non-empty list of token ids",
+    )
+    echo: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0}, description="not supported")
+    best_of: int | None = Field(default=None, json_schema_extra={"enum": [1, None]}, description="only 1")
+    logprobs: int | None = Field(default=None, json_schema_extra=_ONLY_ZERO)
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
@@ -169,6 +200,43 @@ class CompletionRequest(_Request):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def field_range(model: type[BaseModel], name: str) -> str | None:
+    """How a numeric field of a request is bounded, in words: 'a finite number in [0, 2]', 'an integer >= 1'.
+
+    Read from the field's own constraints, so that error messages and the published schema cannot differ.
+    """
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    low = high = ""
+    for bound in field.metadata:
+        if isinstance(bound, annotated_types.Ge):
+            low = f"[{_number(bound.ge)}"
+        elif isinstance(bound, annotated_types.Gt):
+            low = f"({_number(bound.gt)}"
+        elif isinstance(bound, annotated_types.Le):
+            high = f"{_number(bound.le)}]"
+        elif isinstance(bound, annotated_types.Lt):
+            high = f"{_number(bound.lt)})"
+    kind = "an integer" if _annotation_has(field.annotation, int) else "a finite number"
+    if low and high:
+        return f"{kind} in {low}, {high}"
+    if low:
+        return f"{kind} {'>=' if low[0] == '[' else '>'} {low[1:]}"
+    if high:
+        return f"{kind} {'<=' if high[-1] == ']' else '<'} {high[:-1]}"
+    return kind
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _annotation_has(annotation: Any, kind: type) -> bool:
+    args = getattr(annotation, "__args__", None)
+    return annotation is kind or (args is not None and kind in args)
 
 
 # ------------------------------------------------------------------------------------------ responses
@@ -202,26 +270,15 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 class ChatDelta(BaseModel):
     """What a chunk adds; unset fields are left out, as OpenAI does (the last delta is `{}`)."""
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class _OmitNullUsage(BaseModel):
-    """Streamed chunks carry `usage` only in the last one (when asked); elsewhere it is left out."""
-
-    @model_serializer(mode="wrap")
-    def _drop_null_usage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("usage", 0) is None:
-            del data["usage"]
-        return data
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChatChunkChoice(BaseModel):
@@ -231,13 +288,15 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_OmitNullUsage):
+class ChatCompletionChunk(BaseModel):
+    """One streamed chat event; `usage` only in the last one, and only when asked for."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = Field(default=None, exclude_if=_is_none)
 
 
 class CompletionChoice(BaseModel):
@@ -247,7 +306,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(_OmitNullUsage):
+class Completion(BaseModel):
     """A text completion; streamed chunks have the same shape (with `usage` only in the last, if asked)."""
 
     id: str
@@ -255,7 +314,7 @@ class Completion(_OmitNullUsage):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | None = Field(default=None, exclude_if=_is_none)
 
 
 class ModelCard(BaseModel):
@@ -269,3 +328,29 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class QueueState(BaseModel):
+    waiting: int = Field(description="requests waiting for the model")
+    running: int = Field(description="requests generating now (0 or 1)")
+    capacity: int = Field(description="the most requests that may be in at once (running + --max-queue)")
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    methods: list[str]
+    queue: QueueState
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what went wrong, for people")
+    type: str = Field(description="OpenAI's error type, e.g. invalid_request_error")
+    param: str | None = Field(default=None, description="the request field at fault, when there is one")
+    code: str | None = Field(default=None, description="a stable machine-readable code, e.g. queue_full")
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer, in OpenAI's shape."""
+
+    error: ErrorDetail

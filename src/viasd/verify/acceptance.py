@@ -31,16 +31,24 @@ def draft_token_probs(tokens: torch.Tensor, draft_probs: torch.Tensor | None) ->
     return draft_probs.gather(-1, tokens[:, None])[:, 0]
 
 
-def residual(target: torch.Tensor, draft: torch.Tensor | None, token: int) -> torch.Tensor:
-    """norm(max(0, q - p)) for one position; a one-hot draft (None) puts its mass on `token`."""
+def residual_rows(target: torch.Tensor, draft: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, q_i - p_i)) per row of `target` [n, V], without a host sync; a one-hot draft (None) puts row
+    i's mass on tokens[i] (a token beyond the row's width takes none of it)."""
     if draft is None:
-        out = target.clone()
-        out[token] = 0.0
+        inside = tokens < target.shape[-1]
+        cut = target.scatter(-1, tokens.clamp(0, target.shape[-1] - 1)[:, None], 0.0)
+        out = torch.where(inside[:, None], cut, target)
     else:
         out = (target - draft).clamp_min(0.0)
-    total = out.sum()
+    total = out.sum(dim=-1, keepdim=True)
     # q <= p everywhere only happens through rounding when q == p; then q itself is the right law.
-    return out / total if total > 0 else target
+    return torch.where(total > 0, out / total, target)
+
+
+def residual(target: torch.Tensor, draft: torch.Tensor | None, token: int) -> torch.Tensor:
+    """norm(max(0, q - p)) for one position; a one-hot draft (None) puts its mass on `token`."""
+    tokens = torch.tensor([token], dtype=torch.long, device=target.device)
+    return residual_rows(target[None], None if draft is None else draft[None], tokens)[0]
 
 
 def match_width(probs: torch.Tensor | None, width: int) -> torch.Tensor | None:

@@ -19,20 +19,25 @@ from viasd.errors import ViasdError
 SIGNALS = ("kl", "confidence")
 
 
-def kl_signal(slim: torch.Tensor, draft: torch.Tensor | None, tokens: Sequence[int]) -> torch.Tensor:
-    """KL(s_i || p_i) per row (nats); a drafter without distributions (None) gives +inf (unknown)."""
+Tokens = Sequence[int] | torch.Tensor  # draft token ids, on the host or as a LongTensor where the rows are
+
+
+def kl_signal(slim: torch.Tensor, draft: torch.Tensor | None, tokens: Tokens) -> torch.Tensor:
+    """KL(s_i || p_i) per row (nats), where the rows are; a drafter without distributions (None) gives +inf
+    (unknown)."""
     if draft is None:
-        return torch.full((slim.shape[0],), math.inf)
+        return torch.full((slim.shape[0],), math.inf, device=slim.device)
     width = min(slim.shape[-1], draft.shape[-1])
     s = slim[:, :width].float().clamp_min(1e-30)
-    p = draft[:, :width].float().clamp_min(1e-30)
+    p = draft[:, :width].float().to(s.device).clamp_min(1e-30)
     return (s * (s.log() - p.log())).sum(dim=-1).clamp_min(0.0)
 
 
-def confidence_signal(slim: torch.Tensor, draft: torch.Tensor | None, tokens: Sequence[int]) -> torch.Tensor:
-    """1 - s_i(x_i) / max_v s_i(v): 0 when the slim verifier's top choice is the draft token."""
-    idx = torch.tensor(list(tokens), dtype=torch.long)
-    chosen = slim.gather(-1, idx[:, None])[:, 0]
+def confidence_signal(slim: torch.Tensor, draft: torch.Tensor | None, tokens: Tokens) -> torch.Tensor:
+    """1 - s_i(x_i) / max_v s_i(v): 0 when the slim verifier's top choice is the draft token (1 for a token
+    beyond the slim view's width)."""
+    idx = torch.as_tensor(tokens, dtype=torch.long, device=slim.device)
+    chosen = slim.gather(-1, idx.clamp(0, slim.shape[-1] - 1)[:, None])[:, 0] * (idx < slim.shape[-1])
     return 1.0 - chosen / slim.max(dim=-1).values
 
 
@@ -67,7 +72,7 @@ class Gate:
     def full_tier(self) -> int:
         return len(self.thresholds)
 
-    def signals(self, slim: torch.Tensor, draft: torch.Tensor | None, tokens: Sequence[int]) -> torch.Tensor:
+    def signals(self, slim: torch.Tensor, draft: torch.Tensor | None, tokens: Tokens) -> torch.Tensor:
         fn = kl_signal if self.signal == "kl" else confidence_signal
         return fn(slim, draft, tokens)
 

@@ -1,4 +1,8 @@
-"""Sampling parameters and the pure maths that turns logits into the distributions we sample from."""
+"""Sampling parameters and the pure maths that turns logits into the distributions we sample from.
+
+Two ways to pick a token: `sample` on the host (a Python int; the CPU path of sampling), and `pick` / `draw`
+where the logits live, as a tensor, with no host sync (greedy decoding everywhere, sampling on accelerators).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,19 @@ import torch
 
 from viasd.errors import ViasdError
 
+# The seeds a torch generator accepts: any 64-bit integer, signed or unsigned.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+# Temperatures below this are greedy: sampling at them is argmax up to float rounding, and dividing
+# logits by them overflows float32 (or, in transformers' warpers, turns the distribution into NaN).
+GREEDY_BELOW = 1e-6
+# What `draw` gives for a row that is not a finite distribution; the host refuses it when it reads the token.
+BAD_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. temperature 0 means greedy (argmax)."""
+    """How tokens are chosen. temperature 0 (or below GREEDY_BELOW) means greedy (argmax)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -20,19 +33,21 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ViasdError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ViasdError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ViasdError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not _is_integer(self.top_k) or self.top_k < 0:
+            raise ViasdError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and (not _is_integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ViasdError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A fresh random generator, seeded when a seed is given."""
+        """A fresh random generator on `device`, seeded when a seed is given."""
         gen = torch.Generator(device=device)
         if self.seed is None:
             gen.seed()
@@ -40,39 +55,103 @@ class SamplingParams:
             gen.manual_seed(self.seed)
         return gen
 
+    def on_device(self, device: torch.device) -> bool:
+        """Whether tokens are picked where the logits live (`pick`, verify/resident.py), else on the host.
+
+        Greedy decoding always is: argmax comparisons give the tokens the host path gave, without its one-hot
+        probability rows. Sampling is on any device but the CPU, where host decisions would wait for the device
+        at every token; on the CPU sampling keeps its host path, and with it the draws (and seeded outputs) it
+        always made.
+        """
+        return self.greedy or device.type != "cpu"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of `logits` [n, V] (NaN counts as lowest): token ids [n], where the logits are."""
+    return logits.float().nan_to_num(nan=float("-inf")).argmax(dim=-1)
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """One-hot rows at the argmax of each row of `logits` [n, V] (NaN counts as lowest), float32."""
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return probs.scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
+
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Distributions to sample from, rows of `logits` [n, V] -> probs [n, V] (float32).
 
     Greedy gives one-hot rows at the argmax, so speculative sampling on them reduces to exact matching.
+    Every row is a finite distribution: the largest score is shifted to 0 before dividing by the
+    temperature (so tiny temperatures cannot overflow), top-p keeps at least the most likely token, and
+    a row that still has no finite mass (NaN logits) falls back to its argmax.
     """
     logits = logits.float()
     if params.greedy:
-        probs = torch.zeros_like(logits)
-        probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        return probs
-    scores = logits / params.temperature
+        return one_hot_argmax(logits)
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
         sorted_probs = sorted_scores.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the first token always stays).
+        # Drop a token when the mass strictly before it already reaches top_p; the first token always stays
+        # (a top_p below float32's smallest number would otherwise drop it too).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
-    return scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    bad = ~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)
+    return torch.where(bad[:, None], one_hot_argmax(logits), probs)  # no host sync: the rows are picked on the device
 
 
 def soft_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Smooth distributions for confidence gates: softmax at the sampling temperature (1 when greedy)."""
     temperature = params.temperature if not params.greedy else 1.0
-    return (logits.float() / temperature).softmax(dim=-1)
+    logits = logits.float()
+    return ((logits - logits.amax(dim=-1, keepdim=True)) / temperature).softmax(dim=-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token from a single distribution [V]."""
+    """Draw one token from a single distribution [V]; refuses one that is not a finite distribution."""
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise ViasdError("cannot sample: the token distribution is not finite (the model produced NaN or inf logits)")
     if (probs > 0).sum() == 1:
         return int(probs.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [n, V], drawn where the rows live, without waiting for the device.
+
+    The exponential race: argmax_v p(v) / E_v with E_v ~ Exp(1) is v with probability p(v) / sum p, which is how
+    torch.multinomial draws one sample, less its validity checks (they read the tensor on the host). A row that is
+    not a finite distribution with some mass gives BAD_TOKEN instead (the host refuses it on reading).
+    """
+    ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    rows = torch.where(ok[:, None], probs, 1.0)
+    race = torch.empty_like(rows).exponential_(generator=generator).clamp_min(torch.finfo(rows.dtype).tiny)
+    return torch.where(ok, (rows / race).argmax(dim=-1), BAD_TOKEN)
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """Token ids [n] for the rows of `logits` [n, V], where they live: the argmax when greedy, else a `draw` from
+    the warped distribution."""
+    return greedy_tokens(logits) if params.greedy else draw(warp_probs(logits, params), generator)
+
+
+def checked_token(value: float) -> int:
+    """A token id read from the device, refused in one line when a draw found no finite distribution."""
+    token = int(value)
+    if token < 0:
+        raise ViasdError("cannot sample: the token distribution is not finite (the model produced NaN or inf logits)")
+    return token

@@ -1,0 +1,131 @@
+"""The `auto` method: the fastest exact method on this machine for this model pair, chosen by measuring.
+
+At first use a short probe times every candidate (plain decoding among them) on two small prompts, each
+method in turn per prompt, and keeps the fastest; plain decoding wins unless another method beats it. The
+choice is cached per machine, torch build, models, dtype and candidates, so later runs start at once. The
+decoder then runs the chosen method, and its statistics say what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from viasd.decode.base import Decoder, GenerationConfig
+from viasd.decode.output import OutputSink
+from viasd.decode.stats import GenerationStats
+from viasd.fileio import write_atomic
+from viasd.models.fetch import default_cache_dir
+from viasd.models.fingerprint import model_fingerprint
+from viasd.prompting import encode_prompt
+from viasd.verify.sampling import SamplingParams
+
+PROBE_PROMPTS = (
+    "Write a Python function that returns the largest of three numbers.",
+    "Explain in two sentences what a compiler does.",
+)
+PROBE_TOKENS = 32
+
+
+def candidates(drafter_fits: bool | None, quantize: bool = True) -> list[str]:
+    """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits."""
+    names = ["plain", "lookup"]
+    if quantize:
+        names.append("self:drafter_quant=int8")
+    if drafter_fits is not False:
+        names += ["sd", "sd:drafter_quant=int4"] if quantize else ["sd"]
+    return names
+
+
+def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence[str]) -> str:
+    """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
+    parameter = next(target.parameters())
+    device = parameter.device
+    machine = [platform.machine(), platform.processor(), os.cpu_count(), torch.get_num_threads(), str(device)]
+    if device.type == "cuda":
+        machine.append(torch.cuda.get_device_name(device))
+    parts = [machine, torch.__version__, model_fingerprint(target), str(parameter.dtype), settings, list(names)]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def probe(
+    decoder_of: Callable[[str], Decoder], names: Sequence[str], tokenizer: Any, log: Callable[[str], None]
+) -> dict[str, float]:
+    """Tokens/s of each method over the probe prompts (greedy, prefill included), methods in turn per prompt."""
+    config = GenerationConfig(max_new_tokens=PROBE_TOKENS, ignore_eos=True)
+    prompts = [encode_prompt(tokenizer, text) for text in PROBE_PROMPTS]
+    decoders = {name: decoder_of(name) for name in names}
+    for decoder in decoders.values():  # warm-up, untimed
+        decoder.generate(prompts[0], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    tokens = dict.fromkeys(names, 0)
+    seconds = dict.fromkeys(names, 0.0)
+    for index, prompt in enumerate(prompts):
+        order = list(names[index % len(names) :]) + list(names[: index % len(names)])
+        for name in order:
+            stats = decoders[name].generate(prompt, config).stats
+            tokens[name] += stats.new_tokens
+            seconds[name] += stats.total_seconds
+    rates = {name: tokens[name] / seconds[name] for name in names}
+    log("auto: " + ", ".join(f"{name} {rate:.2f} tok/s" for name, rate in rates.items()))
+    return rates
+
+
+def choose(
+    decoder_of: Callable[[str], Decoder],
+    names: Sequence[str],
+    tokenizer: Any,
+    key: str,
+    cache: Path | None = None,
+    log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+) -> dict[str, Any]:
+    """The fastest of `names` by the cached probe for `key`, probing first when there is none."""
+    path = (cache or default_cache_dir().parent / "auto") / f"{key}.json"
+    try:
+        record = json.loads(path.read_text())
+        if record.get("candidates") == list(names) and record.get("chosen") in names:
+            return {**record, "cached": str(path)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    log(f"auto: timing {len(names)} methods once on this machine to pick the fastest (cached for next time)")
+    rates = probe(decoder_of, names, tokenizer, log)
+    chosen = max(names, key=lambda name: (rates[name], name == "plain"))
+    record = {
+        "chosen": chosen,
+        "candidates": list(names),
+        "tokens_per_second": rates,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "probe": {"prompts": len(PROBE_PROMPTS), "new_tokens": PROBE_TOKENS, "greedy": True},
+    }
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
+    return record
+
+
+class AutoDecoder(Decoder):
+    """Runs the chosen method; every result's statistics carry the choice (`stats.choice`)."""
+
+    method = "auto"
+
+    def __init__(self, chosen: Decoder, choice: dict[str, Any], method: str | None = None) -> None:
+        super().__init__(chosen.target, chosen.tokenizer, chosen.view)
+        self.chosen = chosen
+        self.choice = choice
+        if method:
+            self.method = method
+
+    def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
+        stats.choice = {
+            "method": self.choice["chosen"],
+            "why": "fastest exact method in a probe on this machine",
+            "tokens_per_second": self.choice["tokens_per_second"],
+            "probed": self.choice["date"],
+        }
+        self.chosen._decode(prompt, sink, params, stats)

@@ -1,0 +1,256 @@
+"""`viasd project`: predicted tokens/s and speedups of plain, sd and via from measured costs and statistics.
+
+The costs: a `viasd costs --out` file (any device, real or random weights of a named shape). The statistics,
+one of: `--profile` (a routing profile's gate records, regenerated from its own prompts with the models it was
+made for, as `calibrate --reselect` does; `--work` keeps them for the next run), or explicit figures
+(`--acceptance`, `--tiers`, `--slim-agreement`: assumed, and labelled so). `--bench RUN` sets the projection
+beside the speedups a `viasd bench` run measured; `--write-questions` writes a profile's prompts as bench
+questions, so that the bench measures the workload the records describe. Registered in cli.py; heavy imports
+happen inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, TargetOpt, engine_spec
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+TOLERANCE = 0.10  # a projected speedup within 10% of the measured one counts as matching
+
+
+def _numbers(text: str, option: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ViasdError(f"{option}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ViasdError(f"{option}: no value given")
+    return values
+
+
+def project(
+    costs: Annotated[Path | None, typer.Option(help="Pass costs: a JSON file written by `viasd costs --out`.")] = None,
+    profile: Annotated[
+        Path | None, typer.Option(help="Statistics from this routing profile's gate records (regenerated).")
+    ] = None,
+    acceptance: Annotated[
+        float | None, typer.Option(help="Explicit statistics: the share of draft tokens that are the target's.")
+    ] = None,
+    tiers: Annotated[
+        str, typer.Option(help="Explicit statistics: shares of draft tokens routed to accept,slim,full.")
+    ] = "0,0,1",
+    slim_agreement: Annotated[
+        float,
+        typer.Option(help="Explicit statistics: the share of positions where the slim view's top token is right."),
+    ] = 1.0,
+    tier_acceptance: Annotated[
+        str | None, typer.Option(help="Explicit statistics: draft acceptance per tier (accept,slim,full).")
+    ] = None,
+    slim: Annotated[
+        str | None,
+        typer.Option(help="The costs' view(s) of the slim tier(s), e.g. skip=0.45 (default: profile with --profile)."),
+    ] = None,
+    context: Annotated[int | None, typer.Option(help="Use the costs measured at the context nearest this.")] = None,
+    sd_gamma: Annotated[int, typer.Option(help="Draft tokens per round of classic sd (bench's default: 4).")] = 4,
+    gamma: Annotated[int | None, typer.Option(help="via's draft length (default: the profile's, or 4).")] = None,
+    cap: Annotated[int | None, typer.Option(help="via's cap (default: the profile's, or 32).")] = None,
+    prefill: Annotated[
+        bool, typer.Option(help="Count reading the prompt (profile records know their prompts' lengths).")
+    ] = True,
+    bench: Annotated[
+        Path | None, typer.Option(help="A `viasd bench` run directory: set its measured speedups beside these.")
+    ] = None,
+    write_questions: Annotated[
+        Path | None,
+        typer.Option(help="Write the profile's prompts as bench questions (Spec-Bench JSONL) to this file and stop."),
+    ] = None,
+    work: Annotated[
+        Path | None, typer.Option(help="Keep the regenerated continuations and records in this file.")
+    ] = None,
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = None,
+    out: Annotated[Path | None, typer.Option(help="Also write the projection as JSON to this file.")] = None,
+) -> None:
+    """Project tokens/s and speedups of plain, sd and via from pass costs and acceptance / gate statistics."""
+    from rich.console import Console
+
+    from viasd.calibration.projection import (
+        EXPLICIT_GATE,
+        Workload,
+        costs_from_record,
+        describe_explicit,
+        explicit_records,
+        project,
+    )
+    from viasd.decode.round import RoundPolicy
+    from viasd.fileio import write_atomic
+    from viasd.verify.gates import Gate
+
+    err = Console(stderr=True)
+    if (profile is None) == (acceptance is None):
+        raise ViasdError("name the statistics: --profile PROFILE, or explicit ones starting with --acceptance")
+    if write_questions is not None:
+        if profile is None:
+            raise ViasdError("--write-questions writes a profile's prompts: give --profile")
+        _write_questions(profile, write_questions)
+        err.print(f"wrote {write_questions}", highlight=False)
+        return
+    if costs is None:
+        raise ViasdError("--costs: a JSON file written by `viasd costs --out` is needed")
+    if acceptance is not None:
+        shares = _numbers(tiers, "--tiers")
+        rates = _numbers(tier_acceptance, "--tier-acceptance") if tier_acceptance else None
+        records = explicit_records(acceptance, shares, slim_agreement, rates)
+        workload = Workload(records, [0] * len(records), describe_explicit(acceptance, shares, slim_agreement, rates))
+        via = RoundPolicy(EXPLICIT_GATE, gamma=gamma or 4, cap=cap or 32)
+    record = _read_json(costs, "costs file")
+    slims = [v.strip() for v in (slim or ("profile" if profile is not None else "")).split(",") if v.strip()]
+    if not slims:
+        raise ViasdError("--slim: name the costs' view of the slim tier (e.g. skip=0.45)")
+    cost_model, used = costs_from_record(record, slims, context)  # a bad costs file fails before any model loads
+    if profile is not None:
+        from viasd.calibration.pipeline import profile_data
+        from viasd.calibration.workfile import WorkFile
+        from viasd.engine import Engine
+        from viasd.profile import load_profile
+
+        routing = load_profile(profile)
+        if len(slims) != len(routing.masks):
+            raise ViasdError(f"the profile has {len(routing.masks)} slim view(s); --slim names {len(slims)}")
+        with err.status(f"loading {target} and {drafter}"):
+            engine = Engine(engine_spec(target, drafter, device=device, dtype=dtype))
+            pair = (engine.target, engine.drafter)
+        routing.check_models(pair[0].model, pair[1].model)
+        log = lambda text: err.print(f"[dim]{text}[/]", highlight=False)  # noqa: E731
+        records, prompts = profile_data(routing, *pair, WorkFile(work), log, progress=True)
+        label = f"measured: the gate records of {profile} ({len(records)} calibration prompts, regenerated)"
+        workload = Workload(records, prompts if prefill else [0] * len(prompts), label)
+        via = routing.policy(gamma=gamma, cap=cap)
+    sd = RoundPolicy(Gate.exact(), gamma=sd_gamma)
+    result = project(workload, cost_model, sd, via)
+    measured = _bench_speedups(bench) if bench is not None else {}
+
+    report = {
+        "costs": {"file": str(costs), **used},
+        "statistics": workload.source,
+        "prompt_counted": any(workload.prompts),
+        "sequences": len(workload.records),
+        "policies": {"sd": {"gamma": sd.gamma}, "via": _policy(via)},
+        "methods": {name: m.to_dict() for name, m in result.items()},
+    }
+    if measured:
+        report["bench"] = {"run": str(bench), "measured_speedup": measured, "tolerance": TOLERANCE}
+    _print(report, result, measured, cost_model)
+    if out is not None:
+        write_atomic(out, json.dumps(report, indent=2) + "\n")
+        err.print(f"wrote {out}", highlight=False)
+
+
+def _policy(policy: Any) -> dict[str, Any]:
+    from viasd.calibration.selection import policy_dict
+
+    return policy_dict(policy)
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ViasdError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ViasdError(f"cannot read {what} {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ViasdError(f"cannot read {what} {path}: not a JSON object")
+    return data
+
+
+def _write_questions(profile: Path, path: Path) -> None:
+    """The profile's calibration prompts as Spec-Bench questions, one category, in the profile's order."""
+    from viasd.calibration.pipeline import profile_prompts
+    from viasd.fileio import write_atomic
+    from viasd.profile import load_profile
+
+    texts, _ = profile_prompts(load_profile(profile))
+    lines = [json.dumps({"question_id": i, "category": "calibration", "turns": [t]}) for i, t in enumerate(texts)]
+    write_atomic(path, "\n".join(lines) + "\n")
+
+
+def _bench_speedups(run: Path) -> dict[str, float]:
+    """Each method's overall speedup over plain in a bench run (its summary.json)."""
+    rows = _read_json_list(run / "summary.json")
+    return {
+        str(r["method"]): float(r["speedup"])
+        for r in rows
+        if r.get("category") == "all" and isinstance(r.get("speedup"), int | float)
+    }
+
+
+def _read_json_list(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ViasdError(f"no bench summary at {path}: run `viasd bench --out RUN` (or --report-only) first") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ViasdError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, list):
+        raise ViasdError(f"cannot read {path}: not a bench summary")
+    return [r for r in data if isinstance(r, dict)]
+
+
+def _print(report: dict[str, Any], result: dict[str, Any], measured: dict[str, float], costs: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    used = report["costs"]
+    machine = used.get("machine") or {}
+    where = machine.get("gpu") or machine.get("device") or "?"
+    console.print(
+        f"costs: {used['file']} ({where}; target {used['target']}, slim {', '.join(used['slim_views'])}, drafter "
+        f"{used['drafter']}; context {used['context']}); full pass {1e3 * costs.full_pass(1):.2f} ms, slim "
+        f"{1e3 * costs.slim_pass(1):.2f} ms, drafter step {1e3 * costs.step:.2f} ms (1 token)",
+        highlight=False,
+    )
+    console.print(f"statistics: {report['statistics']}", highlight=False)
+    console.print(
+        f"{report['sequences']} sequences; prompt {'counted' if report['prompt_counted'] else 'not counted'}",
+        highlight=False,
+    )
+    table = Table(title="projected")
+    columns = ["method", "tokens/s", "speedup over plain", "tokens per target call", "errors"]
+    if measured:
+        columns += ["measured speedup", "projected / measured"]
+    for column in columns:
+        table.add_column(column)
+    for name, m in result.items():
+        per_call = m.counts.get("tokens_per_target_call") or 1.0
+        errors = m.counts.get("error_rate")
+        row = [name, f"{m.tokens_per_second:.2f}", f"{m.speedup:.2f}x", f"{per_call:.2f}"]
+        row.append("-" if errors is None else f"{errors:.3f}")
+        if measured:
+            got = measured.get(name)
+            if got is None:
+                row += ["-", "-"]
+            else:
+                ratio = m.speedup / got
+                verdict = "within 10%" if abs(ratio - 1) <= TOLERANCE else "OFF"
+                row += [f"{got:.2f}x", f"{ratio:.3f} ({verdict})"]
+        table.add_row(*row)
+    console.print(table)
+    for name, got in measured.items():
+        if name in result and name != "plain":
+            ratio = result[name].speedup / got
+            verdict = "within 10%" if abs(ratio - 1) <= TOLERANCE else f"OFF by {100 * (ratio - 1):+.1f}%"
+            console.print(
+                f"{name}: projected {result[name].speedup:.3f}x, measured {got:.3f}x, projected / measured "
+                f"{ratio:.3f} ({verdict})",
+                highlight=False,
+            )

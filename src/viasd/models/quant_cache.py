@@ -1,0 +1,147 @@
+"""Quantize once: a model's quantized Linear copies kept on disk, keyed by the model's fingerprint and the recipe.
+
+The file (safetensors) is written atomically and checked on load: its format, model fingerprint and recipe,
+and every module's tensors. A file that fails a check is not used: the copies are made again and the file
+replaced, with a line on stderr saying so.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_bytes
+from torch import nn
+
+from viasd.fileio import write_atomic
+from viasd.models.fetch import default_cache_dir
+from viasd.models.fingerprint import model_fingerprint
+from viasd.models.quantize import (
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+    Int8WeightOnlyLinear,
+    QuantizedLinears,
+    QuantRecipe,
+    join_siblings,
+    quantizable,
+    quantize,
+)
+
+FORMAT = "viasd-quantized/1"
+# What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
+SMOOTHING_TEXTS = (
+    "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
+    "Summarize the causes of the French Revolution in three sentences.",
+    "Translate into German: The train leaves at seven and arrives before noon.",
+    "A shop sells pens at 3 dollars and notebooks at 5 dollars. How much do 4 pens and 2 notebooks cost?",
+)
+_CLASSES: dict[str, type[nn.Module]] = {
+    "int8": Int8DynamicLinear,
+    "int8wo": Int8WeightOnlyLinear,
+    "int4": Int4WeightOnlyLinear,
+}
+
+
+class DamagedCache(Exception):
+    """A cached quantization that cannot be used (reason in the message)."""
+
+
+def cache_path(model: nn.Module, recipe: QuantRecipe, root: Path | None = None) -> Path:
+    """Where the copies of `model` by `recipe` are kept: `<cache>/quantized/<fingerprint>/<recipe>.safetensors`."""
+    base = root if root is not None else default_cache_dir().parent / "quantized"
+    stem = re.sub(r"[^A-Za-z0-9._=,-]+", "_", recipe.name)
+    return base / model_fingerprint(model) / f"{stem}.safetensors"
+
+
+def _to_bytes(linears: QuantizedLinears, fingerprint: str) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in linears.modules.items():
+        for key, tensor in module.named_buffers():
+            tensors[f"{name}/{key}"] = tensor.contiguous()
+    metadata = {"format": FORMAT, "fingerprint": fingerprint, "recipe": linears.recipe.name}
+    return save_bytes(tensors, metadata=metadata)
+
+
+def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears:
+    """Rebuild the modules from a file's tensors, checking everything a damaged or foreign file would break."""
+    with safe_open(str(path), framework="pt") as file:
+        metadata = file.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise DamagedCache(f"not a viasd quantization file (format {metadata.get('format')!r})")
+        if metadata.get("fingerprint") != model_fingerprint(model) or metadata.get("recipe") != recipe.name:
+            raise DamagedCache("it was made for another model or recipe")
+        tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
+    names = [name for name in quantizable(model) if not recipe.keeps(name)]
+    layers = quantizable(model)
+    cls = _CLASSES[recipe.kind]
+    out = QuantizedLinears(recipe)
+    for name in names:
+        # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
+        probe = _probe(layers[name], recipe)
+        for key, expected in probe.named_buffers():
+            stored = tensors.get(f"{name}/{key}")
+            if stored is None or stored.shape != expected.shape or stored.dtype != expected.dtype:
+                raise DamagedCache(f"tensor {name}/{key} is missing or of another shape")
+            setattr(probe, key, stored)
+        if not isinstance(probe, cls):
+            raise DamagedCache(f"{name}: unexpected module kind")
+        out.modules[name] = probe
+    if len(tensors) != sum(1 for m in out.modules.values() for _ in m.named_buffers()):
+        raise DamagedCache("it holds tensors of layers the recipe does not quantize")
+    return out
+
+
+def _probe(linear: nn.Linear, recipe: QuantRecipe) -> nn.Module:
+    """An empty module of the recipe's kind with the shapes and dtypes `linear`'s copy has."""
+    meta = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    meta = meta.to(linear.weight.dtype)
+    smooth = torch.ones(linear.in_features, device="meta") if recipe.smooth else None
+    if recipe.kind == "int8":
+        module = Int8DynamicLinear.from_linear(meta, smooth)
+    elif recipe.kind == "int8wo":
+        module = Int8WeightOnlyLinear.from_linear(meta)
+    else:
+        module = _int4_probe(linear, recipe.group_size)
+    return module
+
+
+def _int4_probe(linear: nn.Linear, group_size: int) -> nn.Module:
+    # The int4 packing is not defined on the meta device: pack a zero weight of the same shape.
+    zero = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=torch.float32)
+    with torch.no_grad():
+        zero.weight.zero_()
+        if zero.bias is not None:
+            zero.bias.zero_()
+    module = Int4WeightOnlyLinear.from_linear(zero, group_size)
+    if module.bias is not None:
+        module.bias = module.bias.to(linear.bias.dtype)
+    return module
+
+
+def cached_quantize(
+    model: nn.Module,
+    recipe: QuantRecipe,
+    sequences: Callable[[], Sequence[Sequence[int]]],
+    root: Path | None = None,
+    log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+) -> QuantizedLinears:
+    """The model's copies by `recipe`: from the cache when a sound file is there, else made (calibration token
+    sequences from `sequences()` when the recipe smooths) and cached."""
+    path = cache_path(model, recipe, root)
+    device = next(model.parameters()).device
+    if path.is_file():
+        try:
+            out = _load(path, model, recipe)
+            for module in out.modules.values():
+                module.to(device)
+            join_siblings(out.modules)
+            return out
+        except (DamagedCache, SafetensorError, ValueError, KeyError, OSError) as error:
+            log(f"the cached {recipe.name} copies at {path} cannot be used ({error}); quantizing again")
+    out = quantize(model, recipe, sequences() if recipe.smooth else ())
+    write_atomic(path, _to_bytes(out, model_fingerprint(model)))
+    return out

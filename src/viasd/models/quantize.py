@@ -1,0 +1,371 @@
+"""Quantized copies of a model's Linear layers, and the recipe that says how to make them.
+
+Kinds (`QuantRecipe.kind`):
+
+* `int8`: int8 weights with one scale per output channel; activations quantized per token at run time, so
+  the matrix product runs in int8 with int32 accumulation (VNNI on x86 CPUs). On a CPU the product is
+  torch's fbgemm dynamic linear, which quantizes its input with one range per tensor: each row is divided
+  by its own largest magnitude first and multiplied back after (rows scale through a matrix product), and
+  two extra input columns holding +1 and -1 (with zero weights) pin every row's range to [-1, 1], so the
+  quantization is per token and a row's result never depends on the other rows of its block (exact
+  verification relies on that). Elsewhere (CUDA) the product is `torch._int_mm`. Optional SmoothQuant-style
+  smoothing moves activation outliers into the weights: per input channel j, s_j = max|x_j|^a / max|w_j|^(1-a)
+  from calibration activations; the layer computes (x / s) @ (W * s)^T.
+* `int8wo`: int8 weights, bf16 activations (weight-only).
+* `int4`: int4 weights in groups along the input (asymmetric: a scale and a zero per group), bf16 activations.
+
+Layers named in `keep` stay as they are (bf16): measurement shows a few are sensitive (the MLP down
+projections of Qwen2.5 take activations with large outlier channels). The quantized modules are new
+modules with their own (smaller) tensors; the model's own weights are never changed or copied whole: one
+Linear at a time is read while its quantized copy is made.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from viasd.errors import ViasdError
+
+KINDS = ("int8", "int8wo", "int4")
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """How to quantize a model's Linear layers.
+
+    keep: glob patterns of module names left in bf16 (e.g. `*.mlp.down_proj`, `lm_head`).
+    smooth: the SmoothQuant migration strength a in [0, 1] (int8 only; 0: off).
+    """
+
+    kind: str = "int8"
+    keep: tuple[str, ...] = ()
+    smooth: float = 0.0
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ViasdError(f"unknown quantization {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if not 0.0 <= self.smooth <= 1.0:
+            raise ViasdError(f"quantization smoothing must be in [0, 1], got {self.smooth}")
+        if self.smooth and self.kind != "int8":
+            raise ViasdError("smoothing applies to int8 (activations are quantized only there)")
+        if self.group_size not in (32, 64, 128, 256):
+            raise ViasdError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        """A short stable name, e.g. `int8:smooth=0.5:keep=*.mlp.down_proj`."""
+        parts = [self.kind]
+        if self.smooth:
+            parts.append(f"smooth={self.smooth:g}")
+        if self.kind == "int4" and self.group_size != 64:
+            parts.append(f"group={self.group_size}")
+        if self.keep:
+            parts.append("keep=" + ",".join(self.keep))
+        return ":".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> QuantRecipe:
+        """`KIND[:smooth=A][:group=G][:keep=PATTERN,...]`, as `name` writes it."""
+        kind, *options = text.strip().split(":")
+        values: dict[str, Any] = {}
+        for option in options:
+            key, sep, value = option.partition("=")
+            try:
+                if key == "smooth" and sep:
+                    values["smooth"] = float(value)
+                elif key == "group" and sep:
+                    values["group_size"] = int(value)
+                elif key == "keep" and sep:
+                    values["keep"] = tuple(p for p in value.split(",") if p)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ViasdError(
+                    f"bad quantization option {option!r} in {text!r}: write smooth=A, group=G or keep=PATTERN,..."
+                ) from None
+        return cls(kind, **values)
+
+    def keeps(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.keep)
+
+
+# ------------------------------------------------------------------------------------------ modules
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+_ANCHORS = torch.tensor([[1.0, -1.0]])  # the two columns that pin every row's range to [-1, 1]
+
+
+def _fbgemm() -> bool:
+    """Whether torch has its x86 int8 kernels (fbgemm), the fast int8 path on CPUs."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Int8DynamicLinear(nn.Module):
+    """y = x @ W^T + b with W in int8 (per output channel) and x quantized per token (row) at run time."""
+
+    def __init__(
+        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None
+    ):
+        super().__init__()
+        self.register_buffer("weight_t", weight.t().contiguous())  # [in, out] int8: the layout _int_mm takes
+        self.register_buffer("scale", scale.float())  # [out]
+        self.register_buffer("bias", bias)
+        self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth))  # [in], x is divided by s
+        self._packed: Any = None  # fbgemm's packed copy of the weight, made at the first CPU pass
+        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
+
+    def _fbgemm_packed(self) -> Any:
+        if self._packed is None:
+            weight = self.weight_t.t()
+            anchors = torch.zeros(weight.shape[0], 2, dtype=torch.int8)  # zero weights for the +1/-1 columns
+            weight = torch.cat([weight, anchors], dim=1).contiguous()
+            zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; 2.13 still has them
+                warnings.simplefilter("ignore", UserWarning)
+                quantized = torch._make_per_channel_quantized_tensor(weight, self.scale.double(), zeros, 0)
+                self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        return self._packed
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, smooth: torch.Tensor | None = None) -> Int8DynamicLinear:
+        weight = linear.weight.detach().float()
+        if smooth is not None:
+            weight = weight * smooth[None, :]
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale, bias, None if smooth is None else smooth.to(linear.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None:
+            return self.siblings.output(x, self)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b for this layer alone."""
+        rows = _flat(x).float()
+        if self.inv_smooth is not None:
+            rows = rows * self.inv_smooth
+        amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        if rows.device.type == "cpu" and _fbgemm():
+            pinned = torch.cat([rows / amax, _ANCHORS.expand(rows.shape[0], 2)], dim=1)
+            out = torch.ops.quantized.linear_dynamic(pinned, self._fbgemm_packed(), False) * amax
+        else:
+            step = amax / 127.0
+            q = torch.round(rows / step).to(torch.int8)
+            out = torch._int_mm(q, self.weight_t).float() * step * self.scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# Layers of one block that read the same input, by the names Llama-style decoders give them.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class Siblings:
+    """Int8 layers that take the same input (a block's q, k and v projections; its gate and up projections),
+    computed as one product: the input is quantized once and the weights are read in one pass. The first
+    sibling called with an input computes every sibling's output; the others take their columns of it."""
+
+    def __init__(self, members: Sequence[Int8DynamicLinear]) -> None:
+        weights = [m.weight_t for m in members]
+        biases = [m.bias if m.bias is not None else torch.zeros(w.shape[1], dtype=torch.float32) for m, w in
+                  zip(members, weights, strict=True)]  # fmt: skip
+        self.fused = Int8DynamicLinear(torch.cat(weights, dim=1).t(), torch.cat([m.scale for m in members]), None, None)
+        self.bias = torch.cat([b.float() for b in biases]) if any(m.bias is not None for m in members) else None
+        edges = torch.tensor([0, *(w.shape[1] for w in weights)]).cumsum(0).tolist()
+        self.columns = {id(m): (edges[i], edges[i + 1]) for i, m in enumerate(members)}
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor, member: Int8DynamicLinear) -> torch.Tensor:
+        if x is not self._input:  # holding the input keeps its identity from being reused by another tensor
+            out = self.fused.product(x.float()).float()
+            self._output = out if self.bias is None else out + self.bias
+            self._input = x
+        assert self._output is not None
+        start, stop = self.columns[id(member)]
+        return self._output[..., start:stop].to(x.dtype)
+
+
+def join_siblings(modules: Mapping[str, nn.Module]) -> None:
+    """Compute sibling int8 layers together (see `Siblings`); layers with smoothing keep their own product."""
+    for names in SIBLINGS:
+        parents = {name.rpartition(".")[0] for name in modules if name.rpartition(".")[2] == names[0]}
+        for parent in parents:
+            members = [modules.get(f"{parent}.{child}" if parent else child) for child in names]
+            if all(isinstance(m, Int8DynamicLinear) and m.inv_smooth is None for m in members):
+                group = Siblings(members)  # type: ignore[arg-type]
+                for member in members:
+                    member.siblings = group  # type: ignore[union-attr]
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x @ W^T + b with W in int8 (per output channel), x as it comes (bf16)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out], the activations' dtype
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale.to(linear.weight.dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _flat(x)
+        out = torch.ops.aten._weight_int8pack_mm(rows.to(self.scale.dtype), self.weight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ W^T + b with W in int4 groups along the input (a scale and a zero per group), x in bf16."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed)  # torch's CPU int4 layout
+        self.register_buffer("scales_zeros", scales_zeros)  # [in / group, out, 2] bf16
+        self.register_buffer("bias", bias)
+        self.group_size = group_size
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4WeightOnlyLinear:
+        out_features, in_features = linear.weight.shape
+        if in_features % group_size:
+            raise ViasdError(f"int4: {in_features} input features are not a multiple of the group size {group_size}")
+        groups = linear.weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15.0).clamp_min(1e-12)
+        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        # torch's kernel dequantises (q - 8) * scale + zero, so zero = low + 8 * scale.
+        scales_zeros = torch.cat([scale, low + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scales_zeros.to(torch.bfloat16), group_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _flat(x).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# --------------------------------------------------------------------------------------- a model's copy
+
+
+def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
+    """The Linear layers a recipe may quantize: every Linear of the decoder and the LM head."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def activation_ranges(model: nn.Module, names: Sequence[str], sequences: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Per input channel, the largest |activation| that each named Linear sees over the token sequences."""
+    modules = dict(model.named_modules())
+    ranges: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            amax = _flat(args[0]).abs().amax(dim=0).float()
+            ranges[name] = amax if name not in ranges else torch.maximum(ranges[name], amax)
+
+        return record
+
+    handles = [modules[name].register_forward_pre_hook(hook(name)) for name in names]
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            for ids in sequences:
+                model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ranges
+
+
+def smoothing(act_range: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factor s = max|x|^a / max|w|^(1-a) (clamped away from 0)."""
+    w_range = weight.detach().float().abs().amax(dim=0).clamp_min(1e-5)
+    return (act_range.clamp_min(1e-5).pow(alpha) / w_range.pow(1.0 - alpha)).clamp_min(1e-5)
+
+
+@dataclass(eq=False)
+class QuantizedLinears:
+    """A model's quantized Linear layers by module name, swapped in for a pass by `applied`.
+
+    Compared by identity: two quantizations are never the same view, even of the same recipe.
+    """
+
+    recipe: QuantRecipe
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    _owners: dict[int, list[tuple[nn.Module, str, nn.Module]]] = field(default_factory=dict, repr=False)
+
+    def nbytes(self) -> int:
+        """Memory the quantized copies take (the model's own weights are not counted)."""
+        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in m.buffers())
+
+    @contextmanager
+    def applied(self, model: nn.Module) -> Iterator[None]:
+        """Run `model` with these layers swapped in; restored on exit (also on error). Not re-entrant."""
+        if id(model) not in self._owners:  # (parent, attribute, quantized copy), looked up once per model
+            owners = dict(model.named_modules())
+            self._owners[id(model)] = [
+                (owners[name.rpartition(".")[0]], name.rpartition(".")[2], module)
+                for name, module in self.modules.items()
+            ]
+        swapped: list[tuple[nn.Module, str, nn.Module]] = []
+        try:
+            for parent, child, module in self._owners[id(model)]:
+                swapped.append((parent, child, getattr(parent, child)))
+                setattr(parent, child, module)
+            yield
+        finally:
+            for parent, child, original in reversed(swapped):
+                setattr(parent, child, original)
+
+
+def quantize(model: nn.Module, recipe: QuantRecipe, sequences: Sequence[Sequence[int]] = ()) -> QuantizedLinears:
+    """Quantized copies of the model's Linear layers by `recipe` (`sequences`: token ids for smoothing)."""
+    names = [name for name in quantizable(model) if not recipe.keeps(name)]
+    if not names:
+        raise ViasdError(f"quantization {recipe.name}: it keeps every Linear layer; nothing to quantize")
+    ranges: Mapping[str, torch.Tensor] = {}
+    if recipe.smooth:
+        if not sequences:
+            raise ViasdError("smoothing needs calibration token sequences")
+        ranges = activation_ranges(model, names, sequences)
+    layers = quantizable(model)
+    out = QuantizedLinears(recipe)
+    with torch.inference_mode():
+        for name in names:
+            linear = layers[name]
+            if recipe.kind == "int8":
+                smooth = smoothing(ranges[name], linear.weight, recipe.smooth) if name in ranges else None
+                out.modules[name] = Int8DynamicLinear.from_linear(linear, smooth)
+            elif recipe.kind == "int8wo":
+                out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
+            else:
+                out.modules[name] = Int4WeightOnlyLinear.from_linear(linear, recipe.group_size)
+    join_siblings(out.modules)
+    return out

@@ -1,0 +1,56 @@
+"""The `auto` method: it times the exact candidates once, keeps the fastest (never one slower than plain in its
+probe), caches the choice, stays exact, and says what it chose; a drafter of another tokenizer is left out."""
+
+import pytest
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd import auto
+from viasd.decode.base import GenerationConfig
+from viasd.engine import Engine, EngineSpec
+from viasd.models.loading import LoadedModel
+
+PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
+
+
+def engine(drafter=True):
+    tok = tiny_tokenizer(64)
+    target = LoadedModel(tiny_model("qwen2"), tok, "t", "t")
+    small = LoadedModel(tiny_model("qwen2", layers=2, seed=1), tok, "d", "d") if drafter else None
+    return Engine(EngineSpec(target="t", drafter="d"), target=target, drafter=small)
+
+
+def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(auto, "PROBE_PROMPTS", ("t3 t4 t5", "t9 t8 t7 t6"))
+    first = engine()
+    decoder = first.decoder("auto")
+    record = decoder.choice
+    rates = record["tokens_per_second"]
+    assert set(rates) == set(auto.candidates(None)) and record["chosen"] == max(rates, key=rates.get)
+    assert rates[record["chosen"]] >= rates["plain"]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    out = first.generate(PROMPT, "auto", config)
+    assert out.tokens == first.generate(PROMPT, "plain", config).tokens
+    assert out.stats.method == "auto" and out.stats.choice["method"] == record["chosen"]
+    assert out.stats.to_dict()["choice"]["tokens_per_second"] == rates
+    # A second engine on the same machine and models reads the choice instead of probing again.
+    monkeypatch.setattr(auto, "probe", lambda *a, **k: pytest.fail("probed again"))
+    again = engine().decoder("auto")
+    assert again.choice["chosen"] == record["chosen"] and "cached" in again.choice
+
+
+def test_auto_leaves_out_a_drafter_of_another_tokenizer():
+    assert "sd" not in auto.candidates(False) and "sd" in auto.candidates(True)
+    assert auto.candidates(False)[0] == "plain"
+
+
+def test_a_default_drafter_of_another_tokenizer_is_refused_before_any_fetch(monkeypatch):
+    tok = tiny_tokenizer(64)
+    target = LoadedModel(tiny_model("qwen2"), tok, "t", "t")
+    spec = EngineSpec(target="t", drafter="qwen2.5-coder-0.5b")  # a default model: its vocabulary is pinned
+    monkeypatch.setattr("viasd.engine.load_model", lambda *a, **k: pytest.fail("fetched or loaded the drafter"))
+    engine = Engine(spec, target=target)
+    assert engine.drafter_fits() is False
+    with pytest.raises(Exception, match="--drafter"):
+        engine.decoder("sd")
+    assert "sd" not in auto.candidates(engine.drafter_fits())

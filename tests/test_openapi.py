@@ -1,0 +1,144 @@
+"""The server's OpenAPI document, and a schemathesis run against a real `viasd serve` process that must find
+nothing: no 5xx, no undocumented status, no response that breaks its schema (streamed events included).
+
+The server runs a tiny random model saved to disk with a byte-level chat tokenizer (so every generated
+string is a valid prompt), under an API key and small limits so that every refusal is cheap to provoke.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from tiny import tiny_chat_tokenizer, tiny_model
+
+KEY = "fuzz-key"
+VOCAB = 320
+MAX_TOKENS_LIMIT = 8
+CHECKS = "not_a_server_error,status_code_conformance,response_schema_conformance"
+MAX_EXAMPLES = 50
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model and a chat tokenizer, saved as a Hugging Face directory `viasd serve` can load."""
+    directory = tmp_path_factory.mktemp("tiny-chat-model")
+    tiny_model(vocab_size=VOCAB, dtype=torch.float32).save_pretrained(directory)
+    tiny_chat_tokenizer(VOCAB).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`viasd serve` on the tiny model, on a free port; yields its base URL."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("openapi-server") / "server.log"
+    command = [
+        *(sys.executable, "-m", "viasd", "serve", "--target", str(model_dir), "--dtype", "fp32", "--device", "cpu"),
+        *("--port", str(port), "--methods", "plain,lookup", "--api-key", KEY),
+        *("--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--default-max-tokens", "4", "--max-queue", "2"),
+        *("--max-body-bytes", "4096", "--max-prompt-tokens", "64", "--no-access-log"),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"the server exited:\n{log.read_text(errors='replace')[-3000:]}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        else:
+            pytest.fail(f"the server did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        yield url
+        assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-5000:]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_the_document_publishes_bodies_answers_and_limits() -> None:
+    """Request bodies come from the pydantic models, every status a route answers with is documented."""
+    from viasd.engine import Engine, EngineSpec
+    from viasd.models.loading import LoadedModel
+    from viasd.serve.app import create_app
+    from viasd.serve.settings import ServeSettings
+
+    loaded = LoadedModel(model=tiny_model(vocab_size=VOCAB), tokenizer=tiny_chat_tokenizer(VOCAB), name="t", path="t")
+    engine = Engine(EngineSpec(target="t", device="cpu"), target=loaded)
+    settings = ServeSettings(
+        model_id="t", methods=("plain", "lookup"), api_key=KEY, max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=4
+    )
+    with TestClient(create_app(engine, settings)) as client:
+        doc = client.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    schemas = doc["components"]["schemas"]
+    paths = doc["paths"]
+
+    def responses(path: str, method: str) -> dict[str, Any]:
+        return paths[path][method]["responses"]
+
+    for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest")):
+        body = paths[path]["post"]["requestBody"]
+        assert body["required"] and body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{model}"
+        }
+        answers = responses(path, "post")
+        assert {"200", "400", "401", "404", "413", "503"} <= answers.keys()
+        for status in ("400", "401", "404", "413", "503"):
+            assert answers[status]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"
+            }
+        assert "text/event-stream" in answers["200"]["content"] and "Retry-After" in answers["503"]["headers"]
+        assert paths[path]["post"]["security"] == [{"apiKey": []}]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"maximum": 2.0, "minimum": 0.0, "type": "number"} in chat["temperature"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT} in chat["max_tokens"]["anyOf"]
+    assert {"type": "string", "enum": ["plain", "lookup"]} in chat["method"]["anyOf"]
+    assert chat["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    prompt_ids = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]["items"]
+    assert prompt_ids == {"type": "integer", "minimum": 0, "maximum": VOCAB - 1}
+    assert "404" in responses("/v1/models/{model_id}", "get") and "401" in responses("/metrics", "get")
+    assert "security" not in paths["/health"]["get"]
+    assert not [(p, m) for p, item in paths.items() for m, op in item.items() if "422" in op["responses"]]
+    assert "HTTPValidationError" not in schemas and doc["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+
+
+def test_schemathesis_finds_nothing_on_a_running_server(server: str, tmp_path: Path) -> None:
+    """Positive and negative cases, boundary values, fuzzing and stateful sequences on every operation."""
+    command = [
+        *(sys.executable, "-m", "schemathesis.cli", "run", f"{server}/openapi.json"),
+        *("--header", f"Authorization: Bearer {KEY}", "--checks", CHECKS, "--max-examples", str(MAX_EXAMPLES)),
+        # A fixed seed keeps the run repeatable; the health check is about the generator's own filtering.
+        *("--seed", "1", "--workers", "1", "--suppress-health-check", "filter_too_much"),
+        *("--report", "junit", "--report-dir", str(tmp_path)),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-8000:]
+    assert "No issues found" in output and "6 selected / 6 total" in output, output[-3000:]

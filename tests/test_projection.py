@@ -1,0 +1,219 @@
+"""Projection (`viasd project`): measured costs and statistics -> predicted tokens/s; its arithmetic by hand,
+explicit statistics, the costs file it reads, and the command end to end on tiny models."""
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd.calibration.costs import Costs
+from viasd.calibration.projection import (
+    Workload,
+    costs_from_record,
+    explicit_records,
+    project,
+    prompt_seconds,
+)
+from viasd.calibration.records import GateRecords
+from viasd.calibration.replay import replay
+from viasd.cli import app
+from viasd.decode.round import RoundPolicy
+from viasd.errors import ViasdError
+from viasd.verify.gates import Gate
+
+# c(n) at n = 1, 2, 4, 8 tokens per pass, linear in between: c_f(3) = 1.15, c_f(6) = 1.35, c_d(6) = 0.135.
+COSTS = Costs((1, 2, 4, 8), drafter=(0.1, 0.1, 0.12, 0.15), full=(1.0, 1.1, 1.2, 1.5), slim=((0.6, 0.65, 0.7, 0.9),))
+OK = [True, True, False, True, True, True, True, False, True, True]  # the drafter is right at these positions
+SD = RoundPolicy(Gate.exact(), gamma=2)
+
+
+def records(draft_ok, tier=0):
+    """One sequence whose every position sits in one tier of Gate('kl', (0.5, 2.0)), the slim view always right."""
+    n = len(draft_ok)
+    return GateRecords(
+        kl=[(0.0, 1.0, 4.0)[tier]] * n,
+        confidence=[0.0] * n,
+        draft_ok=list(draft_ok),
+        draft_top=[1.0] * n,
+        slim_ok=[[True] * n],
+        slim_agrees=[list(draft_ok)],
+    )
+
+
+def test_plain_is_one_full_pass_per_token_and_sd_matches_a_hand_replay():
+    projected = project(Workload([records(OK)], [0], "constructed"), COSTS, SD, None)
+    assert projected["plain"].tokens_per_second == pytest.approx(1 / COSTS.full_pass(1))
+    # gamma 2 along OK: rounds keep 2 (+1), 2 (+1), 1 (+1) drafts, then the last round may draft 1 and keeps it.
+    # Each round: k drafter steps and one target pass over 1 + k tokens.
+    by_hand = 3 * (2 * 0.1 + 1.15) + (1 * 0.1 + 1.1)
+    sd = projected["sd"]
+    assert sd.seconds == pytest.approx(by_hand) and sd.tokens == 10
+    assert sd.tokens_per_second == pytest.approx(10 / by_hand) and sd.speedup == pytest.approx(10 / by_hand)
+    assert sd.counts["target_calls"] == 4 and sd.counts["rounds"] == 4 and "via" not in projected
+
+
+def test_reading_the_prompt_adds_the_terms_of_each_method():
+    workload = Workload([records(OK)], [6], "constructed")
+    via = RoundPolicy(Gate("kl", (0.5, 2.0)), gamma=2, cap=32)
+    projected = project(workload, COSTS, SD, via)
+    plain = 1.35 + 9 * 1.0  # the prompt's pass gives the first token
+    assert projected["plain"].seconds == pytest.approx(plain)
+    sd = 3 * (2 * 0.1 + 1.15) + (1 * 0.1 + 1.1) + (1.5 - 1.15) + (0.135 - 0.1)  # c_f(P + 2) - c_f(3), c_d(P) - c_d(1)
+    assert projected["sd"].seconds == pytest.approx(sd)
+    assert projected["sd"].speedup == pytest.approx(plain / sd)
+    via_rounds = replay([records(OK)], via, COSTS).seconds
+    assert projected["via"].seconds == pytest.approx(via_rounds + 1.275 + (0.135 - 0.1))  # c_f(P - 1) = c_f(5)
+    assert prompt_seconds("via", 6, 2, COSTS) == pytest.approx(COSTS.full_pass(5) + 0.035)
+
+
+def test_accepted_tokens_skip_the_full_target_and_the_speedup_is_a_mean_over_sequences():
+    """All positions in the accept tier, drafts right: via rounds pay drafter steps and one slim pass each."""
+    via = RoundPolicy(Gate("kl", (0.5, 2.0)), gamma=2, cap=32)
+    right = records([True] * 9)
+    projected = project(Workload([right, records(OK)], [0, 0], "constructed"), COSTS, SD, via)
+    alone = replay([right], via, COSTS)
+    assert alone.stats.target_calls == 1 and alone.stats.slim_calls == 3  # the prefill only; 3 rounds of 2 + bonus
+    assert alone.seconds == pytest.approx(3 * (2 * 0.1 + 0.675))
+    ratios = [9 * 1.0 / alone.seconds, 10 * 1.0 / replay([records(OK)], via, COSTS).seconds]
+    assert projected["via"].speedup == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
+    assert projected["via"].tokens_per_second == pytest.approx(19 / projected["via"].seconds)
+
+
+def test_explicit_statistics_have_the_figures_asked_for_and_are_refused_when_impossible():
+    made = explicit_records(0.8, (0.3, 0.4, 0.3), slim_agreement=0.9, sequences=40, length=200, seed=1)
+    n = 40 * 200
+    kl = [v for seq in made for v in seq.kl]
+    assert abs(sum(v == 0.0 for v in kl) / n - 0.3) < 0.03 and abs(sum(v == 4.0 for v in kl) / n - 0.3) < 0.03
+    assert abs(sum(v for seq in made for v in seq.draft_ok) / n - 0.8) < 0.03
+    assert abs(sum(v for seq in made for v in seq.slim_ok[0]) / n - 0.9) < 0.03
+    assert made == explicit_records(0.8, (0.3, 0.4, 0.3), slim_agreement=0.9, sequences=40, length=200, seed=1)
+    routed = replay(made, RoundPolicy(Gate("kl", (0.5, 2.0)), gamma=4), COSTS)
+    assert routed.decided["accept"] > 0 and routed.decided["slim"] > 0 and routed.decided["full"] > 0
+    for bad in ({"tiers": (0.5, 0.6, 0.1)}, {"tiers": (1.0, 0.0)}, {"slim_agreement": 1.5}):
+        with pytest.raises(ViasdError):
+            explicit_records(0.8, **bad)
+    with pytest.raises(ViasdError, match="acceptance must be a probability"):
+        explicit_records(float("nan"))
+
+
+def costs_record(contexts=(128, 1024), drafter=True):
+    tables = [
+        {"role": "target", "model": "t", "context": c, "views": {"full": [c * 1.0, c * 2.0], "skip=0.45": [0.5, 1.0]}}
+        for c in contexts
+    ]
+    if drafter:
+        tables.append({"role": "drafter", "model": "d", "context": 128, "views": {"full": [0.1, 0.2]}})
+    return {"tokens": [1, 2], "tables": tables, "machine": {"device": "cuda:0", "gpu": "H200"}}
+
+
+def test_costs_come_from_the_nearest_measured_context_and_missing_tables_are_named():
+    costs, used = costs_from_record(costs_record(), ["skip=0.45"], context=900)
+    assert used["context"] == 1024 and costs.full == (1024.0, 2048.0) and costs.slim == ((0.5, 1.0),)
+    assert costs.drafter == (0.1, 0.2) and used["drafter_context"] == 128
+    assert costs_from_record(costs_record(), ["skip=0.45"])[1]["context"] == 128
+    with pytest.raises(ViasdError, match="no drafter table"):
+        costs_from_record(costs_record(drafter=False), ["skip=0.45"])
+    with pytest.raises(ViasdError, match=r"no target view 'skip=0.25' .*measured: full, skip=0.45"):
+        costs_from_record(costs_record(), ["skip=0.25"])
+    with pytest.raises(ViasdError, match="no model tables"):
+        costs_from_record({"tokens": [1], "seconds": {"kernels": {}}}, ["x"])
+
+
+def save_pair(tmp_path):
+    tok = tiny_tokenizer(64)
+    dirs = {}
+    for name, model in (("target", tiny_model("llama", layers=6)), ("drafter", tiny_model("llama", layers=2, seed=1))):
+        dirs[name] = tmp_path / name
+        model.to(torch.float32).save_pretrained(dirs[name])
+        tok.save_pretrained(dirs[name])
+    return dirs
+
+
+def test_costs_then_explicit_projection_from_the_command_line(tmp_path):
+    dirs = save_pair(tmp_path)
+    models = ["--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--dtype", "fp32", "--device", "cpu"]
+    costs = tmp_path / "costs.json"
+    runner = CliRunner()
+    made = runner.invoke(app, ["costs", *models, "--views", "full,skip=0.34", "--drafter-views", "full", "--tokens",
+                               "1,2,4,8", "--context", "8,24", "--repeats", "1", "--out", str(costs)])  # fmt: skip
+    assert made.exit_code == 0, made.output
+    record = json.loads(costs.read_text())
+    assert [(t["role"], t["context"]) for t in record["tables"]] == [
+        ("target", 8), ("target", 24), ("drafter", 8), ("drafter", 24)
+    ]  # fmt: skip
+    assert record["weights"] == {"target": "as loaded", "drafter": "as loaded"} and record["machine"]["torch"]
+    out = tmp_path / "projection.json"
+    args = ["project", "--costs", str(costs), "--acceptance", "0.8", "--tiers", "0.3,0.4,0.3", "--slim",
+            "skip=0.34", "--context", "20", "--out", str(out)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["statistics"].startswith("explicit, assumed (not measured)") and "explicit, assumed" in result.output
+    full = next(t for t in record["tables"] if t["role"] == "target" and t["context"] == 24)["views"]["full"]
+    plain = report["methods"]["plain"]["tokens_per_second"]
+    assert report["costs"]["context"] == 24 and plain == pytest.approx(1 / full[0])
+    assert set(report["methods"]) == {"plain", "sd", "via"} and report["methods"]["via"]["decided"]["slim"] > 0
+    for bad, message in (
+        (["project", "--costs", str(costs)], "name the statistics"),
+        (["project", "--costs", str(costs), "--acceptance", "0.8", "--tiers", "0.5,0.6,0.1"], "add up to 1"),
+        (["project", "--costs", str(tmp_path / "none.json"), "--acceptance", "0.8", "--slim", "x"], "not found"),
+    ):
+        refused = runner.invoke(app, bad)
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+
+
+def test_projection_from_a_profile_against_a_bench_run(tmp_path):
+    """A profile's records regenerated from its prompts, the prompts counted, the bench's speedups beside; and
+    the profile's prompts written as bench questions."""
+    from viasd.bench.tasks import load_specbench
+    from viasd.models.fingerprint import model_fingerprint
+    from viasd.models.layer_skip import LayerMask
+    from viasd.models.loading import load_model
+    from viasd.profile import RoutingProfile, save_profile
+
+    dirs = save_pair(tmp_path)
+    target, drafter = (load_model(str(dirs[n]), device="cpu", dtype="fp32").model for n in ("target", "drafter"))
+    texts = ["t3 t4 t5 t6 t7 t3 t4", "t9 t12 t8 t2 t30 t9"]
+    profile = RoutingProfile(
+        target={"name": "tiny", "fingerprint": model_fingerprint(target)},
+        drafter={"name": "tiny-drafter", "fingerprint": model_fingerprint(drafter)},
+        masks=[LayerMask.skipping(6, [2, 3])],
+        gate=Gate("kl", (0.2, 2.0)),
+        gamma=3,
+        cap=8,
+        search={"chunk": 8},
+        calibration={"prompts": texts, "new_tokens": 12},
+    )
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    models = ["--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--dtype", "fp32", "--device", "cpu"]
+    runner = CliRunner()
+    questions = tmp_path / "questions.jsonl"
+    wrote = runner.invoke(app, ["project", "--profile", str(path), "--write-questions", str(questions)])
+    assert wrote.exit_code == 0, wrote.output
+    assert [task.turns[0] for task in load_specbench(questions)] == texts
+    costs = tmp_path / "costs.json"
+    made = runner.invoke(app, ["costs", *models, "--views", "full,profile", "--profile", str(path), "--drafter-views",
+                               "full", "--tokens", "1,2,4,8,16", "--context", "16", "--repeats", "1", "--out",
+                               str(costs)])  # fmt: skip
+    assert made.exit_code == 0, made.output
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = [{"method": m, "category": "all", "speedup": s} for m, s in (("plain", 1.0), ("sd", 1.5), ("via", 1.2))]
+    (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "projection.json"
+    args = ["project", *models, "--costs", str(costs), "--profile", str(path), "--bench", str(run), "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["prompt_counted"] and report["sequences"] == 2 and report["statistics"].startswith("measured")
+    assert report["bench"]["measured_speedup"] == {"plain": 1.0, "sd": 1.5, "via": 1.2}
+    assert report["policies"]["via"]["gamma"] == 3 and report["costs"]["slim_views"] == ["profile"]
+    assert "projected / measured" in result.output
+    assert (
+        report["methods"]["plain"]["tokens_per_second"]
+        < 1 / json.loads(costs.read_text())["tables"][0]["views"]["full"][0]
+    )  # reading the prompt costs more than one single-token pass

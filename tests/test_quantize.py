@@ -1,0 +1,213 @@
+"""Quantized views: the kernels compute what the quantized weights say, smoothing earns its place, views swap in
+and out without touching the model's own weights, and exact methods stay exact with quantized models."""
+
+import pytest
+import torch
+from torch import nn
+
+from test_session import assert_cache_equals, fresh_cache
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.round import RoundPolicy
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.decode.tiered import TieredDecoder
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.errors import ViasdError
+from viasd.models.layer_skip import LayerMask
+from viasd.models.quantize import (
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+    Int8WeightOnlyLinear,
+    QuantRecipe,
+    quantize,
+)
+from viasd.models.session import KVSession
+from viasd.models.views import View, applied
+from viasd.verify.gates import Gate
+
+PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
+
+
+def linear(inp=256, out=96, seed=0, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    layer = nn.Linear(inp, out, bias=True)
+    return layer.to(dtype)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.parametrize(
+    ("kind", "bound"), [("int8", 0.02), ("int8wo", 0.01), ("int4", 0.12)], ids=["int8", "int8wo", "int4"]
+)
+def test_quantized_linears_approximate_the_layer_for_blocks_and_single_tokens(kind, bound):
+    layer = linear()
+    module = {
+        "int8": lambda: Int8DynamicLinear.from_linear(layer),
+        "int8wo": lambda: Int8WeightOnlyLinear.from_linear(layer),
+        "int4": lambda: Int4WeightOnlyLinear.from_linear(layer, 64),
+    }[kind]()
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want, got = layer(x), module(x)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert rel_error(got, want) < bound
+        # A row's result does not depend on the other rows of the block (what exact verification relies on).
+        assert torch.equal(module(x[:1, 3:4]), got[:1, 3:4])
+
+
+def test_int4_kernel_computes_the_dequantised_weights():
+    layer = linear(dtype=torch.float32)
+    module = Int4WeightOnlyLinear.from_linear(layer, 64)
+    # Dequantise by hand from the same recipe: asymmetric 4-bit groups of 64 along the input.
+    groups = layer.weight.detach().reshape(96, 4, 64)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    dequant = (torch.round((groups - low) / scale) * scale + low).reshape(96, 256)
+    x = torch.randn(5, 256)
+    with torch.inference_mode():
+        want = x.bfloat16().float() @ dequant.T + layer.bias
+        assert rel_error(module(x), want) < 0.01
+
+
+def test_smoothing_tames_an_outlier_channel():
+    layer = linear(dtype=torch.float32)
+    x = torch.randn(16, 256)
+    x[:, 17] *= 80.0  # one activation channel far larger than the rest, as in the MLP down projections
+    ranges = x.abs().amax(dim=0)
+    from viasd.models.quantize import smoothing
+
+    plain = Int8DynamicLinear.from_linear(layer)
+    smooth = Int8DynamicLinear.from_linear(layer, smoothing(ranges, layer.weight, 0.5))
+    with torch.inference_mode():
+        want = layer(x)
+        assert rel_error(smooth(x), want) < 0.5 * rel_error(plain(x), want)
+
+
+def test_recipes_parse_and_refuse_bad_values():
+    recipe = QuantRecipe.parse("int8:smooth=0.5:keep=*.mlp.down_proj,lm_head")
+    assert recipe == QuantRecipe("int8", ("*.mlp.down_proj", "lm_head"), 0.5)
+    assert QuantRecipe.parse(recipe.name) == recipe and QuantRecipe.parse("int4:group=32").group_size == 32
+    assert recipe.keeps("model.layers.3.mlp.down_proj") and not recipe.keeps("model.layers.3.mlp.up_proj")
+    for text, message in (
+        ("int3", "unknown quantization"),
+        ("int8:smooth=2", "smoothing must be in"),
+        ("int4:smooth=0.5", "smoothing applies to int8"),
+        ("int4:group=48", "group size"),
+        ("int8:speed=9", "bad quantization option"),
+    ):
+        with pytest.raises(ViasdError, match=message):
+            QuantRecipe.parse(text)
+
+
+def test_a_view_swaps_quantized_layers_in_and_leaves_the_model_as_it_was():
+    model = tiny_model("qwen2", dtype=torch.float32)
+    params = {name: (p.data_ptr(), p.clone()) for name, p in model.named_parameters()}
+    q = quantize(model, QuantRecipe("int8", keep=("lm_head",)), [PROMPT])
+    assert "lm_head" not in q.modules and len(q.modules) == 4 * 7  # q, k, v, o, gate, up, down per layer
+    # No copy of the model's own weights: its tensors are the same, unchanged; the copies are int8.
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == params[name][0] and torch.equal(p, params[name][1])
+    linear_bytes = sum(m.weight_t.numel() * 4 for m in q.modules.values())  # their fp32 originals
+    assert q.nbytes() < 0.35 * linear_bytes
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+        with applied(model, View(linears=q)):
+            inside = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after) and not torch.equal(before, inside)
+    assert rel_error(inside, before) < 0.15  # random tiny layers amplify rounding more than trained ones
+    # A quantized view with layers skipped too: the copies of a skipped layer are simply not used.
+    both = View(mask=LayerMask.skipping(4, [2]), linears=q)
+    with torch.inference_mode(), applied(model, both):
+        skipped = model(input_ids=ids).logits
+    assert not torch.equal(skipped, inside) and torch.equal(model(input_ids=ids).logits, before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_exact_methods_stay_exact_with_a_quantized_drafter_and_a_quantized_target(arch):
+    target = tiny_model(arch, dtype=torch.float32)
+    drafter_model = tiny_model(arch, layers=2, seed=1, dtype=torch.float32)
+    tok = tiny_tokenizer(64)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config)
+    for kind in ("int8", "int8wo", "int4"):
+        drafter = ModelDrafter(drafter_model, View(linears=quantize(drafter_model, QuantRecipe(kind))))
+        small = SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config)
+        assert small.tokens == plain.tokens, kind
+    # The target's own int8 view drafting for it (no second model): exact, and a far better guesser.
+    own = View(linears=quantize(target, QuantRecipe("int8")))
+    out = SpeculativeDecoder(target, tok, ModelDrafter(target, own), gamma=4).generate(PROMPT, config)
+    assert out.tokens == plain.tokens and out.stats.rejection_rate < 0.5 * small.stats.rejection_rate
+    # A quantized target is another model: SD and VIA-exact reproduce plain decoding of that model.
+    fast = PlainDecoder(target, tok, view=own).generate(PROMPT, config)
+    sd = SpeculativeDecoder(target, tok, ModelDrafter(drafter_model), gamma=4, view=own).generate(PROMPT, config)
+    assert sd.tokens == fast.tokens
+    assert KVSession(target, own).base_view == own
+
+
+def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
+    """VIA-SD with the target's int8 view as its slim verifier: pending entries written by the quantized view
+    never leak into the target's committed cache (docs/design.md, "Caches")."""
+    target = tiny_model("qwen2", dtype=torch.float32)
+    own = View(linears=quantize(target, QuantRecipe("int8")))
+    drafter = ModelDrafter(tiny_model("qwen2", layers=2, seed=1, dtype=torch.float32))
+    policy = RoundPolicy(Gate("confidence", (0.02, 0.6)), cap=6)
+    via = TieredDecoder(target, tiny_tokenizer(64), drafter, [own], policy)
+    for n in (7, 25):
+        out = via.generate(PROMPT, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+        assert out.stats.tiers["slim"].calls > 0
+        session = via.session
+        assert session.tokens == (PROMPT + out.tokens)[: len(session.tokens)]
+        assert_cache_equals(session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32"])
+def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_path, monkeypatch, spec):
+    from viasd.models import quant_cache
+
+    model = tiny_model("qwen2", dtype=torch.float32)
+    recipe = QuantRecipe.parse(spec)
+    notes: list[str] = []
+    first = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    path = quant_cache.cache_path(model, recipe, tmp_path)
+    assert path.is_file() and not notes
+    ids = torch.tensor([PROMPT])
+
+    def logits(linears):
+        with torch.inference_mode(), applied(model, View(linears=linears)):
+            return model(input_ids=ids).logits
+
+    with monkeypatch.context() as patch:
+        patch.setattr(quant_cache, "quantize", lambda *a, **k: pytest.fail("quantized again"))
+        again = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    assert torch.equal(logits(again), logits(first)) and not notes
+    # A truncated file, or one of another model, is refused and replaced.
+    path.write_bytes(path.read_bytes()[:-100])
+    remade = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    assert len(notes) == 1 and "cannot be used" in notes[0] and torch.equal(logits(remade), logits(first))
+    other = tiny_model("qwen2", dtype=torch.float32, seed=4)
+    foreign = quant_cache.cache_path(other, recipe, tmp_path)
+    foreign.parent.mkdir(parents=True, exist_ok=True)
+    foreign.write_bytes(path.read_bytes())
+    quant_cache.cached_quantize(other, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
+    assert len(notes) == 2 and "another model" in notes[1]
+
+
+def test_siblings_computed_together_equal_their_own_products():
+    """q, k and v (and gate and up) read one input: quantized once and multiplied in one product, each gets exactly
+    what its own product would give."""
+    model = tiny_model("qwen2", dtype=torch.float32)
+    q = quantize(model, QuantRecipe("int8"))
+    attention = q.modules["model.layers.1.self_attn.q_proj"]
+    assert (
+        attention.siblings is not None and attention.siblings is q.modules["model.layers.1.self_attn.v_proj"].siblings
+    )
+    x = torch.randn(3, 5, 64)
+    with torch.inference_mode():
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            module = q.modules[f"model.layers.1.{name}"]
+            assert torch.allclose(module(x), module.product(x), atol=1e-5), name

