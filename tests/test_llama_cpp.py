@@ -40,5 +40,11 @@ def test_llama_cpp_generates_with_viasd_prompts_and_stops():
         assert 0 < len(out.tokens) <= 24 and out.text.strip() and out.stats.method == method
         # The same weights (the GGUF that viasd converted) and greedy decoding: the first tokens agree.
         assert out.tokens[:3] == plain.tokens[:3]
+    # A prompt longer than llama.cpp's batch (512 tokens): its lookup keeps every position's logits.
+    story = " ".join(f"Line {i}: the red fox jumps over the lazy dog." for i in range(80))
+    long = engine.encode([{"role": "user", "content": f"{story}\nRepeat the last line."}])
+    assert len(long) > 600
+    looked = engine.generate(long, "llama.cpp:lookup=4", GenerationConfig(max_new_tokens=12))
+    assert looked.tokens[:3] == engine.generate(long, "plain", GenerationConfig(max_new_tokens=3)).tokens
     short = engine.generate(ids, "llama.cpp", GenerationConfig(max_new_tokens=5, ignore_eos=True))
     assert len(short.tokens) == 5 and short.finish_reason == "length" and short.stats.target_calls == 5

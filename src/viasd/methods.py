@@ -334,7 +334,8 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
     if parts.quant or parts.drafter_quant:
         raise ViasdError("llama.cpp runs the GGUF file's own quantization: it takes no --quant")
     target, lookup = parts.target, spec.get("lookup") or 0
-    context = min(context_limit(target.model) or 8192, 8192)
+    # With lookup, llama-cpp-python keeps context x vocabulary float logits (2.5 GB for Qwen2.5 at 4096 tokens).
+    context = min(context_limit(target.model) or 8192, 4096 if lookup else 8192)
     llama = load_llama(parts.gguf(), torch.get_num_threads(), context, lookup)
     return LlamaCppDecoder(target.model, target.tokenizer, llama, lookup, spec.name)
 

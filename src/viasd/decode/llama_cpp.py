@@ -40,6 +40,9 @@ def load_llama(gguf: Path, threads: int, context: int, lookup: int) -> Any:
             n_threads=threads,
             n_threads_batch=threads,
             draft_model=draft,
+            # Speculation keeps the logits of every position; llama-cpp-python turns that on by itself but sizes
+            # its buffer for one batch only unless asked here, and a prompt longer than a batch then overflows it.
+            logits_all=bool(lookup),
             verbose=False,
         )
     except (ValueError, RuntimeError) as error:
