@@ -156,10 +156,12 @@ def test_costs_then_explicit_projection_from_the_command_line(tmp_path):
     plain = report["methods"]["plain"]["tokens_per_second"]
     assert report["costs"]["context"] == 24 and plain == pytest.approx(1 / full[0])
     assert set(report["methods"]) == {"plain", "sd", "via"} and report["methods"]["via"]["decided"]["slim"] > 0
+    assert report["policies"]["sd"] == {"gamma": 4, "stop": 0.0}  # explicit statistics carry no drafter confidence
     for bad, message in (
         (["project", "--costs", str(costs)], "name the statistics"),
         (["project", "--costs", str(costs), "--acceptance", "0.8", "--tiers", "0.5,0.6,0.1"], "add up to 1"),
         (["project", "--costs", str(tmp_path / "none.json"), "--acceptance", "0.8", "--slim", "x"], "not found"),
+        (["project", "--costs", str(costs), "--acceptance", "0.8", "--slim", "skip=0.34", "--sd-stop", "2"], "[0, 1]"),
     ):
         refused = runner.invoke(app, bad)
         assert refused.exit_code == 2 and message in refused.output, refused.output
@@ -212,6 +214,7 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
     assert report["prompt_counted"] and report["sequences"] == 2 and report["statistics"].startswith("measured")
     assert report["bench"]["measured_speedup"] == {"plain": 1.0, "sd": 1.5, "via": 1.2}
     assert report["policies"]["via"]["gamma"] == 3 and report["costs"]["slim_views"] == ["profile"]
+    assert report["policies"]["sd"] == {"gamma": 4, "stop": 0.5}  # the bench's sd: its default stop threshold
     assert "projected / measured" in result.output
     assert (
         report["methods"]["plain"]["tokens_per_second"]

@@ -58,6 +58,13 @@ def project(
     ] = None,
     context: Annotated[int | None, typer.Option(help="Use the costs measured at the context nearest this.")] = None,
     sd_gamma: Annotated[int, typer.Option(help="Draft tokens per round of classic sd (bench's default: 4).")] = 4,
+    sd_stop: Annotated[
+        float | None,
+        typer.Option(
+            help="Draft stop threshold of classic sd (default: sd's own, 0.5, with profile records; 0 with explicit "
+            "statistics, which carry no drafter confidence)."
+        ),
+    ] = None,
     gamma: Annotated[int | None, typer.Option(help="via's draft length (default: the profile's, or 4).")] = None,
     cap: Annotated[int | None, typer.Option(help="via's cap (default: the profile's, or 32).")] = None,
     prefill: Annotated[
@@ -90,8 +97,9 @@ def project(
         explicit_records,
         project,
     )
-    from viasd.decode.round import RoundPolicy
+    from viasd.decode.round import RoundPolicy, check_stop
     from viasd.fileio import write_atomic
+    from viasd.methods import DEFAULT_STOP
     from viasd.verify.gates import Gate
 
     err = Console(stderr=True)
@@ -134,7 +142,9 @@ def project(
         label = f"measured: the gate records of {profile} ({len(records)} calibration prompts, regenerated)"
         workload = Workload(records, prompts if prefill else [0] * len(prompts), label)
         via = routing.policy(gamma=gamma, cap=cap)
-    sd = RoundPolicy(Gate.exact(), gamma=sd_gamma)
+    if sd_stop is None:
+        sd_stop = 0.0 if acceptance is not None else DEFAULT_STOP
+    sd = RoundPolicy(Gate.exact(), gamma=sd_gamma, stop=check_stop(sd_stop))
     result = project(workload, cost_model, sd, via)
     measured = _bench_speedups(bench) if bench is not None else {}
 
@@ -143,7 +153,7 @@ def project(
         "statistics": workload.source,
         "prompt_counted": any(workload.prompts),
         "sequences": len(workload.records),
-        "policies": {"sd": {"gamma": sd.gamma}, "via": _policy(via)},
+        "policies": {"sd": {"gamma": sd.gamma, "stop": sd.stop}, "via": _policy(via)},
         "methods": {name: m.to_dict() for name, m in result.items()},
     }
     if measured:
