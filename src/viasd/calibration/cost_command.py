@@ -192,6 +192,8 @@ def _model_tables(
     """One table per model (target, then drafter) and context: {role, model, context, views: {view: seconds}}."""
     import random
 
+    from rich.progress import Progress
+
     from viasd.calibration.costs import device_info, measure_views
     from viasd.calibration.teacher import view_agreement
     from viasd.engine import Engine
@@ -246,12 +248,20 @@ def _model_tables(
         out = []
         for ctx in contexts:
             ids = [random.Random(0).randrange(vocab) for _ in range(ctx + max(lengths))]
-            total = len(chosen) * len(lengths) * (repeats + 1)
-            what = (
-                f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths, context {ctx} ({total} passes)"
-            )
-            with err.status(what):
-                seconds = measure_views(loaded.model, chosen, lengths, ids, prefix=ctx, repeats=repeats, keep=rows)
+            total = len(chosen) * (len(lengths) * repeats + 1)  # one warm-up pass per view
+            what = f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths, context {ctx}"
+            with Progress(*Progress.get_default_columns(), console=err, transient=True) as bar:
+                task = bar.add_task(what, total=total)
+                seconds = measure_views(
+                    loaded.model,
+                    chosen,
+                    lengths,
+                    ids,
+                    prefix=ctx,
+                    repeats=repeats,
+                    keep=rows,
+                    on_step=lambda: bar.advance(task),  # noqa: B023 (used within this iteration only)
+                )
             out.append({"role": role, "model": loaded.name, "context": ctx, "views": seconds})
         return out
 
