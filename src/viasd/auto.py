@@ -42,7 +42,7 @@ def candidates(drafter_fits: bool | None, quantize: bool = True) -> list[str]:
     if quantize:
         names.append("self:drafter_quant=int8")
     if drafter_fits is not False:
-        names += ["sd", "sd:drafter_quant=int4"] if quantize else ["sd"]
+        names += ["sd", "sd:drafter_quant=int4", "sd:drafter=hybrid:drafter_quant=int4"] if quantize else ["sd"]
     return names
 
 

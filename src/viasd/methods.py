@@ -393,7 +393,7 @@ METHODS: dict[str, Method] = {
     for m in (
         Method(
             "auto",
-            "the fastest exact method on this machine (plain, lookup, sd, quantized drafters): probed once, cached",
+            "the fastest exact method here (plain, lookup, sd, quantized and hybrid drafters): probed once, cached",
             _auto,
         ),
         Method("plain", "plain autoregressive decoding of the target (baseline)", _plain, ("quant",)),
