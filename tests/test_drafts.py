@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from test_decoding import ALPHA, exact_joint
+from laws import ALPHA, exact_joint, pooled_pvalue
 from tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -227,23 +226,6 @@ def sample_counts(decoder, prompt, params, length, n):
     return counts, rounds
 
 
-def chi_square_pvalue(expected, counts, n):
-    """Goodness of fit, pooling the cells expected fewer than 5 times."""
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for cell in sorted(expected, key=expected.get):
-        if expected[cell] * n < 5:
-            pool_o += counts.get(cell, 0)
-            pool_e += expected[cell] * n
-        else:
-            obs.append(counts.get(cell, 0))
-            exp.append(expected[cell] * n)
-    obs.append(pool_o)
-    exp.append(pool_e)
-    assert len(obs) > 10 and sum(counts.values()) == n
-    total = sum(exp)
-    return chisquare(obs, [e * n / total for e in exp]).pvalue
-
-
 SAMPLING = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
 
 
@@ -263,7 +245,7 @@ def test_sampling_with_the_hybrid_drafter_follows_the_target_distribution(params
     assert len(lookup) > n // 2 and len(model) > n // 10, (len(lookup), len(model))
     assert sum(s.evaluated - s.accepted for s in lookup) > n // 10
     assert sum(s.evaluated - s.accepted for s in model) > n // 20
-    assert chi_square_pvalue(exact_joint(target, prompt, params, vocab, length), counts, n) > ALPHA
+    assert pooled_pvalue(exact_joint(target, prompt, params, vocab, length), counts, n) > ALPHA
 
 
 @pytest.mark.parametrize(("params", "stop"), [(SAMPLING[0], 0.5), (SAMPLING[1], 0.6)], ids=["t1", "t0.7-topk5-topp0.9"])
@@ -279,7 +261,7 @@ def test_sampling_with_a_stop_threshold_follows_the_target_distribution(params, 
     cut, full = sum(d < k for k, d in cuttable), sum(d == k for k, d in cuttable)
     assert cut > len(cuttable) // 10 and full > len(cuttable) // 10, (cut, full, len(cuttable))
     assert sum(s.evaluated - s.accepted for s in stats) > n // 10
-    assert chi_square_pvalue(exact_joint(target, prompt, params, vocab, length), counts, n) > ALPHA
+    assert pooled_pvalue(exact_joint(target, prompt, params, vocab, length), counts, n) > ALPHA
 
 
 # ----------------------------------------------------------------------------- statistics in bench and server

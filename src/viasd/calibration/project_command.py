@@ -170,15 +170,16 @@ def _policy(policy: Any) -> dict[str, Any]:
     return policy_dict(policy)
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def _read_json(path: Path, what: str, kind: type = dict, missing: str | None = None) -> Any:
+    """The JSON value in `path`, which must be a `kind`; one-line errors naming `what` (or `missing`)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ViasdError(f"{what} not found: {path}") from None
+        raise ViasdError(missing or f"{what} not found: {path}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ViasdError(f"cannot read {what} {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ViasdError(f"cannot read {what} {path}: not a JSON object")
+    if not isinstance(data, kind):
+        raise ViasdError(f"cannot read {what} {path}: not a {what}")
     return data
 
 
@@ -195,24 +196,14 @@ def _write_questions(profile: Path, path: Path) -> None:
 
 def _bench_speedups(run: Path) -> dict[str, float]:
     """Each method's overall speedup over plain in a bench run (its summary.json)."""
-    rows = _read_json_list(run / "summary.json")
+    path = run / "summary.json"
+    missing = f"no bench summary at {path}: run `viasd bench --out RUN` (or --report-only) first"
+    rows = [r for r in _read_json(path, "bench summary", list, missing) if isinstance(r, dict)]
     return {
         str(r["method"]): float(r["speedup"])
         for r in rows
         if r.get("category") == "all" and isinstance(r.get("speedup"), int | float)
     }
-
-
-def _read_json_list(path: Path) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ViasdError(f"no bench summary at {path}: run `viasd bench --out RUN` (or --report-only) first") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ViasdError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, list):
-        raise ViasdError(f"cannot read {path}: not a bench summary")
-    return [r for r in data if isinstance(r, dict)]
 
 
 def _print(report: dict[str, Any], result: dict[str, Any], measured: dict[str, float], costs: Any) -> None:
