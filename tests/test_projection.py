@@ -18,14 +18,18 @@ from viasd.calibration.projection import (
     prompt_seconds,
 )
 from viasd.calibration.records import GateRecords
-from viasd.calibration.replay import replay
+from viasd.calibration.replay import first_feed, replay
 from viasd.cli import app
-from viasd.decode.round import RoundPolicy
+from viasd.decode.base import GenerationConfig
+from viasd.decode.round import Round, RoundPolicy
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
+from viasd.models.session import common_prefix_length
 from viasd.verify.gates import Gate
 
 # c(n) at n = 1, 2, 4, 8 tokens per pass, linear in between: c_f(3) = 1.15, c_f(6) = 1.35, c_d(6) = 0.135.
-COSTS = Costs((1, 2, 4, 8), drafter=(0.1, 0.1, 0.12, 0.15), full=(1.0, 1.1, 1.2, 1.5), slim=((0.6, 0.65, 0.7, 0.9),))
+COSTS = Costs((1, 2, 4, 8), drafter=(0.1, 0.11, 0.12, 0.15), full=(1.0, 1.1, 1.2, 1.5), slim=((0.6, 0.65, 0.7, 0.9),))
 OK = [True, True, False, True, True, True, True, False, True, True]  # the drafter is right at these positions
 SD = RoundPolicy(Gate.exact(), gamma=2)
 
@@ -47,8 +51,9 @@ def test_plain_is_one_full_pass_per_token_and_sd_matches_a_hand_replay():
     projected = project(Workload([records(OK)], [0], "constructed"), COSTS, SD, None)
     assert projected["plain"].tokens_per_second == pytest.approx(1 / COSTS.full_pass(1))
     # gamma 2 along OK: rounds keep 2 (+1), 2 (+1), 1 (+1) drafts, then the last round may draft 1 and keeps it.
-    # Each round: k drafter steps and one target pass over 1 + k tokens.
-    by_hand = 3 * (2 * 0.1 + 1.15) + (1 * 0.1 + 1.1)
+    # Each round: k drafter steps and one target pass over 1 + k tokens; the first step after a round that kept
+    # every draft feeds two tokens (c_d(2) = 0.11).
+    by_hand = (2 * 0.1 + 1.15) + 2 * (0.11 + 0.1 + 1.15) + (1 * 0.1 + 1.1)
     sd = projected["sd"]
     assert sd.seconds == pytest.approx(by_hand) and sd.tokens == 10
     assert sd.tokens_per_second == pytest.approx(10 / by_hand) and sd.speedup == pytest.approx(10 / by_hand)
@@ -61,7 +66,8 @@ def test_reading_the_prompt_adds_the_terms_of_each_method():
     projected = project(workload, COSTS, SD, via)
     plain = 1.35 + 9 * 1.0  # the prompt's pass gives the first token
     assert projected["plain"].seconds == pytest.approx(plain)
-    sd = 3 * (2 * 0.1 + 1.15) + (1 * 0.1 + 1.1) + (1.5 - 1.15) + (0.135 - 0.1)  # c_f(P + 2) - c_f(3), c_d(P) - c_d(1)
+    rounds = (2 * 0.1 + 1.15) + 2 * (0.11 + 0.1 + 1.15) + (1 * 0.1 + 1.1)  # as in the test above
+    sd = rounds + (1.5 - 1.15) + (0.135 - 0.1)  # c_f(P + 2) - c_f(3), c_d(P) - c_d(1)
     assert projected["sd"].seconds == pytest.approx(sd)
     assert projected["sd"].speedup == pytest.approx(plain / sd)
     via_rounds = replay([records(OK)], via, COSTS).seconds
@@ -76,7 +82,7 @@ def test_accepted_tokens_skip_the_full_target_and_the_speedup_is_a_mean_over_seq
     projected = project(Workload([right, records(OK)], [0, 0], "constructed"), COSTS, SD, via)
     alone = replay([right], via, COSTS)
     assert alone.stats.target_calls == 1 and alone.stats.slim_calls == 3  # the prefill only; 3 rounds of 2 + bonus
-    assert alone.seconds == pytest.approx(3 * (2 * 0.1 + 0.675))
+    assert alone.seconds == pytest.approx(3 * (2 * 0.1 + 0.675) + 2 * 0.01)  # rounds 2, 3 first feed 2 tokens
     ratios = [9 * 1.0 / alone.seconds, 10 * 1.0 / replay([records(OK)], via, COSTS).seconds]
     assert projected["via"].speedup == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
     assert projected["via"].tokens_per_second == pytest.approx(19 / projected["via"].seconds)
@@ -220,3 +226,83 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
         report["methods"]["plain"]["tokens_per_second"]
         < 1 / json.loads(costs.read_text())["tables"][0]["views"]["full"][0]
     )  # reading the prompt costs more than one single-token pass
+
+
+def test_the_first_drafter_step_of_a_round_feeds_what_the_replay_charges():
+    """The decoder's drafter feeds two tokens at the first step after a round that kept every draft (its unfed last
+    draft and the bonus token), else one: the rule `first_feed` charges as c_d(2) or c_d(1)."""
+    target = tiny_model("qwen2", layers=4, seed=0)
+    drafter = tiny_model("qwen2", layers=4, seed=0)
+    with torch.no_grad():  # a perturbed copy of the target: right often, not always
+        generator = torch.Generator().manual_seed(0)
+        for p in drafter.parameters():
+            p.add_(0.03 * p.std() * torch.randn(p.shape, generator=generator))
+    model_drafter = ModelDrafter(drafter)
+    fed: list[int] = []  # tokens of each propose's first pass
+    rounds: list[tuple[int, int]] = []  # (drafted, kept) per round, from the committed text that followed
+    extend, propose = model_drafter.session.extend_to, model_drafter.propose
+
+    def counting_extend(sequence, keep=1):
+        shared = min(common_prefix_length(model_drafter.session.tokens, sequence), len(sequence) - keep)
+        fed.append(len(sequence) - shared)
+        return extend(sequence, keep)
+
+    proposals: list[tuple[int, list[int]]] = []
+
+    def recording_propose(context, k, params, generator, stop=0.0):
+        out = propose(context, k, params, generator, stop)
+        proposals.append((len(context), list(out.tokens)))
+        return out
+
+    model_drafter.session.extend_to = counting_extend
+    model_drafter.propose = recording_propose
+    decoder = SpeculativeDecoder(target, tiny_tokenizer(64), model_drafter, gamma=3)
+    prompt = [5, 9, 11, 3, 7]
+    tokens = decoder.generate(prompt, GenerationConfig(max_new_tokens=40, ignore_eos=True)).tokens
+    text = prompt + tokens
+    for start, drafts in proposals:
+        kept = 0
+        while kept < len(drafts) and start + kept < len(text) and text[start + kept] == drafts[kept]:
+            kept += 1
+        rounds.append((len(drafts), kept))
+    drafting = [i for i, (drafted, _) in enumerate(rounds) if drafted]  # a round without drafts runs no drafter
+    assert len(fed) == len(drafting) and fed[0] == len(prompt)  # the first round's step reads the prompt
+    expected = [first_feed(Round([], rounds[i - 1][0], full_kept=rounds[i - 1][1])) for i in drafting[1:]]
+    assert fed[1:] == expected
+    assert 1 in expected and 2 in expected  # both cases happened
+
+
+def test_a_profile_names_the_cost_views_of_its_slim_tiers_and_drafter():
+    from viasd.calibration.project_command import profile_views
+    from viasd.models.layer_skip import LayerMask
+    from viasd.profile import RoutingProfile
+
+    def made(masks, quant, drafter):
+        thresholds = tuple(0.1 * (i + 1) for i in range(len(masks) + 1))
+        return RoutingProfile({"name": "t", "fingerprint": "f"}, drafter, masks, quant, Gate("kl", thresholds))
+
+    full, skip = LayerMask.full(6), LayerMask.skipping(6, [2, 3])
+    quantized = made([full], ["int8"], {"name": "d", "fingerprint": "g", "quant": "int4"})
+    assert profile_views(quantized) == ("int8", "int4")  # the shipped kind: int8 slim view, int4 drafter
+    assert profile_views(made([skip, full], [None, "int8"], None)) == ("profile,int8", "full")
+    assert profile_views(made([skip], ["int8"], None)) == ("profile+int8", "full")
+    with pytest.raises(ViasdError, match="--drafter-view"):
+        profile_views(made([full], ["int8"], {"name": "t", "fingerprint": "f", "self": True, "quant": "int8"}))
+
+
+def test_the_bench_sd_method_is_found_or_named(tmp_path):
+    from viasd.calibration.project_command import _bench_speedups
+
+    def run(*methods):
+        (tmp_path / "summary.json").write_text(
+            json.dumps([{"method": m, "category": "all", "speedup": 1.0 + i / 10} for i, m in enumerate(methods)])
+        )
+        return tmp_path
+
+    assert _bench_speedups(run("plain", "sd:drafter_quant=int4", "via")) == {"plain": 1.0, "sd": 1.1, "via": 1.2}
+    assert _bench_speedups(run("plain", "sd", "sd:gamma=8", "via"))["sd"] == 1.1  # plain sd when there is one
+    assert _bench_speedups(run("plain", "sd", "sd:gamma=8"), "sd:gamma=8") == {"plain": 1.0, "sd": 1.2}
+    with pytest.raises(ViasdError, match="--bench-sd"):
+        _bench_speedups(run("plain", "sd:gamma=8", "sd:stop=0"))
+    with pytest.raises(ViasdError, match="no method 'sd:x'"):
+        _bench_speedups(run("plain", "sd"), "sd:x")

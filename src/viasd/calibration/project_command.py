@@ -54,7 +54,13 @@ def project(
     ] = None,
     slim: Annotated[
         str | None,
-        typer.Option(help="The costs' view(s) of the slim tier(s), e.g. skip=0.45 (default: profile with --profile)."),
+        typer.Option(
+            help="The costs' view(s) of the slim tier(s), e.g. skip=0.45 (default: the profile's, e.g. int8)."
+        ),
+    ] = None,
+    drafter_view: Annotated[
+        str | None,
+        typer.Option(help="The costs' view of the drafter, e.g. int4 (default: the profile's drafter, else full)."),
     ] = None,
     context: Annotated[int | None, typer.Option(help="Use the costs measured at the context nearest this.")] = None,
     sd_gamma: Annotated[int, typer.Option(help="Draft tokens per round of classic sd (bench's default: 4).")] = 4,
@@ -72,6 +78,10 @@ def project(
     ] = True,
     bench: Annotated[
         Path | None, typer.Option(help="A `viasd bench` run directory: set its measured speedups beside these.")
+    ] = None,
+    bench_sd: Annotated[
+        str | None,
+        typer.Option(help="The bench's method to compare with sd (default: sd, or its one sd:... variant)."),
     ] = None,
     write_questions: Annotated[
         Path | None,
@@ -120,17 +130,23 @@ def project(
         workload = Workload(records, [0] * len(records), describe_explicit(acceptance, shares, slim_agreement, rates))
         via = RoundPolicy(EXPLICIT_GATE, gamma=gamma or 4, cap=cap or 32)
     record = _read_json(costs, "costs file")
-    slims = [v.strip() for v in (slim or ("profile" if profile is not None else "")).split(",") if v.strip()]
-    if not slims:
-        raise ViasdError("--slim: name the costs' view of the slim tier (e.g. skip=0.45)")
-    cost_model, used = costs_from_record(record, slims, context)  # a bad costs file fails before any model loads
+    routing = None
     if profile is not None:
-        from viasd.calibration.pipeline import profile_data
-        from viasd.calibration.workfile import WorkFile
-        from viasd.engine import Engine
         from viasd.profile import load_profile
 
         routing = load_profile(profile)
+        named_slims, named_drafter = profile_views(routing)
+        slim, drafter_view = slim or named_slims, drafter_view or named_drafter
+    slims = [v.strip() for v in (slim or "").split(",") if v.strip()]
+    if not slims:
+        raise ViasdError("--slim: name the costs' view of the slim tier (e.g. skip=0.45)")
+    # A bad costs file fails before any model loads.
+    cost_model, used = costs_from_record(record, slims, context, drafter=drafter_view or "full")
+    if routing is not None:
+        from viasd.calibration.pipeline import profile_data
+        from viasd.calibration.workfile import WorkFile
+        from viasd.engine import Engine
+
         if len(slims) != len(routing.masks):
             raise ViasdError(f"the profile has {len(routing.masks)} slim view(s); --slim names {len(slims)}")
         with err.status(f"loading {target} and {drafter}"):
@@ -146,7 +162,7 @@ def project(
         sd_stop = 0.0 if acceptance is not None else DEFAULT_STOP
     sd = RoundPolicy(Gate.exact(), gamma=sd_gamma, stop=check_stop(sd_stop))
     result = project(workload, cost_model, sd, via)
-    measured = _bench_speedups(bench) if bench is not None else {}
+    measured = _bench_speedups(bench, bench_sd) if bench is not None else {}
 
     report = {
         "costs": {"file": str(costs), **used},
@@ -162,6 +178,21 @@ def project(
     if out is not None:
         write_atomic(out, json.dumps(report, indent=2) + "\n")
         err.print(f"wrote {out}", highlight=False)
+
+
+def profile_views(routing: Any) -> tuple[str, str]:
+    """A profile's slim views and drafter as `viasd costs` names them: `profile` for its layer mask, its
+    quantization recipe, or both joined by `+` (`profile+int8`), per tier; the drafter's recipe, or `full`."""
+    if routing.self_drafter:
+        raise ViasdError(
+            "the profile drafts with the target's own view: name its costs with --drafter-view "
+            "(and time that view of the target as the drafter)"
+        )
+    slims = []
+    for tier, mask in enumerate(routing.masks):
+        parts = ([] if mask.is_full else ["profile"]) + [recipe for recipe in [routing.slim_quant(tier)] if recipe]
+        slims.append("+".join(parts) or "full")
+    return ",".join(slims), (routing.drafter or {}).get("quant") or "full"
 
 
 def _policy(policy: Any) -> dict[str, Any]:
@@ -194,16 +225,27 @@ def _write_questions(profile: Path, path: Path) -> None:
     write_atomic(path, "\n".join(lines) + "\n")
 
 
-def _bench_speedups(run: Path) -> dict[str, float]:
-    """Each method's overall speedup over plain in a bench run (its summary.json)."""
+def _bench_speedups(run: Path, sd: str | None = None) -> dict[str, float]:
+    """Each method's overall speedup over plain in a bench run (its summary.json), with the run's sd method (`sd`,
+    its only `sd:...` variant, or the one named) under the name sd."""
     path = run / "summary.json"
     missing = f"no bench summary at {path}: run `viasd bench --out RUN` (or --report-only) first"
     rows = [r for r in _read_json(path, "bench summary", list, missing) if isinstance(r, dict)]
-    return {
+    found = {
         str(r["method"]): float(r["speedup"])
         for r in rows
         if r.get("category") == "all" and isinstance(r.get("speedup"), int | float)
     }
+    variants = [name for name in found if name == "sd" or name.startswith("sd:")]
+    if sd is None and "sd" not in found and len(variants) > 1:
+        raise ViasdError(f"the bench ran several sd methods ({', '.join(variants)}): name one with --bench-sd")
+    chosen = sd or ("sd" if "sd" in found else (variants[0] if variants else None))
+    if chosen is not None and chosen not in found:
+        raise ViasdError(f"--bench-sd: the bench has no method {chosen!r} (it ran {', '.join(found)})")
+    out = {name: value for name, value in found.items() if name not in variants}
+    if chosen is not None:
+        out["sd"] = found[chosen]
+    return out
 
 
 def _print(report: dict[str, Any], result: dict[str, Any], measured: dict[str, float], costs: Any) -> None:

@@ -5,8 +5,10 @@ models: a committed token is True when it is the target's greedy choice at its p
 counts errors as well as rounds, passes and tiers, exactly as the decoder would on that sequence.
 
 Cost model of one round with k draft tokens (the prompt prefill is counted as a target call, not timed):
-    drafter: k steps of cost c_d(1) (the first step may feed 2 tokens; in bf16 that costs the same); k is where
-             the drafter stops under the policy's `stop`, at most the round's draft length
+    drafter: k steps; k is where the drafter stops under the policy's `stop`, at most the round's draft length.
+             Each step feeds one token, c_d(1), except the first after a round that kept every draft: the last
+             draft was never fed, so that step feeds it with the bonus token, c_d(2) (a quantized drafter's
+             one-token kernels make that step dearer)
     slim:    one pass of each slim view that ran over k + 1 tokens, c_s(k + 1)
     full:    when the full target runs, one pass over every token it has not processed, c_f(1 + unchecked + k)
 Records follow the committed sequence. They are exactly what the decoder saw as long as every token a lower tier
@@ -120,13 +122,21 @@ class Prediction:
         }
 
 
-def round_seconds(played: Round[Any], costs: Costs, unchecked: int) -> float:
-    """Predicted seconds of one round (the module docstring's cost model); `unchecked` as before the round."""
+def round_seconds(played: Round[Any], costs: Costs, unchecked: int, feed: int = 1) -> float:
+    """Predicted seconds of one round (the module docstring's cost model); `unchecked` as before the round,
+    `feed` the tokens of its first drafter step (`first_feed` of the round before)."""
     k = played.drafted
-    seconds = k * costs.step + sum(costs.slim_pass(k + 1, tier) for tier in played.views)
+    drafting = costs.drafter_pass(feed) + (k - 1) * costs.step if k else 0.0
+    seconds = drafting + sum(costs.slim_pass(k + 1, tier) for tier in played.views)
     if played.full:
         seconds += costs.full_pass(1 + unchecked + k)
     return seconds
+
+
+def first_feed(played: Round[Any]) -> int:
+    """Tokens the next round's first drafter step feeds: 2 after a round that kept every draft (its last
+    draft and the bonus token), else 1 (the replacement token; the drafter's cache is cut back to the rest)."""
+    return 2 if played.drafted and played.accepted == played.drafted else 1
 
 
 def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | None = None) -> Prediction:
@@ -139,7 +149,7 @@ def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | N
         if not policy.gate.always_full:
             out.stats.record_prefill(names)  # as the decoder: the full target prefills the prompt
         parts = RecordedPasses(seq, policy.gate.signal, policy.stop)
-        unchecked = 0
+        unchecked, feed = 0, 1
         while parts.at < len(seq):
             k = draft_length(policy.gamma, len(seq) - parts.at)
             played = play_round(policy, parts, k, unchecked)
@@ -147,7 +157,8 @@ def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | N
             out.stats.record(played, taken, names)
             out.errors += taken - sum(played.committed)
             if costs is not None:
-                out.seconds += round_seconds(played, costs, unchecked)
+                out.seconds += round_seconds(played, costs, unchecked, feed)
+            feed = first_feed(played)
             unchecked = 0 if played.full else unchecked + taken
             parts.at += taken
     out.stats.new_tokens = sum(len(seq) for seq in records)
