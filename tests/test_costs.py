@@ -90,3 +90,32 @@ def test_a_shape_too_large_for_the_device_is_refused_with_the_memory_it_needs(mo
     result = CliRunner().invoke(app, ["costs", "--shape", "qwen2.5-32b", "--dtype", "bf16", "--device", "cpu"])
     assert result.exit_code == 2
     assert "shape qwen2.5-32b needs about 61.0 GiB for its weights in bfloat16; cpu has 8.0 GiB free" in result.output
+
+
+def test_timed_passes_run_the_decoders_work_and_leave_the_cache_as_a_fresh_prefix():
+    """Each timing (a drafter step, a verification, a slim check) runs the decoder's own calls and puts the cache
+    back: after every kind, the session holds exactly the prefix, equal to a fresh forward pass over it."""
+    from viasd.calibration.costs import PassTimer
+    from viasd.models.layer_skip import LayerMask
+    from viasd.models.session import KVSession
+
+    model = tiny_model("qwen2", layers=4, dtype=torch.float32)
+    head, tail = list(range(3, 15)), list(range(20, 30))
+    timer = PassTimer(model, head, tail)
+    fresh = KVSession(model)
+    fresh.forward(head)
+    slim = LayerMask.skipping(4, [1])
+    for timing in (
+        lambda: timer.drafter_step(1),
+        lambda: timer.drafter_step(4),
+        lambda: timer.verification(5, 5),
+        lambda: timer.verification(6, 2),
+        lambda: timer.slim_check(5, 5, slim),
+        lambda: timer.slim_check(1, 1, slim),
+    ):
+        passes = timer.session.forward_passes
+        assert timing() > 0
+        assert timer.session.forward_passes == passes + 1  # one model pass per timing
+        assert timer.session.tokens == head and not timer.session.pending
+        for mine, theirs in zip(timer.session.cache.layers, fresh.cache.layers, strict=True):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)

@@ -227,6 +227,7 @@ def _model_tables(
     )
 
     def tables(loaded: LoadedModel, role: str, names: list[str], rows: int) -> list[dict[str, Any]]:
+        """Timings of each named view of `loaded` per context, as `role` (target or drafter) makes its passes."""
         random_weights = loaded.tokenizer is None
 
         def quantized(recipe: str) -> Any:
@@ -261,6 +262,7 @@ def _model_tables(
                     repeats=repeats,
                     keep=rows,
                     on_step=lambda: bar.advance(task),  # noqa: B023 (used within this iteration only)
+                    drafter=role == "drafter",
                 )
             out.append({"role": role, "model": loaded.name, "context": ctx, "views": seconds})
         return out

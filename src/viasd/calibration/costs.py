@@ -2,8 +2,10 @@
 
 Median seconds of a pass over L new tokens after a ~100-token prefix, for several L, with the measurements
 of every kind and length interleaved in a shuffled order, so drift in machine load spreads evenly over them.
-On a GPU a pass only queues its kernels, so every timing waits for the device before it starts and before it
-stops (`wait_for`).
+A pass is timed as a decoder makes it (`PassTimer`): the drafter's own step (its probabilities and the read of
+its token), a slim view's check of a draft block (gate signals, outcomes, their read), the full target's
+verification of one; the work around a forward pass is several percent of a cheap pass. On a GPU a pass only
+queues its kernels, so every timing waits for the device before it starts and before it stops (`wait_for`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from viasd.drafters.base import Proposal
 from viasd.errors import ViasdError
-from viasd.models.session import KVSession
 from viasd.models.views import ViewLike
+from viasd.verify.gates import Gate
+from viasd.verify.sampling import SamplingParams
 
 
 def wait_for(device: torch.device) -> None:
@@ -137,6 +141,86 @@ class CostTable:
             raise ViasdError(f"the profile's measured costs are malformed: {exc}") from exc
 
 
+GREEDY = SamplingParams(temperature=0.0)
+TIMING_GATE = Gate("kl", (0.1, 1.0))  # the thresholds do not change the work of a check
+
+
+class PassTimer:
+    """Times passes of one model after `head` tokens, as the decoders make them, and puts the cache back after each.
+
+    The new tokens of a pass are the first n of `tail`. `drafter_step(n)`: a model drafter's step that feeds n
+    tokens (one; more when it catches up) and picks its draft. `verification(n, rows)`: the full target's pass
+    over n tokens verifying the last rows - 1 of them as drafts. `slim_check(n, rows, view)`: a slim view's pass
+    over n tokens (its own entries beyond the committed ones) and its verdict on the last rows - 1 as drafts,
+    with the gate's signals against a drafter's distributions.
+    """
+
+    def __init__(self, model: nn.Module, head: Sequence[int], tail: Sequence[int], view: ViewLike = None) -> None:
+        from viasd.drafters.model_drafter import ModelDrafter
+
+        self.head, self.tail = list(head), list(tail)
+        self.drafter = ModelDrafter(model, view)
+        self.session = self.drafter.session
+        self.session.forward(self.head)
+        self.generator = torch.Generator(self.session.device)
+        self._soft: torch.Tensor | None = None
+
+    @property
+    def soft(self) -> torch.Tensor:
+        """A drafter's distributions over the tail (random: the gate's arithmetic is the same whatever they hold)."""
+        if self._soft is None:
+            vocab = int(self.session.model.config.vocab_size)
+            noise = torch.randn(len(self.tail), vocab, generator=torch.Generator().manual_seed(0))
+            self._soft = torch.softmax(noise, -1).to(self.session.device)
+        return self._soft
+
+    def _timed(self, work: Callable[[], object]) -> float:
+        wait_for(self.session.device)
+        t0 = time.perf_counter()
+        work()
+        wait_for(self.session.device)
+        return time.perf_counter() - t0
+
+    def drafter_step(self, n: int) -> float:
+        sequence = self.head + self.tail[:n]
+        elapsed = self._timed(lambda: self.drafter.propose(sequence, 1, GREEDY, self.generator))
+        self.session.truncate(len(self.head))
+        return elapsed
+
+    def verification(self, n: int, rows: int) -> float:
+        from viasd.decode.speculative import verify_with_target
+
+        split = len(self.head) + n - rows + 1
+        sequence = self.head + self.tail[:n]
+        proposal = Proposal(sequence[split:])
+        elapsed = self._timed(
+            lambda: verify_with_target(self.session, sequence[:split], proposal, GREEDY, self.generator)
+        )
+        self.session.truncate(len(self.head))
+        return elapsed
+
+    def slim_check(self, n: int, rows: int, view: ViewLike) -> float:
+        from viasd.decode.tiered import SlimViews
+
+        sequence = self.head + self.tail[:n]
+        drafts = sequence[len(sequence) - rows + 1 :]
+        keep, session = rows, self.session
+        if not drafts:  # a slim view always checks a draft; one row is its bare pass
+            elapsed = self._timed(lambda: session.extend_slim_to(sequence, view, keep=keep))
+        else:
+            proposal = Proposal(drafts, soft=self.soft[: len(drafts)])
+            slim = SlimViews(
+                proposal,
+                lambda tier: session.extend_slim_to(sequence, view, keep=keep),
+                TIMING_GATE,
+                GREEDY,
+                self.generator,
+            )
+            elapsed = self._timed(lambda: (slim.signals(), slim.check(0, 1)))
+        session.truncate_pending(0)
+        return elapsed
+
+
 def measure_costs(
     target: nn.Module,
     drafter: nn.Module | Mapping[str, tuple[nn.Module, ViewLike]],
@@ -160,37 +244,22 @@ def measure_costs(
     if len(tokens) < need:
         tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
     head, tail = list(tokens[:prefix]), list(tokens[prefix:need])
-    full_session = KVSession(target)
-    full_session.forward(head)
+    full = PassTimer(target, head, tail)
     candidates = (
         {"drafter": (drafter, None)}
         if isinstance(drafter, nn.Module)
         else {f"drafter:{name}": pair for name, pair in drafter.items()}
     )
-    draft_sessions = {kind: KVSession(model, view) for kind, (model, view) in candidates.items()}
-    for session in draft_sessions.values():
-        session.forward(head)
+    drafters = {kind: PassTimer(model, head, tail, view) for kind, (model, view) in candidates.items()}
 
     def run(kind: str, n: int) -> float:
-        ids = tail[:n]
-        session = draft_sessions.get(kind, full_session)
-        wait_for(session.device)
-        t0 = time.perf_counter()
-        if kind in draft_sessions:
-            session.forward(ids, keep=1)
-        elif kind == "full":
-            session.forward(ids, keep=n)
-        else:
-            session.forward_slim(ids, slims[int(kind.split(":")[1])], keep=n)
-        wait_for(session.device)
-        elapsed = time.perf_counter() - t0
-        if kind == "full" or kind in draft_sessions:
-            session.truncate(prefix)
-        else:
-            session.truncate_pending(0)
-        return elapsed
+        if kind in drafters:
+            return drafters[kind].drafter_step(n)
+        if kind == "full":
+            return full.verification(n, n)
+        return full.slim_check(n, n, slims[int(kind.split(":")[1])])
 
-    kinds = [*draft_sessions, "full", *(f"slim:{i}" for i in range(len(slims)))]
+    kinds = [*drafters, "full", *(f"slim:{i}" for i in range(len(slims)))]
     jobs = [(kind, n) for kind in kinds for n in lengths]
     for kind in kinds:  # warm-up
         run(kind, lengths[0])
@@ -214,36 +283,33 @@ def measure_views(
     seed: int = 0,
     on_step: Callable[[], None] = lambda: None,
     keep: int | None = None,
+    drafter: bool = False,
 ) -> dict[str, list[float]]:
     """Median seconds of a pass of each view over L new tokens after `prefix` tokens, per L in `lengths`.
 
-    Every view runs as a slim pass does in decoding (on the full model's cache of the prefix); the full model
-    (view None) as a verification pass. A pass keeps the logits of its last min(L, keep) positions (None: all
-    L; a drafter keeps 1, a verification pass its block). Jobs are interleaved in a shuffled order, `repeats`
-    times.
+    As a decoder makes them (`PassTimer`): a target's views check a draft block as a slim view does (on the full
+    model's cache of the prefix), the full model (view None) verifies one; a pass keeps the logits of its last
+    min(L, keep) positions (None: all L). With `drafter`, each view is a drafter of its own and a pass is its
+    step over L tokens. Jobs are interleaved in a shuffled order, `repeats` times.
     """
     lengths = sorted(set(lengths))
     need = prefix + lengths[-1]
     tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
     head, tail = tokens[:prefix], tokens[prefix:need]
-    session = KVSession(model)
-    session.forward(head)
+    if drafter:
+        timers = {name: PassTimer(model, head, tail, view) for name, view in views.items()}
+    else:
+        target = PassTimer(model, head, tail)
 
     def run(name: str, n: int) -> float:
         view = views[name]
-        wait_for(session.device)
-        t0 = time.perf_counter()
         rows = n if keep is None else min(n, keep)
-        if view is None:
-            session.forward(tail[:n], keep=rows)
+        if drafter:
+            elapsed = timers[name].drafter_step(n)
+        elif view is None:
+            elapsed = target.verification(n, rows)
         else:
-            session.forward_slim(tail[:n], view, keep=rows)
-        wait_for(session.device)
-        elapsed = time.perf_counter() - t0
-        if view is None:
-            session.truncate(prefix)
-        else:
-            session.truncate_pending(0)
+            elapsed = target.slim_check(n, rows, view)
         on_step()
         return elapsed
 

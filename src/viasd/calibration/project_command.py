@@ -162,7 +162,8 @@ def project(
         sd_stop = 0.0 if acceptance is not None else DEFAULT_STOP
     sd = RoundPolicy(Gate.exact(), gamma=sd_gamma, stop=check_stop(sd_stop))
     result = project(workload, cost_model, sd, via)
-    measured = _bench_speedups(bench, bench_sd) if bench is not None else {}
+    rows = _bench_rows(bench, bench_sd) if bench is not None else {}
+    measured = {name: float(row["speedup"]) for name, row in rows.items()}
 
     report = {
         "costs": {"file": str(costs), **used},
@@ -173,7 +174,12 @@ def project(
         "methods": {name: m.to_dict() for name, m in result.items()},
     }
     if measured:
-        report["bench"] = {"run": str(bench), "measured_speedup": measured, "tolerance": TOLERANCE}
+        report["bench"] = {
+            "run": str(bench),
+            "measured_speedup": measured,
+            "tolerance": TOLERANCE,
+            "seconds_per_token_by_part": _part_comparison(result, rows),
+        }
     _print(report, result, measured, cost_model)
     if out is not None:
         write_atomic(out, json.dumps(report, indent=2) + "\n")
@@ -225,16 +231,14 @@ def _write_questions(profile: Path, path: Path) -> None:
     write_atomic(path, "\n".join(lines) + "\n")
 
 
-def _bench_speedups(run: Path, sd: str | None = None) -> dict[str, float]:
-    """Each method's overall speedup over plain in a bench run (its summary.json), with the run's sd method (`sd`,
-    its only `sd:...` variant, or the one named) under the name sd."""
+def _bench_rows(run: Path, sd: str | None = None) -> dict[str, dict[str, Any]]:
+    """Each method's overall row in a bench run's summary.json, with the run's sd method (`sd`, its only `sd:...`
+    variant, or the one named) under the name sd."""
     path = run / "summary.json"
     missing = f"no bench summary at {path}: run `viasd bench --out RUN` (or --report-only) first"
     rows = [r for r in _read_json(path, "bench summary", list, missing) if isinstance(r, dict)]
     found = {
-        str(r["method"]): float(r["speedup"])
-        for r in rows
-        if r.get("category") == "all" and isinstance(r.get("speedup"), int | float)
+        str(r["method"]): r for r in rows if r.get("category") == "all" and isinstance(r.get("speedup"), int | float)
     }
     variants = [name for name in found if name == "sd" or name.startswith("sd:")]
     if sd is None and "sd" not in found and len(variants) > 1:
@@ -242,9 +246,32 @@ def _bench_speedups(run: Path, sd: str | None = None) -> dict[str, float]:
     chosen = sd or ("sd" if "sd" in found else (variants[0] if variants else None))
     if chosen is not None and chosen not in found:
         raise ViasdError(f"--bench-sd: the bench has no method {chosen!r} (it ran {', '.join(found)})")
-    out = {name: value for name, value in found.items() if name not in variants}
+    out = {name: row for name, row in found.items() if name not in variants}
     if chosen is not None:
         out["sd"] = found[chosen]
+    return out
+
+
+def _bench_speedups(run: Path, sd: str | None = None) -> dict[str, float]:
+    """Each method's overall speedup over plain in a bench run (`_bench_rows`)."""
+    return {name: float(row["speedup"]) for name, row in _bench_rows(run, sd).items()}
+
+
+# The bench's cost split (`bench.metrics.COST_PARTS`) under the projection's part names.
+_BENCH_PARTS = {"draft": "drafting", "slim": "slim verifier", "verify": "full target"}
+
+
+def _part_comparison(result: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method, projected and measured seconds per committed token of each part (draft, slim, verify)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, projected in result.items():
+        measured = (rows.get(name) or {}).get("cost_per_token") or {}
+        parts = projected.counts.get("seconds_by_part", {})
+        out[name] = {
+            part: {"projected": seconds / projected.tokens, "measured": measured.get(_BENCH_PARTS[part])}
+            for part, seconds in parts.items()
+            if seconds or measured.get(_BENCH_PARTS[part])
+        }
     return out
 
 
@@ -297,3 +324,10 @@ def _print(report: dict[str, Any], result: dict[str, Any], measured: dict[str, f
                 f"{ratio:.3f} ({verdict})",
                 highlight=False,
             )
+    for name, parts in report.get("bench", {}).get("seconds_per_token_by_part", {}).items():
+        cells = [
+            f"{part} {1e3 * v['projected']:.1f}"
+            + (f" / {1e3 * v['measured']:.1f}" if isinstance(v["measured"], int | float) else " / -")
+            for part, v in parts.items()
+        ]
+        console.print(f"{name}: ms per token, projected / measured: {', '.join(cells)}", highlight=False)

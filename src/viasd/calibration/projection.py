@@ -28,7 +28,7 @@ from typing import Any
 
 from viasd.calibration.costs import Costs
 from viasd.calibration.records import GateRecords
-from viasd.calibration.replay import replay
+from viasd.calibration.replay import PARTS, replay
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.verify.gates import Gate
@@ -88,14 +88,20 @@ def plain_seconds(tokens: int, prompt: int, costs: Costs) -> float:
     return costs.full_pass(prompt) + (tokens - 1) * costs.full_pass(1)
 
 
-def prompt_seconds(method: str, prompt: int, gamma: int, costs: Costs) -> float:
-    """What reading the prompt adds to a drafting method's replayed rounds (the module docstring's terms)."""
+def prompt_parts(method: str, prompt: int, gamma: int, costs: Costs) -> dict[str, float]:
+    """What reading the prompt adds to a drafting method's replayed rounds (the module docstring's terms), by
+    part: the drafter's and the target's."""
     if prompt <= 0:
-        return 0.0
+        return {"draft": 0.0, "verify": 0.0}
     drafter = costs.drafter_pass(prompt) - costs.step
     if method == "sd":
-        return costs.full_pass(prompt + gamma) - costs.full_pass(1 + gamma) + drafter
-    return costs.full_pass(prompt - 1) + drafter
+        return {"draft": drafter, "verify": costs.full_pass(prompt + gamma) - costs.full_pass(1 + gamma)}
+    return {"draft": drafter, "verify": costs.full_pass(prompt - 1)}
+
+
+def prompt_seconds(method: str, prompt: int, gamma: int, costs: Costs) -> float:
+    """What reading the prompt adds to a drafting method's replayed rounds (`prompt_parts` summed)."""
+    return sum(prompt_parts(method, prompt, gamma, costs).values())
 
 
 def project(
@@ -107,16 +113,22 @@ def project(
     policies = {"sd": sd_policy, **({"via": via_policy} if via_policy is not None else {})}
     lengths = [len(seq) for seq in workload.records]
     plain = [plain_seconds(n, p, costs) for n, p in zip(lengths, workload.prompts, strict=True)]
-    out = {"plain": MethodProjection("plain", sum(lengths), sum(plain), 1.0, {"target_calls": sum(lengths)})}
+    counts = {"target_calls": sum(lengths), "seconds_by_part": {"draft": 0.0, "slim": 0.0, "verify": sum(plain)}}
+    out = {"plain": MethodProjection("plain", sum(lengths), sum(plain), 1.0, counts)}
     for method, policy in policies.items():
         seconds = []
+        parts = dict.fromkeys(PARTS, 0.0)
         for seq, prompt in zip(workload.records, workload.prompts, strict=True):
-            played = replay([seq], policy, costs).seconds
-            seconds.append(played + prompt_seconds(method, prompt, policy.gamma, costs))
+            played = replay([seq], policy, costs)
+            reading = prompt_parts(method, prompt, policy.gamma, costs)
+            for part in PARTS:
+                parts[part] += played.parts[part] + reading.get(part, 0.0)
+            seconds.append(played.seconds + sum(reading.values()))
         ratios = [base / mine for base, mine in zip(plain, seconds, strict=True)]
         counts = replay(workload.records, policy, costs).to_dict()
         for total in ("seconds", "tokens", "tokens_per_second"):  # kept with the prompt terms in MethodProjection
             del counts[total]
+        counts["seconds_by_part"] = parts
         out[method] = MethodProjection(method, sum(lengths), sum(seconds), geometric_mean(ratios), counts)
     return out
 

@@ -23,7 +23,7 @@ draft, the replay may draft a different number of tokens after it, though it com
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from viasd.calibration.costs import Costs
@@ -31,6 +31,8 @@ from viasd.calibration.records import GateRecords
 from viasd.decode.round import Round, RoundPolicy, draft_length, play_round
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import stopped_length
+
+PARTS = ("draft", "slim", "verify")  # where a decoder's time goes, as `GenerationStats` times it
 
 
 class RecordedPasses:
@@ -81,6 +83,7 @@ class Prediction:
     stats: GenerationStats
     seconds: float = 0.0
     errors: int = 0  # committed tokens that differ from the target's greedy choice
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))  # seconds by part
 
     @property
     def tokens(self) -> int:
@@ -107,6 +110,7 @@ class Prediction:
         return {
             "tokens": self.tokens,
             "seconds": self.seconds,
+            "seconds_by_part": dict(self.parts),
             "errors": self.errors,
             "rounds": s.rounds,
             "target_calls": s.target_calls,
@@ -122,15 +126,21 @@ class Prediction:
         }
 
 
-def round_seconds(played: Round[Any], costs: Costs, unchecked: int, feed: int = 1) -> float:
-    """Predicted seconds of one round (the module docstring's cost model); `unchecked` as before the round,
-    `feed` the tokens of its first drafter step (`first_feed` of the round before)."""
+def round_parts(played: Round[Any], costs: Costs, unchecked: int, feed: int = 1) -> dict[str, float]:
+    """Predicted seconds of one round by part, as the bench splits a decoder's time (draft, slim, verify): the
+    module docstring's cost model. `unchecked` as before the round, `feed` the tokens of its first drafter step
+    (`first_feed` of the round before)."""
     k = played.drafted
-    drafting = costs.drafter_pass(feed) + (k - 1) * costs.step if k else 0.0
-    seconds = drafting + sum(costs.slim_pass(k + 1, tier) for tier in played.views)
-    if played.full:
-        seconds += costs.full_pass(1 + unchecked + k)
-    return seconds
+    return {
+        "draft": costs.drafter_pass(feed) + (k - 1) * costs.step if k else 0.0,
+        "slim": sum(costs.slim_pass(k + 1, tier) for tier in played.views),
+        "verify": costs.full_pass(1 + unchecked + k) if played.full else 0.0,
+    }
+
+
+def round_seconds(played: Round[Any], costs: Costs, unchecked: int, feed: int = 1) -> float:
+    """Predicted seconds of one round (`round_parts` summed)."""
+    return sum(round_parts(played, costs, unchecked, feed).values())
 
 
 def first_feed(played: Round[Any]) -> int:
@@ -157,7 +167,9 @@ def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | N
             out.stats.record(played, taken, names)
             out.errors += taken - sum(played.committed)
             if costs is not None:
-                out.seconds += round_seconds(played, costs, unchecked, feed)
+                for part, seconds in round_parts(played, costs, unchecked, feed).items():
+                    out.parts[part] += seconds
+                    out.seconds += seconds
             feed = first_feed(played)
             unchecked = 0 if played.full else unchecked + taken
             parts.at += taken
