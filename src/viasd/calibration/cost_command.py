@@ -249,7 +249,7 @@ def _model_tables(
         out = []
         for ctx in contexts:
             ids = [random.Random(0).randrange(vocab) for _ in range(ctx + max(lengths))]
-            total = len(chosen) * (len(lengths) * repeats + 1)  # one warm-up pass per view
+            total = len(chosen) * len(lengths) * repeats  # timed passes (the warm-up is not counted)
             what = f"timing {len(chosen)} views of {loaded.name} x {len(lengths)} lengths, context {ctx}"
             with Progress(*Progress.get_default_columns(), console=err, transient=True) as bar:
                 task = bar.add_task(what, total=total)

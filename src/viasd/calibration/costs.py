@@ -28,6 +28,8 @@ from viasd.models.views import ViewLike
 from viasd.verify.gates import Gate
 from viasd.verify.sampling import SamplingParams
 
+Job = tuple[str, int]  # what to time: a kind (or view name) and the tokens of the pass
+
 
 def wait_for(device: torch.device) -> None:
     """Wait until the device has run everything queued on it (a no-op on the CPU, where passes are synchronous)."""
@@ -139,6 +141,40 @@ class CostTable:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ViasdError(f"the profile's measured costs are malformed: {exc}") from exc
+
+
+# A CPU runs faster in its first seconds under load than it does sustained, which is how decoding runs it: timings
+# start after this long of untimed passes.
+WARM_UP_SECONDS = 5.0
+
+
+def median_timings(
+    jobs: Sequence[Job],
+    run: Callable[[str, int], float],
+    repeats: int,
+    seed: int = 0,
+    on_step: Callable[[], None] = lambda: None,
+    warm_up: float = WARM_UP_SECONDS,
+) -> dict[Job, float]:
+    """Median of `repeats` timings of each (kind, n) job, `run(kind, n)` returning one; the jobs interleaved in a
+    new shuffled order each round, after every job once and then random ones for `warm_up` seconds (at most three
+    per job: small models need no settling), untimed."""
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    for job in jobs:  # first calls allocate and pick kernels
+        run(*job)
+    for _ in range(3 * len(jobs)):
+        if time.perf_counter() - start >= warm_up:
+            break
+        run(*rng.choice(jobs))
+    samples: dict[Job, list[float]] = {job: [] for job in jobs}
+    order = list(jobs)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for job in order:
+            samples[job].append(run(*job))
+            on_step()
+    return {job: statistics.median(times) for job, times in samples.items()}
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -260,16 +296,8 @@ def measure_costs(
         return full.slim_check(n, n, slims[int(kind.split(":")[1])])
 
     kinds = [*drafters, "full", *(f"slim:{i}" for i in range(len(slims)))]
-    jobs = [(kind, n) for kind in kinds for n in lengths]
-    for kind in kinds:  # warm-up
-        run(kind, lengths[0])
-    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(jobs)
-        for job in jobs:
-            samples[job].append(run(*job))
-    seconds = {kind: [float(torch.tensor(samples[(kind, n)]).median()) for n in lengths] for kind in kinds}
+    medians = median_timings([(kind, n) for kind in kinds for n in lengths], run, repeats, seed)
+    seconds = {kind: [medians[(kind, n)] for n in lengths] for kind in kinds}
     return CostTable(list(lengths), seconds, prefix, repeats)
 
 
@@ -310,19 +338,10 @@ def measure_views(
             elapsed = target.verification(n, rows)
         else:
             elapsed = target.slim_check(n, rows, view)
-        on_step()
         return elapsed
 
-    jobs = [(name, n) for name in views for n in lengths]
-    for name in views:  # warm-up
-        run(name, lengths[0])
-    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(jobs)
-        for job in jobs:
-            samples[job].append(run(*job))
-    return {name: [statistics.median(samples[(name, n)]) for n in lengths] for name in views}
+    medians = median_timings([(name, n) for name in views for n in lengths], run, repeats, seed, on_step)
+    return {name: [medians[(name, n)] for n in lengths] for name in views}
 
 
 def measure_kernels(
@@ -381,13 +400,5 @@ def measure_kernels(
                 module(x)
             return (time.perf_counter() - t0) / len(modules)
 
-    jobs = [(kind, n) for kind in kinds for n in rows]
-    for job in jobs:  # warm-up
-        run(*job)
-    samples: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(jobs)
-        for job in jobs:
-            samples[job].append(run(*job))
-    return {kind: [statistics.median(samples[(kind, n)]) for n in rows] for kind in kinds}
+    medians = median_timings([(kind, n) for kind in kinds for n in rows], run, repeats, seed)
+    return {kind: [medians[(kind, n)] for n in rows] for kind in kinds}
