@@ -211,3 +211,37 @@ def test_siblings_computed_together_equal_their_own_products():
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             module = q.modules[f"model.layers.1.{name}"]
             assert torch.allclose(module(x), module.product(x), atol=1e-5), name
+
+
+def test_a_long_pass_of_a_weight_only_view_reads_the_prompt_with_the_models_own_weights():
+    """On a CPU a long block is cheaper in bf16 than through int4 weight-only kernels: the positions of a pass that
+    need no logits are read by the model's own weights, the rest by the view. Plain decoding and sd of the int4
+    model still agree token for token, and the cache is what those two passes write."""
+    from viasd.models.quantize import OWN_WEIGHTS_FROM_CPU
+
+    target = tiny_model("qwen2", dtype=torch.float32)
+    int4 = View(linears=quantize(target, QuantRecipe("int4")))
+    start = OWN_WEIGHTS_FROM_CPU["int4"]
+    assert start is not None and OWN_WEIGHTS_FROM_CPU["int8"] is None  # int8 products are never slower than bf16
+    prompt = (PROMPT * 8)[: start + 6]
+    session = KVSession(target, int4)
+    logits = session.forward(prompt, keep=1)
+    assert session.forward_passes == 1  # one pass, run in two parts
+    own = KVSession(target)
+    own.forward(prompt[:-1])
+    with torch.inference_mode(), applied(target, int4):
+        want = target(input_ids=torch.tensor([prompt[-1:]]), cache=own.cache, use_cache=True).logits[0, -1:]
+    assert torch.allclose(logits, want.float(), atol=1e-5)
+    assert_cache_equals(session.cache, own.cache, len(prompt), atol=1e-6)
+    # A short pass (a block to verify) runs wholly in the view.
+    whole = KVSession(target, int4)
+    short = prompt[: start - 1]
+    with torch.inference_mode(), applied(target, int4):
+        ref = target(input_ids=torch.tensor([short])).logits[0, -1:]
+    assert torch.allclose(whole.forward(short, keep=1), ref.float(), atol=1e-5)
+    # Exactness survives the split: sd of the int4 target reproduces plain decoding of it on the long prompt.
+    tok, config = tiny_tokenizer(64), GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    fast = PlainDecoder(target, tok, view=int4).generate(prompt, config)
+    drafter = ModelDrafter(tiny_model("qwen2", layers=2, seed=1, dtype=torch.float32))
+    sd = SpeculativeDecoder(target, tok, drafter, gamma=4, view=int4).generate(prompt, config)
+    assert sd.tokens == fast.tokens

@@ -36,6 +36,14 @@ from viasd.errors import ViasdError
 
 KINDS = ("int8", "int8wo", "int4")
 
+# From how many positions that need no logits a pass reads them faster with the model's own bf16 weights (and the
+# rest with the quantized copies, one extra pass) than with the quantized copies alone, on a CPU (x86 with AVX-512
+# VNNI and BF16, 2 threads; `viasd costs --views full,int8,int8wo,int4 --drafter-views full,int8,int4 --tokens
+# 4,8,...,384 --context 1 --keep 1`, BENCHMARKS.md). The weight-only kernels win on short blocks, where the
+# weights' bytes decide, and lose on long ones (a prompt), where arithmetic does; int8 with int8 activations is
+# never slower than bf16. Not measured on other devices: no switch there.
+OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32}
+
 
 @dataclass(frozen=True)
 class QuantRecipe:
@@ -93,6 +101,11 @@ class QuantRecipe:
                     f"bad quantization option {option!r} in {text!r}: write smooth=A, group=G or keep=PATTERN,..."
                 ) from None
         return cls(kind, **values)
+
+    def own_weights_from(self, device: torch.device) -> int | None:
+        """Tokens from which the positions of a pass that need no logits are read faster by the model's own
+        weights (OWN_WEIGHTS_FROM_CPU); None: never."""
+        return OWN_WEIGHTS_FROM_CPU[self.kind] if device.type == "cpu" else None
 
     def keeps(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.keep)

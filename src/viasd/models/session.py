@@ -141,6 +141,24 @@ class KVSession:
         del self.pending[count:]
 
     def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
+        """One pass of `view` over `ids`; logits of the last `keep` positions.
+
+        A long pass of a quantized view (a prompt) reads the positions that need no logits with the model's own
+        weights, which are faster there (`QuantRecipe.own_weights_from`), and only the last `keep` with the
+        view. Which weights wrote a position's KV entries depends only on whether its logits were needed in a
+        long pass, so plain decoding and a block verification of the same view still see the same cache.
+        """
+        head = len(ids) - keep
+        linears = view.linears if view is not None and (view.mask is None or view.mask.is_full) else None
+        if linears is not None and head > 0:
+            start = linears.recipe.own_weights_from(self.device)
+            if start is not None and head >= start:
+                self._pass(ids[:head], None, 1)
+                self.forward_passes -= 1  # one pass, run in two parts
+                ids = ids[head:]
+        return self._pass(ids, view, keep)
+
+    def _pass(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
         device = self.device
         input_ids = ids.to(device) if isinstance(ids, torch.Tensor) else upload_ids(ids, device)
         with torch.inference_mode(), applied(self.model, view):
