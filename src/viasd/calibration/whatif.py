@@ -38,15 +38,16 @@ def what_if_table(profile: RoutingProfile, records: Sequence[GateRecords], setti
     )
     budget, share, gates = settings.quality_budget, settings.min_tier_share, settings.pregates
     right = always_right(records)
+    pct = f"{100 * budget:g}%"  # 0.5%, 2%
     scenarios = [
-        (f"as configured (budget {budget:.0%}, every tier >= {share:.0%}, pre-gates {list(gates)}, "
+        (f"as configured (budget {pct}, every tier >= {100 * share:g}%, pre-gates {list(gates)}, "
          f"stops {list(settings.stops)})", records, measured, budget, share, gates),
-        (f"budget {budget:.0%}, tiers free", records, measured, budget, 0.0, gates),
+        (f"budget {pct}, tiers free", records, measured, budget, 0.0, gates),
         ("budget 5%, tiers free", records, measured, 0.05, 0.0, gates),
         ("budget 10%, tiers free", records, measured, 0.10, 0.0, gates),
-        (f"slim pass at half a full pass, budget {budget:.0%}", records, at_half_cost(measured), budget, 0.0, gates),
-        (f"slim verifier always right, measured cost, budget {budget:.0%}", right, measured, budget, 0.0, gates),
-        (f"slim always right and at half cost, budget {budget:.0%}", right, at_half_cost(measured), budget, 0.0, gates),
+        (f"slim pass at half a full pass, budget {pct}", records, at_half_cost(measured), budget, 0.0, gates),
+        (f"slim verifier always right, measured cost, budget {pct}", right, measured, budget, 0.0, gates),
+        (f"slim always right and at half cost, budget {pct}", right, at_half_cost(measured), budget, 0.0, gates),
     ]  # fmt: skip
     lines = [
         "| scenario | via tok/s | sd tok/s | via/sd | gate | gamma | stop | cap | pre-gate | errors | tiers a/s/f |",
