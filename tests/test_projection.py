@@ -286,8 +286,8 @@ def test_a_profile_names_the_cost_views_of_its_slim_tiers_and_drafter():
     assert profile_views(quantized) == ("int8", "int4")  # the shipped kind: int8 slim view, int4 drafter
     assert profile_views(made([skip, full], [None, "int8"], None)) == ("profile,int8", "full")
     assert profile_views(made([skip], ["int8"], None)) == ("profile+int8", "full")
-    with pytest.raises(ViasdError, match="--drafter-view"):
-        profile_views(made([full], ["int8"], {"name": "t", "fingerprint": "f", "self": True, "quant": "int8"}))
+    own = made([full], ["int8"], {"name": "t", "fingerprint": "f", "self": True, "quant": "int8"})
+    assert profile_views(own) == ("int8", None)  # the command asks for --drafter-view then
 
 
 def test_the_bench_sd_method_is_found_or_named(tmp_path):

@@ -137,6 +137,11 @@ def project(
         routing = load_profile(profile)
         named_slims, named_drafter = profile_views(routing)
         slim, drafter_view = slim or named_slims, drafter_view or named_drafter
+        if drafter_view is None:
+            raise ViasdError(
+                "the profile drafts with the target's own view: name its costs with --drafter-view "
+                "(and time that view of the target as the drafter)"
+            )
     slims = [v.strip() for v in (slim or "").split(",") if v.strip()]
     if not slims:
         raise ViasdError("--slim: name the costs' view of the slim tier (e.g. skip=0.45)")
@@ -186,19 +191,16 @@ def project(
         err.print(f"wrote {out}", highlight=False)
 
 
-def profile_views(routing: Any) -> tuple[str, str]:
+def profile_views(routing: Any) -> tuple[str, str | None]:
     """A profile's slim views and drafter as `viasd costs` names them: `profile` for its layer mask, its
-    quantization recipe, or both joined by `+` (`profile+int8`), per tier; the drafter's recipe, or `full`."""
-    if routing.self_drafter:
-        raise ViasdError(
-            "the profile drafts with the target's own view: name its costs with --drafter-view "
-            "(and time that view of the target as the drafter)"
-        )
+    quantization recipe, or both joined by `+` (`profile+int8`), per tier; the drafter's recipe, or `full`
+    (None for the target's own view drafting: that table is the target's, not a drafter's)."""
     slims = []
     for tier, mask in enumerate(routing.masks):
         parts = ([] if mask.is_full else ["profile"]) + [recipe for recipe in [routing.slim_quant(tier)] if recipe]
         slims.append("+".join(parts) or "full")
-    return ",".join(slims), (routing.drafter or {}).get("quant") or "full"
+    drafter = None if routing.self_drafter else (routing.drafter or {}).get("quant") or "full"
+    return ",".join(slims), drafter
 
 
 def _policy(policy: Any) -> dict[str, Any]:
