@@ -14,8 +14,10 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
+from viasd.models import w4a8
 from viasd.models.layer_skip import LayerMask
 from viasd.models.quantize import (
+    Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
@@ -40,7 +42,9 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    ("kind", "bound"), [("int8", 0.02), ("int8wo", 0.01), ("int4", 0.12)], ids=["int8", "int8wo", "int4"]
+    ("kind", "bound"),
+    [("int8", 0.02), ("int8wo", 0.01), ("int4", 0.12), ("int4a8", 0.12)],
+    ids=["int8", "int8wo", "int4", "int4a8"],
 )
 def test_quantized_linears_approximate_the_layer_for_blocks_and_single_tokens(kind, bound):
     layer = linear()
@@ -48,6 +52,7 @@ def test_quantized_linears_approximate_the_layer_for_blocks_and_single_tokens(ki
         "int8": lambda: Int8DynamicLinear.from_linear(layer),
         "int8wo": lambda: Int8WeightOnlyLinear.from_linear(layer),
         "int4": lambda: Int4WeightOnlyLinear.from_linear(layer, 64),
+        "int4a8": lambda: Int4Int8Linear.from_linear(layer),
     }[kind]()
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     with torch.inference_mode():
@@ -70,6 +75,47 @@ def test_int4_kernel_computes_the_dequantised_weights():
     with torch.inference_mode():
         want = x.bfloat16().float() @ dequant.T + layer.bias
         assert rel_error(module(x), want) < 0.01
+
+
+def test_int4a8_computes_its_codes_times_per_token_int8_activations():
+    """The int4 x int8 product, by hand: dequantised 4-bit weights times activations rounded to 255 levels per
+    token and group of 64; the compiled CPU kernel (where this CPU has one) and the torch reference agree."""
+    layer = linear(inp=512, out=160, dtype=torch.float32)
+    packed, scale, low = w4a8.pack(layer.weight)
+    codes = w4a8.unpack(packed).float()  # [out, groups, 64]
+    weights = (low.float()[..., None] + codes * scale.float()[..., None]).reshape(160, 512)
+    assert rel_error(weights, layer.weight) < 0.1 and codes.max() == 15 and codes.min() == 0
+    x = torch.randn(6, 512) * torch.linspace(0.1, 4.0, 512)  # groups of very different ranges
+    groups = x.reshape(6, 8, 64)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(groups / step) * step).reshape(6, 512)
+    want = rounded.double() @ weights.double().T
+    got = w4a8.reference(x, packed, scale, low)
+    assert rel_error(got, want) < 1e-5
+    fast = w4a8.product(x, packed, scale, low)
+    if w4a8.kernel_status() != "compiled":
+        pytest.skip(f"no compiled int4a8 kernel here: {w4a8.kernel_status()}")
+    assert rel_error(fast, got) < 1e-5
+    assert torch.equal(w4a8.product(x[4:5], packed, scale, low), fast[4:5])
+
+
+def test_int4a8_without_its_kernel_says_so_and_computes_the_same(monkeypatch):
+    """On a machine with no compiled kernel (another CPU, no C compiler) the view still works, on torch ops, and
+    says why it is slow."""
+    layer = linear(dtype=torch.float32)
+    packed, scale, low = w4a8.pack(layer.weight)
+    x = torch.randn(3, 256)
+    monkeypatch.setattr(w4a8, "_kernel", lambda: "this CPU lacks avx512_vnni")
+    with pytest.warns(RuntimeWarning, match="lacks avx512_vnni"):
+        got = w4a8.product(x, packed, scale, low)
+    assert torch.equal(got, w4a8.reference(x, packed, scale, low))
+
+
+def test_int4a8_refuses_layers_it_cannot_group():
+    with pytest.raises(ViasdError, match="multiple of 64"):
+        Int4Int8Linear.from_linear(nn.Linear(96, 8))
+    with pytest.raises(ViasdError, match="groups of 64"):
+        QuantRecipe.parse("int4a8:group=32")
 
 
 def test_smoothing_tames_an_outlier_channel():
@@ -134,7 +180,7 @@ def test_exact_methods_stay_exact_with_a_quantized_drafter_and_a_quantized_targe
     tok = tiny_tokenizer(64)
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     plain = PlainDecoder(target, tok).generate(PROMPT, config)
-    for kind in ("int8", "int8wo", "int4"):
+    for kind in ("int8", "int8wo", "int4", "int4a8"):
         drafter = ModelDrafter(drafter_model, View(linears=quantize(drafter_model, QuantRecipe(kind))))
         small = SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config)
         assert small.tokens == plain.tokens, kind
@@ -147,6 +193,11 @@ def test_exact_methods_stay_exact_with_a_quantized_drafter_and_a_quantized_targe
     sd = SpeculativeDecoder(target, tok, ModelDrafter(drafter_model), gamma=4, view=own).generate(PROMPT, config)
     assert sd.tokens == fast.tokens
     assert KVSession(target, own).base_view == own
+    # Likewise for the int4 x int8 target, whose blocks go through the compiled kernel where there is one.
+    four = View(linears=quantize(target, QuantRecipe("int4a8")))
+    fast = PlainDecoder(target, tok, view=four).generate(PROMPT, config)
+    sd = SpeculativeDecoder(target, tok, ModelDrafter(drafter_model), gamma=4, view=four).generate(PROMPT, config)
+    assert sd.tokens == fast.tokens
 
 
 def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
@@ -165,7 +216,7 @@ def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
         assert_cache_equals(session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32"])
+@pytest.mark.parametrize("spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32", "int4a8"])
 def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_path, monkeypatch, spec):
     from viasd.models import quant_cache
 
@@ -197,11 +248,12 @@ def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_p
     assert len(notes) == 2 and "another model" in notes[1]
 
 
-def test_siblings_computed_together_equal_their_own_products():
+@pytest.mark.parametrize("kind", ["int8", "int4a8"])
+def test_siblings_computed_together_equal_their_own_products(kind):
     """q, k and v (and gate and up) read one input: quantized once and multiplied in one product, each gets exactly
     what its own product would give."""
     model = tiny_model("qwen2", dtype=torch.float32)
-    q = quantize(model, QuantRecipe("int8"))
+    q = quantize(model, QuantRecipe(kind))
     attention = q.modules["model.layers.1.self_attn.q_proj"]
     assert (
         attention.siblings is not None and attention.siblings is q.modules["model.layers.1.self_attn.v_proj"].siblings
@@ -211,6 +263,9 @@ def test_siblings_computed_together_equal_their_own_products():
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
             module = q.modules[f"model.layers.1.{name}"]
             assert torch.allclose(module(x), module.product(x), atol=1e-5), name
+    if kind == "int4a8":  # the members' codes are slices of the stacked layer's: no second copy in memory
+        stacked = attention.siblings.fused.packed
+        assert attention.packed.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
 
 
 def test_a_long_pass_of_a_weight_only_view_reads_the_prompt_with_the_models_own_weights():

@@ -100,7 +100,7 @@ def costs(
         ),
     ] = 0,
     kernels: Annotated[
-        bool, typer.Option(help="Time the matrix kernels alone (bf16, int8, int8wo, int4, fbgemm), no model.")
+        bool, typer.Option(help="Time the matrix kernels alone (bf16, int8, int8wo, int4, int4a8, fbgemm), no model.")
     ] = False,
     kernel_shape: Annotated[str, typer.Option(help="in,out features of the kernel matrices.")] = "1536,8960",
     profile: ProfileOpt = None,
@@ -132,9 +132,8 @@ def costs(
 
         in_features, out_features = _list(kernel_shape, int, "--kernel-shape")
         with err.status("timing kernels over 40 distinct matrices"):
-            tables["kernels"] = measure_kernels(
-                in_features, out_features, lengths, ["bf16", "int8", "int8wo", "int4", "fbgemm"], repeats=repeats
-            )
+            kinds = ["bf16", "int8", "int8wo", "int4", "int4a8", "fbgemm"]
+            tables["kernels"] = measure_kernels(in_features, out_features, lengths, kinds, repeats=repeats)
         record["kernel_shape"] = [in_features, out_features]
     else:
         if drafter_shape is not None and drafter_views is None:

@@ -21,6 +21,7 @@ from viasd.fileio import write_atomic
 from viasd.models.fetch import default_cache_dir
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.quantize import (
+    Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
@@ -43,6 +44,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "int8": Int8DynamicLinear,
     "int8wo": Int8WeightOnlyLinear,
     "int4": Int4WeightOnlyLinear,
+    "int4a8": Int4Int8Linear,
 }
 
 
@@ -104,6 +106,8 @@ def _probe(linear: nn.Linear, recipe: QuantRecipe) -> nn.Module:
         module = Int8DynamicLinear.from_linear(meta, smooth)
     elif recipe.kind == "int8wo":
         module = Int8WeightOnlyLinear.from_linear(meta)
+    elif recipe.kind == "int4a8":
+        module = Int4Int8Linear.from_linear(meta)
     else:
         module = _int4_probe(linear, recipe.group_size)
     return module

@@ -13,6 +13,9 @@ Kinds (`QuantRecipe.kind`):
   from calibration activations; the layer computes (x / s) @ (W * s)^T.
 * `int8wo`: int8 weights, bf16 activations (weight-only).
 * `int4`: int4 weights in groups along the input (asymmetric: a scale and a zero per group), bf16 activations.
+* `int4a8`: int4 weights in groups of 64 (an fp16 scale and minimum each), activations quantized per token and
+  group to int8 at run time, so a single-token pass reads 4.5 bits per weight and multiplies in int8 (VNNI):
+  viasd's own CPU kernel (models/w4a8.py), the cheapest single-token pass on x86 CPUs with AVX-512 VNNI.
 
 Layers named in `keep` stay as they are (bf16): measurement shows a few are sensitive (the MLP down
 projections of Qwen2.5 take activations with large outlier channels). The quantized modules are new
@@ -33,8 +36,9 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
+from viasd.models import w4a8
 
-KINDS = ("int8", "int8wo", "int4")
+KINDS = ("int8", "int8wo", "int4", "int4a8")
 
 # From how many positions that need no logits a pass reads them faster with the model's own bf16 weights (and the
 # rest with the quantized copies, one extra pass) than with the quantized copies alone, on a CPU (x86 with AVX-512
@@ -42,7 +46,7 @@ KINDS = ("int8", "int8wo", "int4")
 # 4,8,...,384 --context 1 --keep 1`, BENCHMARKS.md). The weight-only kernels win on short blocks, where the
 # weights' bytes decide, and lose on long ones (a prompt), where arithmetic does; int8 with int8 activations is
 # never slower than bf16. Not measured on other devices: no switch there.
-OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32}
+OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32, "int4a8": 32}
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class QuantRecipe:
             raise ViasdError(f"quantization smoothing must be in [0, 1], got {self.smooth}")
         if self.smooth and self.kind != "int8":
             raise ViasdError("smoothing applies to int8 (activations are quantized only there)")
+        if self.kind == "int4a8" and self.group_size != 64:
+            raise ViasdError("int4a8 uses groups of 64 inputs")
         if self.group_size not in (32, 64, 128, 256):
             raise ViasdError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -140,6 +146,16 @@ class Int8DynamicLinear(nn.Module):
         self._packed: Any = None  # fbgemm's packed copy of the weight, made at the first CPU pass
         self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
 
+    @property
+    def out_features(self) -> int:
+        return self.weight_t.shape[1]
+
+    @classmethod
+    def stacked(cls, members: Sequence[Int8DynamicLinear]) -> Int8DynamicLinear:
+        """One layer whose outputs are the members' outputs side by side (no bias; a copy of their weights)."""
+        weights = torch.cat([m.weight_t for m in members], dim=1).t()
+        return cls(weights, torch.cat([m.scale for m in members]), None, None)
+
     def _fbgemm_packed(self) -> Any:
         if self._packed is None:
             weight = self.weight_t.t()
@@ -190,22 +206,20 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class Siblings:
-    """Int8 layers that take the same input (a block's q, k and v projections; its gate and up projections),
+    """Quantized layers that take the same input (a block's q, k and v projections; its gate and up projections),
     computed as one product: the input is quantized once and the weights are read in one pass. The first
     sibling called with an input computes every sibling's output; the others take their columns of it."""
 
-    def __init__(self, members: Sequence[Int8DynamicLinear]) -> None:
-        weights = [m.weight_t for m in members]
-        biases = [m.bias if m.bias is not None else torch.zeros(w.shape[1], dtype=torch.float32) for m, w in
-                  zip(members, weights, strict=True)]  # fmt: skip
-        self.fused = Int8DynamicLinear(torch.cat(weights, dim=1).t(), torch.cat([m.scale for m in members]), None, None)
+    def __init__(self, members: Sequence[Int8DynamicLinear | Int4Int8Linear]) -> None:
+        self.fused = type(members[0]).stacked(members)
+        biases = [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.float32) for m in members]
         self.bias = torch.cat([b.float() for b in biases]) if any(m.bias is not None for m in members) else None
-        edges = torch.tensor([0, *(w.shape[1] for w in weights)]).cumsum(0).tolist()
+        edges = torch.tensor([0, *(m.out_features for m in members)]).cumsum(0).tolist()
         self.columns = {id(m): (edges[i], edges[i + 1]) for i, m in enumerate(members)}
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
 
-    def output(self, x: torch.Tensor, member: Int8DynamicLinear) -> torch.Tensor:
+    def output(self, x: torch.Tensor, member: nn.Module) -> torch.Tensor:
         if x is not self._input:  # holding the input keeps its identity from being reused by another tensor
             out = self.fused.product(x.float()).float()
             self._output = out if self.bias is None else out + self.bias
@@ -216,12 +230,15 @@ class Siblings:
 
 
 def join_siblings(modules: Mapping[str, nn.Module]) -> None:
-    """Compute sibling int8 layers together (see `Siblings`); layers with smoothing keep their own product."""
+    """Compute sibling int8 or int4a8 layers together (see `Siblings`); layers with smoothing keep their own."""
     for names in SIBLINGS:
         parents = {name.rpartition(".")[0] for name in modules if name.rpartition(".")[2] == names[0]}
         for parent in parents:
             members = [modules.get(f"{parent}.{child}" if parent else child) for child in names]
-            if all(isinstance(m, Int8DynamicLinear) and m.inv_smooth is None for m in members):
+            kind = type(members[0])
+            if kind in (Int8DynamicLinear, Int4Int8Linear) and all(
+                type(m) is kind and getattr(m, "inv_smooth", None) is None for m in members
+            ):
                 group = Siblings(members)  # type: ignore[arg-type]
                 for member in members:
                     member.siblings = group  # type: ignore[union-attr]
@@ -280,6 +297,55 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _flat(x).to(torch.bfloat16)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class Int4Int8Linear(nn.Module):
+    """y = x @ W^T + b with W in int4 groups of 64 and x quantized per token and group to int8 (models/w4a8.py)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed)  # [out, in / 2] uint8, two codes per byte
+        self.register_buffer("scale", scale)  # [out, in / 64] fp16
+        self.register_buffer("low", low)  # [out, in / 64] fp16, each group's minimum
+        self.register_buffer("bias", bias)
+        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @classmethod
+    def stacked(cls, members: Sequence[Int4Int8Linear]) -> Int4Int8Linear:
+        """One layer whose outputs are the members' outputs side by side (no bias). The members' tensors become
+        row slices of the stacked ones, so stacking costs no memory."""
+        fused = cls(*(torch.cat([getattr(m, key) for m in members]) for key in ("packed", "scale", "low")), None)
+        start = 0
+        for member in members:
+            stop = start + member.out_features
+            for key in ("packed", "scale", "low"):
+                setattr(member, key, getattr(fused, key)[start:stop])
+            start = stop
+        return fused
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Int8Linear:
+        if linear.in_features % w4a8.GROUP:
+            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
+        packed, scale, low = w4a8.pack(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scale, low, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None:
+            return self.siblings.output(x, self)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b for this layer alone."""
+        out = w4a8.product(_flat(x), self.packed, self.scale, self.low)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -378,6 +444,8 @@ def quantize(model: nn.Module, recipe: QuantRecipe, sequences: Sequence[Sequence
                 out.modules[name] = Int8DynamicLinear.from_linear(linear, smooth)
             elif recipe.kind == "int8wo":
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
+            elif recipe.kind == "int4a8":
+                out.modules[name] = Int4Int8Linear.from_linear(linear)
             else:
                 out.modules[name] = Int4WeightOnlyLinear.from_linear(linear, recipe.group_size)
     join_siblings(out.modules)
