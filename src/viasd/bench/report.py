@@ -56,6 +56,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -68,6 +69,17 @@ def machine() -> dict[str, Any]:
             "version": torch.version.cuda,
         }
     return info
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name where the system says it (Linux), e.g. `Intel(R) Xeon(R) Processor`."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip() or None
+    except OSError:
+        pass
+    return None
 
 
 def load_average() -> list[float] | None:
@@ -108,7 +120,8 @@ def _machine_line(env: Mapping[str, Any]) -> str:
     if env.get("load_average_at_finish"):
         loads += f", at finish {env['load_average_at_finish']}"
     return (
-        f"- machine: {m.get('cpus_usable', '-')} CPUs usable ({m.get('processor') or m.get('machine', '-')}), "
+        f"- machine: {m.get('cpus_usable', '-')} CPUs usable "
+        f"({m.get('cpu_model') or m.get('processor') or m.get('machine', '-')}), "
         f"{memory}, {cuda}; torch {v.get('torch', '-')}, transformers {v.get('transformers', '-')}, "
         f"Python {v.get('python', '-')}{loads}"
     )

@@ -37,16 +37,19 @@ from torch import nn
 
 from viasd.errors import ViasdError
 from viasd.models import w4a8
+from viasd.models.cpu import cpu_flags
 
 KINDS = ("int8", "int8wo", "int4", "int4a8")
 
 # From how many positions that need no logits a pass reads them faster with the model's own bf16 weights (and the
 # rest with the quantized copies, one extra pass) than with the quantized copies alone, on a CPU (x86 with AVX-512
-# VNNI and BF16, 2 threads; `viasd costs --views full,int8,int8wo,int4 --drafter-views full,int8,int4 --tokens
-# 4,8,...,384 --context 1 --keep 1`, BENCHMARKS.md). The weight-only kernels win on short blocks, where the
-# weights' bytes decide, and lose on long ones (a prompt), where arithmetic does; int8 with int8 activations is
-# never slower than bf16. Not measured on other devices: no switch there.
-OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32, "int4a8": 32}
+# VNNI and BF16, 2 threads; `viasd costs --views full,int8,int8wo,int4,int4a8 --tokens 4,8,...,384 --context 1
+# --keep 1`, BENCHMARKS.md). The weight-only kernels win on short blocks, where the weights' bytes decide, and lose
+# on long ones (a prompt), where arithmetic does. Without AMX, int8 with int8 activations is never slower than
+# bf16; with AMX (recent Xeons), torch's bf16 products of long blocks are several times faster and int8 loses
+# from about 90 tokens on. int4a8 was measured on the AMX machine only. Not measured on other devices: no switch.
+OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32, "int4a8": 20}
+OWN_WEIGHTS_FROM_AMX_CPU: dict[str, int | None] = {"int8": 96, "int8wo": 16, "int4": 32, "int4a8": 20}
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,10 @@ class QuantRecipe:
 
     def own_weights_from(self, device: torch.device) -> int | None:
         """Tokens from which the positions of a pass that need no logits are read faster by the model's own
-        weights (OWN_WEIGHTS_FROM_CPU); None: never."""
-        return OWN_WEIGHTS_FROM_CPU[self.kind] if device.type == "cpu" else None
+        weights (OWN_WEIGHTS_FROM_CPU, or OWN_WEIGHTS_FROM_AMX_CPU on CPUs with AMX); None: never."""
+        if device.type != "cpu":
+            return None
+        return (OWN_WEIGHTS_FROM_AMX_CPU if "amx_bf16" in cpu_flags() else OWN_WEIGHTS_FROM_CPU)[self.kind]
 
     def keeps(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.keep)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from viasd.models.cpu import cpu_flags
 from viasd.models.fetch import default_cache_dir
 
 GROUP = 64
@@ -76,9 +77,8 @@ def _kernel() -> ctypes.CDLL | str:
     """The compiled kernel, or why there is none (a sentence); built once per machine and source."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the int4 x int8 kernel is for x86 CPUs, this is {platform.machine()}"
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
+    flags = cpu_flags()
+    if not flags:
         return "cannot read the CPU's flags (/proc/cpuinfo)"
     missing = [flag for flag in _FLAGS if flag not in flags]
     if missing:
