@@ -113,6 +113,23 @@ def test_int4a8_without_its_kernel_says_so_and_computes_the_same(monkeypatch):
     assert torch.equal(got, w4a8.reference(x, packed, scale, low))
 
 
+def test_a_mixed_recipe_quantizes_the_named_layers_to_int8():
+    """int4a8m: int4a8 everywhere but the LM head and the MLP down projections, which get int8 (as Q4_K_M keeps
+    its sensitive layers at more bits); its name round-trips and fits a method variant."""
+    recipe = QuantRecipe.parse("int4a8m")
+    assert recipe.name == "int4a8:int8=lm_head,*.mlp.down_proj" and QuantRecipe.parse(recipe.name) == recipe
+    model = tiny_model("qwen2", dtype=torch.float32)
+    modules = quantize(model, recipe).modules
+    assert isinstance(modules["lm_head"], Int8DynamicLinear)
+    assert isinstance(modules["model.layers.1.mlp.down_proj"], Int8DynamicLinear)
+    assert isinstance(modules["model.layers.1.mlp.up_proj"], Int4Int8Linear)
+    with pytest.raises(ViasdError, match="int8 already"):
+        QuantRecipe.parse("int8:int8=lm_head")
+    from viasd.methods import parse_method
+
+    assert QuantRecipe.parse(parse_method("plain:quant=int4a8m").options["quant"]) == recipe
+
+
 def test_int4a8_refuses_layers_it_cannot_group():
     with pytest.raises(ViasdError, match="multiple of 64"):
         Int4Int8Linear.from_linear(nn.Linear(96, 8))
@@ -218,7 +235,9 @@ def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
         assert_cache_equals(session.cache, fresh_cache(target, session.tokens), len(session.tokens), atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32", "int4a8"])
+@pytest.mark.parametrize(
+    "spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32", "int4a8", "int4a8m"]
+)
 def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_path, monkeypatch, spec):
     from viasd.models import quant_cache
 

@@ -79,17 +79,16 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
         tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
     names = [name for name in quantizable(model) if not recipe.keeps(name)]
     layers = quantizable(model)
-    cls = _CLASSES[recipe.kind]
     out = QuantizedLinears(recipe)
     for name in names:
         # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
-        probe = _probe(layers[name], recipe)
+        probe = _probe(layers[name], recipe, recipe.kind_of(name))
         for key, expected in probe.named_buffers():
             stored = tensors.get(f"{name}/{key}")
             if stored is None or stored.shape != expected.shape or stored.dtype != expected.dtype:
                 raise DamagedCache(f"tensor {name}/{key} is missing or of another shape")
             setattr(probe, key, stored)
-        if not isinstance(probe, cls):
+        if not isinstance(probe, _CLASSES[recipe.kind_of(name)]):
             raise DamagedCache(f"{name}: unexpected module kind")
         out.modules[name] = probe
     if len(tensors) != sum(1 for m in out.modules.values() for _ in m.named_buffers()):
@@ -97,16 +96,16 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     return out
 
 
-def _probe(linear: nn.Linear, recipe: QuantRecipe) -> nn.Module:
-    """An empty module of the recipe's kind with the shapes and dtypes `linear`'s copy has."""
+def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
+    """An empty module of `kind` with the shapes and dtypes `linear`'s copy by `recipe` has."""
     meta = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
     meta = meta.to(linear.weight.dtype)
     smooth = torch.ones(linear.in_features, device="meta") if recipe.smooth else None
-    if recipe.kind == "int8":
+    if kind == "int8":
         module = Int8DynamicLinear.from_linear(meta, smooth)
-    elif recipe.kind == "int8wo":
+    elif kind == "int8wo":
         module = Int8WeightOnlyLinear.from_linear(meta)
-    elif recipe.kind == "int4a8":
+    elif kind == "int4a8":
         module = Int4Int8Linear.from_linear(meta)
     else:
         module = _int4_probe(linear, recipe.group_size)

@@ -57,6 +57,8 @@ class QuantRecipe:
     """How to quantize a model's Linear layers.
 
     keep: glob patterns of module names left in bf16 (e.g. `*.mlp.down_proj`, `lm_head`).
+    int8: glob patterns of module names quantized to int8 (with int8 activations) instead of `kind`: a mixed
+        recipe, as llama.cpp's Q4_K_M keeps its output head and some down projections at 6 bits.
     smooth: the SmoothQuant migration strength a in [0, 1] (int8 only; 0: off).
     """
 
@@ -64,6 +66,7 @@ class QuantRecipe:
     keep: tuple[str, ...] = ()
     smooth: float = 0.0
     group_size: int = 64
+    int8: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -72,6 +75,8 @@ class QuantRecipe:
             raise ViasdError(f"quantization smoothing must be in [0, 1], got {self.smooth}")
         if self.smooth and self.kind != "int8":
             raise ViasdError("smoothing applies to int8 (activations are quantized only there)")
+        if self.int8 and self.kind == "int8":
+            raise ViasdError("int8=PATTERN mixes int8 layers into another kind; this recipe is int8 already")
         if self.kind == "int4a8" and self.group_size != 64:
             raise ViasdError("int4a8 uses groups of 64 inputs")
         if self.group_size not in (32, 64, 128, 256):
@@ -87,13 +92,19 @@ class QuantRecipe:
             parts.append(f"group={self.group_size}")
         if self.keep:
             parts.append("keep=" + ",".join(self.keep))
+        if self.int8:
+            parts.append("int8=" + ",".join(self.int8))
         return ":".join(parts)
 
     @classmethod
     def parse(cls, text: str) -> QuantRecipe:
-        """`KIND[:smooth=A][:group=G][:keep=PATTERN,...]`, as `name` writes it."""
+        """`KIND[:smooth=A][:group=G][:keep=PATTERN,...][:int8=PATTERN,...]`, as `name` writes it, or a preset
+        (`int4a8m`: int4a8 with the LM head and the MLP down projections in int8, a name that fits a method variant)."""
         kind, *options = text.strip().split(":")
         values: dict[str, Any] = {}
+        if kind in PRESETS:
+            kind, preset = PRESETS[kind]
+            values.update(preset)
         for option in options:
             key, sep, value = option.partition("=")
             try:
@@ -103,6 +114,8 @@ class QuantRecipe:
                     values["group_size"] = int(value)
                 elif key == "keep" and sep:
                     values["keep"] = tuple(p for p in value.split(",") if p)
+                elif key == "int8" and sep:
+                    values["int8"] = tuple(p for p in value.split(",") if p)
                 else:
                     raise ValueError
             except ValueError:
@@ -120,6 +133,16 @@ class QuantRecipe:
 
     def keeps(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.keep)
+
+    def kind_of(self, name: str) -> str:
+        """The kind the named layer is quantized to: int8 where an `int8` pattern names it, else `kind`."""
+        return "int8" if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.int8) else self.kind
+
+
+# Recipes by a short name that fits where ':' and ',' cannot go (a method variant: `plain:quant=int4a8m`).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "int4a8m": ("int4a8", {"int8": ("lm_head", "*.mlp.down_proj")}),
+}
 
 
 # ------------------------------------------------------------------------------------------ modules
@@ -444,12 +467,13 @@ def quantize(model: nn.Module, recipe: QuantRecipe, sequences: Sequence[Sequence
     with torch.inference_mode():
         for name in names:
             linear = layers[name]
-            if recipe.kind == "int8":
+            kind = recipe.kind_of(name)
+            if kind == "int8":
                 smooth = smoothing(ranges[name], linear.weight, recipe.smooth) if name in ranges else None
                 out.modules[name] = Int8DynamicLinear.from_linear(linear, smooth)
-            elif recipe.kind == "int8wo":
+            elif kind == "int8wo":
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
-            elif recipe.kind == "int4a8":
+            elif kind == "int4a8":
                 out.modules[name] = Int4Int8Linear.from_linear(linear)
             else:
                 out.modules[name] = Int4WeightOnlyLinear.from_linear(linear, recipe.group_size)
