@@ -52,6 +52,8 @@ def machine() -> dict[str, Any]:
     import psutil
     import torch
 
+    from viasd.models.cpu import cpu_model
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -69,17 +71,6 @@ def machine() -> dict[str, Any]:
             "version": torch.version.cuda,
         }
     return info
-
-
-def cpu_model() -> str | None:
-    """The CPU's model name where the system says it (Linux), e.g. `Intel(R) Xeon(R) Processor`."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip() or None
-    except OSError:
-        pass
-    return None
 
 
 def load_average() -> list[float] | None:

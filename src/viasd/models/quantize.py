@@ -364,6 +364,7 @@ class Int4Int8Linear(nn.Module):
             raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
         packed, scale, low = w4a8.pack(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
+        w4a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
         return cls(packed, scale, low, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,8 @@ def _kernel() -> ctypes.CDLL | str:
             result = subprocess.run([compiler, *_COMPILE, "w4a8.c", "-o", built.name], cwd=work,
                                     capture_output=True, text=True)  # fmt: skip
             if result.returncode != 0:
-                return f"compiling the int4 x int8 kernel failed: {result.stderr.strip().splitlines()[-1:]}"
+                last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+                return f"compiling the int4 x int8 kernel failed: {last}"
             os.replace(built, library)  # atomic: other processes see no half-written library
     try:
         kernel = ctypes.CDLL(str(library))
