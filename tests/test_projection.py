@@ -208,6 +208,13 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
                                "full", "--tokens", "1,2,4,8,16", "--context", "16", "--repeats", "1", "--out",
                                str(costs)])  # fmt: skip
     assert made.exit_code == 0, made.output
+    # The tiny models' timings are all noise (a pass of 16 tokens can time below one of 1): the projection is
+    # checked with the measured file's structure and costs that grow with the tokens, as real passes' do.
+    record = json.loads(costs.read_text())
+    for table in record["tables"]:
+        for rank, view in enumerate(table["views"]):
+            table["views"][view] = [(1 + rank) * 1e-3 + 1e-4 * n for n in record["tokens"]]
+    costs.write_text(json.dumps(record))
     run = tmp_path / "run"
     run.mkdir()
     summary = [{"method": m, "category": "all", "speedup": s} for m, s in (("plain", 1.0), ("sd", 1.5), ("via", 1.2))]
@@ -222,10 +229,10 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
     assert report["policies"]["via"]["gamma"] == 3 and report["costs"]["slim_views"] == ["profile"]
     assert report["policies"]["sd"] == {"gamma": 4, "stop": 0.5}  # the bench's sd: its default stop threshold
     assert "projected / measured" in result.output
-    assert (
-        report["methods"]["plain"]["tokens_per_second"]
-        < 1 / json.loads(costs.read_text())["tables"][0]["views"]["full"][0]
-    )  # reading the prompt costs more than one single-token pass
+    single = record["tables"][0]["views"]["full"][0]
+    plain = report["methods"]["plain"]
+    assert plain["tokens_per_second"] < 1 / single  # reading the prompt costs more than one single-token pass
+    assert plain["seconds"] > plain["tokens"] * single
 
 
 def test_the_first_drafter_step_of_a_round_feeds_what_the_replay_charges():
