@@ -96,9 +96,16 @@ def test_int4a8_computes_its_codes_times_per_token_int8_activations():
     if w4a8.kernel_status() != "compiled":
         pytest.skip(f"no compiled int4a8 kernel here: {w4a8.kernel_status()}")
     assert rel_error(fast, got) < 1e-5
-    # Blocks of four rows take another path through the kernel than single rows: the same arithmetic.
-    for row in range(6):
-        assert torch.equal(w4a8.product(x[row : row + 1], packed, scale, low), fast[row : row + 1]), row
+    # The kernel multiplies a group's codes with up to four rows at once: a row's result is the same bits
+    # whichever block it came in, also past the last whole 8 groups (13 groups of 64 here).
+    layer = linear(inp=832, out=96, dtype=torch.float32)
+    packed, scale, low = w4a8.pack(layer.weight)
+    x = torch.randn(11, 832) * torch.linspace(0.1, 4.0, 832)
+    block = w4a8.product(x, packed, scale, low)
+    assert rel_error(block, w4a8.reference(x, packed, scale, low)) < 1e-5
+    for start, size in ((0, 1), (3, 1), (10, 1), (1, 2), (5, 3), (2, 4), (4, 7)):
+        part = w4a8.product(x[start : start + size], packed, scale, low)
+        assert torch.equal(part, block[start : start + size]), (start, size)
 
 
 def test_int4a8_without_its_kernel_says_so_and_computes_the_same(monkeypatch):

@@ -3,7 +3,8 @@
  * A single-token pass only has to stream the weights from memory, so its speed is their size: 4.5 bits per
  * weight here (a 4-bit code, and an fp16 scale and minimum per group of 64), against 8 for int8 and 16 for
  * bf16. The arithmetic is the integer dot product VNNI does in one instruction (unsigned codes times signed
- * activations), so a pass stays bound by memory, not by unpacking.
+ * activations), 64 byte products per instruction, so a single token stays bound by memory. A block of tokens
+ * (verification) unpacks each group's codes once for up to BLOCK tokens; there the dot products set the pace.
  *
  * Weights, per output row n and group g of 64 inputs (w ~ low + code * scale):
  *   packed[n][g*32 + j] = code[g*64 + j] | code[g*64 + 32 + j] << 4, j < 32
@@ -13,6 +14,10 @@
  * the exact product of the dequantized weights and activations. A row's result never depends on the other
  * rows of the block (exact verification relies on that), and it depends on the activations only through their
  * codes, so the last-bit noise of attention computed in blocks of another size rarely reaches it.
+ *
+ * Two neighbouring groups share one 512-bit register: 64 bytes of packed codes are group g's 32 then group
+ * g+1's, so their low nibbles are [g's codes 0..31 | g+1's 0..31] and their high nibbles the codes 32..63.
+ * The quantized activations of the whole 8-group blocks are stored in the same order (`pair_offset`).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -20,6 +25,14 @@
 #include <stdlib.h>
 
 #define GROUP 64
+#define BLOCK 4 /* tokens per weight read (R <= BLOCK); more spill registers and run slower */
+
+/* Where code i of activation group g goes: in the whole 8-group blocks (g < paired), pairs of groups are laid
+ * out as [g's 0..31 | g+1's 0..31 | g's 32..63 | g+1's 32..63] to meet the weights' nibbles; the rest in order. */
+static inline int64_t pair_offset(int64_t g, int i, int64_t paired) {
+    if (g >= paired) return g * GROUP + i;
+    return (g & ~(int64_t)1) * GROUP + (i >= 32 ? 64 : 0) + (g & 1) * 32 + (i & 31);
+}
 
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -30,7 +43,7 @@ static inline float sum8(__m256 v) {
 
 /* Per row and group: int8 codes of x, their step max|x|/127, and step * sum of the codes (the minimum term's). */
 static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *a, float *step, float *sum) {
-    const int64_t groups = k / GROUP;
+    const int64_t groups = k / GROUP, paired = groups / 8 * 8;
     for (int64_t m = 0; m < rows; m++) {
         for (int64_t g = 0; g < groups; g++) {
             const float *v = x + m * k + g * GROUP;
@@ -40,11 +53,12 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *a, fl
                 amax = t > amax ? t : amax;
             }
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = a + m * k + g * GROUP;
+            int8_t *q = a + m * k;
             int total = 0;
             for (int i = 0; i < GROUP; i++) {
-                q[i] = (int8_t)nearbyintf(v[i] * inv);
-                total += q[i];
+                const int8_t c = (int8_t)nearbyintf(v[i] * inv);
+                q[pair_offset(g, i, paired)] = c;
+                total += c;
             }
             step[m * groups + g] = amax / 127.0f;
             sum[m * groups + g] = (float)total * (amax / 127.0f);
@@ -52,42 +66,62 @@ static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *a, fl
     }
 }
 
-/* dot(code_g, a_g) for group g as 8 int32 lanes: the low nibbles take the group's first 32 activations. */
-static inline __m256i group_dot(const uint8_t *w, const int8_t *a, __m256i nibble) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)w);
-    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(v, nibble),
-                                            _mm256_loadu_si256((const __m256i *)a));
-    return _mm256_dpbusd_epi32(dot, _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
-                               _mm256_loadu_si256((const __m256i *)(a + 32)));
-}
-
-/* One output of one row: sum_g scale_g * step_g * dot_g + low_g * sum_g. The factors scale_g * step_g are made
- * 8 groups at a time; two accumulators keep the adds of neighbouring groups independent. */
-static float row_output(const uint8_t *w, const uint16_t *scale, const uint16_t *low, const int8_t *a,
-                        const float *step, const float *sum, int64_t groups) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps(), minimum = _mm256_setzero_ps();
-    float factor[8];
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
+/* One output for each of R rows (tokens): sum_g scale_g * step_g * dot_g + low_g * sum_g. Each row goes
+ * through the same operations in the same order whatever R is (the factors scale_g * step_g made 8 groups at a
+ * time, one accumulator holding even groups in its low half and odd ones in its high half, then the tail), so
+ * its result does not depend on the block: R is a constant at each call site, and the loops over r unroll. */
+static inline __attribute__((always_inline)) void rows_output(
+    const uint8_t *w, const uint16_t *scale, const uint16_t *low, const int8_t *a, const float *step,
+    const float *sum, int64_t k, int64_t groups, const int R, float *out, int64_t n) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int64_t paired = groups / 8 * 8;
+    __m512 acc[BLOCK];
+    __m256 minimum[BLOCK];
+    float tail[BLOCK];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+        minimum[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    for (int64_t g = 0; g < paired; g += 8) {
         const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
-        _mm256_storeu_ps(factor, _mm256_mul_ps(sc, _mm256_loadu_ps(step + g)));
         const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(low + g)));
-        minimum = _mm256_fmadd_ps(lo, _mm256_loadu_ps(sum + g), minimum);
+        __m512 factor[BLOCK];
+        for (int r = 0; r < R; r++) {
+            factor[r] = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(step + r * groups + g)));
+            minimum[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(sum + r * groups + g), minimum[r]);
+        }
         for (int i = 0; i < 8; i += 2) {
-            const __m256i d0 = group_dot(w + (g + i) * 32, a + (g + i) * GROUP, nibble);
-            const __m256i d1 = group_dot(w + (g + i + 1) * 32, a + (g + i + 1) * GROUP, nibble);
-            even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_broadcast_ss(factor + i), even);
-            odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_broadcast_ss(factor + i + 1), odd);
+            /* lanes 0..7 take group g+i's factor, lanes 8..15 group g+i+1's */
+            const __m512i pick = _mm512_set_epi32(i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1,
+                                                  i, i, i, i, i, i, i, i);
+            const __m512i v = _mm512_loadu_si512((const void *)(w + (g + i) * 32));
+            const __m512i first = _mm512_and_si512(v, nibble), second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = a + r * k + (g + i) * GROUP;
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512((const void *)x));
+                d = _mm512_dpbusd_epi32(d, second, _mm512_loadu_si512((const void *)(x + 64)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pick, factor[r]), acc[r]);
+            }
         }
     }
-    float tail = 0.0f;
-    for (; g < groups; g++) {
-        const __m256i d = group_dot(w + g * 32, a + g * GROUP, nibble);
-        even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(_cvtsh_ss(scale[g]) * step[g]), even);
-        tail += _cvtsh_ss(low[g]) * sum[g];
+    const __m256i nibble8 = _mm512_castsi512_si256(nibble);
+    for (int64_t g = paired; g < groups; g++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 32));
+        const __m256i first = _mm256_and_si256(v, nibble8), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble8);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = a + r * k + g * GROUP;
+            __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), first, _mm256_loadu_si256((const __m256i *)x));
+            d = _mm256_dpbusd_epi32(d, second, _mm256_loadu_si256((const __m256i *)(x + 32)));
+            const __m512 f = _mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(scale[g]) * step[r * groups + g]));
+            acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(d)), f, acc[r], 0x00FF);
+            tail[r] += _cvtsh_ss(low[g]) * sum[r * groups + g];
+        }
     }
-    return sum8(_mm256_add_ps(even, odd)) + sum8(minimum) + tail;
+    for (int r = 0; r < R; r++) {
+        const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
+        out[r * n] = sum8(halves) + sum8(minimum[r]) + tail[r];
+    }
 }
 
 /* out[rows][n] = x[rows][k] @ W^T; returns 0, or -1 when scratch memory could not be had. */
@@ -104,10 +138,19 @@ int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, 
     quantize_rows(x, rows, k, a, step, sum);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
-        /* The output's row of weights stays in L1 across the block's tokens: memory is read once. */
-        for (int64_t m = 0; m < rows; m++)
-            out[m * n + j] = row_output(packed + j * (k / 2), scale + j * groups, low + j * groups, a + m * k,
-                                        step + m * groups, sum + m * groups, groups);
+        /* The output's row of weights is read from memory once for the whole block: BLOCK tokens at a time. */
+        const uint8_t *w = packed + j * (k / 2);
+        const uint16_t *sc = scale + j * groups, *lo = low + j * groups;
+        int64_t m = 0;
+#define ROWS(R) rows_output(w, sc, lo, a + m * k, step + m * groups, sum + m * groups, k, groups, R, out + m * n + j, n)
+        for (; m + BLOCK <= rows; m += BLOCK)
+            ROWS(BLOCK);
+        switch (rows - m) { /* the rest of the block, with R a constant in each case */
+        case 3: ROWS(3); break;
+        case 2: ROWS(2); break;
+        case 1: ROWS(1); break;
+        }
+#undef ROWS
     }
     free(a), free(step), free(sum);
     return 0;

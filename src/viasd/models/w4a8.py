@@ -28,7 +28,7 @@ from viasd.models.fetch import default_cache_dir
 GROUP = 64
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 _COMPILE = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-            "-mf16c", "-mfma"]  # fmt: skip
+            "-mf16c", "-mfma", "-ffp-contract=off"]  # fmt: skip
 
 
 def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
