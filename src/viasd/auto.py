@@ -36,14 +36,25 @@ PROBE_PROMPTS = (
 PROBE_TOKENS = 32
 
 
-def candidates(drafter_fits: bool | None, quantize: bool = True) -> list[str]:
-    """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits."""
+def candidates(drafter_fits: bool | None, quantize: bool = True, int4a8: bool = False) -> list[str]:
+    """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits. Quantized
+    drafters are int4a8 views where viasd's int4a8 kernel runs (`int4a8_is_fast`), else int4 (the drafter's)
+    and int8 (the target's own)."""
     names = ["plain", "lookup"]
+    small, own = ("int4a8", "int4a8") if int4a8 else ("int4", "int8")
     if quantize:
-        names.append("self:drafter_quant=int8")
+        names.append(f"self:drafter_quant={own}")
     if drafter_fits is not False:
-        names += ["sd", "sd:drafter_quant=int4", "sd:drafter=hybrid:drafter_quant=int4"] if quantize else ["sd"]
+        names += ["sd", f"sd:drafter_quant={small}", f"sd:drafter=hybrid:drafter_quant={small}"] if quantize else ["sd"]
     return names
+
+
+def int4a8_is_fast(device: torch.device) -> bool:
+    """Whether int4a8 views run on viasd's compiled kernel here (a CPU with AVX-512 VNNI), not the slow
+    torch reference."""
+    from viasd.models import w4a8
+
+    return device.type == "cpu" and w4a8.kernel_status() == "compiled"
 
 
 def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence[str]) -> str:

@@ -344,10 +344,10 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
 
 def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
-    from viasd.auto import AutoDecoder, candidates, choose, probe_key
+    from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
 
     fits = parts.drafter_fits()
-    names = candidates(fits)
+    names = candidates(fits, int4a8=int4a8_is_fast(next(parts.target.model.parameters()).device))
     if fits is False:
         print(
             f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "

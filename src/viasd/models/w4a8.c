@@ -20,7 +20,6 @@
  * The quantized activations of the whole 8-group blocks are stored in the same order (`pair_offset`).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -41,29 +40,24 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Per row and group: int8 codes of x, their step max|x|/127, and step * sum of the codes (the minimum term's). */
-static void quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *a, float *step, float *sum) {
-    const int64_t groups = k / GROUP, paired = groups / 8 * 8;
-    for (int64_t m = 0; m < rows; m++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float *v = x + m * k + g * GROUP;
-            float amax = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                const float t = fabsf(v[i]);
-                amax = t > amax ? t : amax;
-            }
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = a + m * k;
-            int total = 0;
-            for (int i = 0; i < GROUP; i++) {
-                const int8_t c = (int8_t)nearbyintf(v[i] * inv);
-                q[pair_offset(g, i, paired)] = c;
-                total += c;
-            }
-            step[m * groups + g] = amax / 127.0f;
-            sum[m * groups + g] = (float)total * (amax / 127.0f);
-        }
+/* Group g of one row: its 64 int8 codes (where `pair_offset` puts them), its step max|x|/127 and step * the sum
+ * of its codes (the minimum term's). The product rounds to nearest even, as the default rounding mode does. */
+static inline void quantize_group(const float *v, int64_t g, int64_t paired, int8_t *q, float *step, float *sum) {
+    __m512 x[4], top = _mm512_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm512_loadu_ps(v + 16 * i);
+        top = _mm512_max_ps(top, _mm512_abs_ps(x[i]));
     }
+    const float amax = _mm512_reduce_max_ps(top);
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m512i total = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv));
+        total = _mm512_add_epi32(total, c);
+        _mm_storeu_si128((__m128i *)(q + pair_offset(g, 16 * i, paired)), _mm512_cvtepi32_epi8(c));
+    }
+    *step = amax / 127.0f;
+    *sum = (float)_mm512_reduce_add_epi32(total) * (amax / 127.0f);
 }
 
 /* One output for each of R rows (tokens): sum_g scale_g * step_g * dot_g + low_g * sum_g. Each row goes
@@ -127,7 +121,7 @@ static inline __attribute__((always_inline)) void rows_output(
 /* out[rows][n] = x[rows][k] @ W^T; returns 0, or -1 when scratch memory could not be had. */
 int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const uint16_t *scale,
                 const uint16_t *low, int64_t n, float *out, int threads) {
-    const int64_t groups = k / GROUP;
+    const int64_t groups = k / GROUP, paired = groups / 8 * 8;
     int8_t *a = malloc((size_t)(rows * k));
     float *step = malloc((size_t)(rows * groups) * sizeof(float));
     float *sum = malloc((size_t)(rows * groups) * sizeof(float));
@@ -135,22 +129,30 @@ int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, 
         free(a), free(step), free(sum);
         return -1;
     }
-    quantize_rows(x, rows, k, a, step, sum);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        /* The output's row of weights is read from memory once for the whole block: BLOCK tokens at a time. */
-        const uint8_t *w = packed + j * (k / 2);
-        const uint16_t *sc = scale + j * groups, *lo = low + j * groups;
-        int64_t m = 0;
-#define ROWS(R) rows_output(w, sc, lo, a + m * k, step + m * groups, sum + m * groups, k, groups, R, out + m * n + j, n)
-        for (; m + BLOCK <= rows; m += BLOCK)
-            ROWS(BLOCK);
-        switch (rows - m) { /* the rest of the block, with R a constant in each case */
-        case 3: ROWS(3); break;
-        case 2: ROWS(2); break;
-        case 1: ROWS(1); break;
+#pragma omp parallel num_threads(threads)
+    {
+        /* The activations first (every thread waits for all of them at the loop's end), then the outputs. */
+#pragma omp for schedule(static)
+        for (int64_t mg = 0; mg < rows * groups; mg++) {
+            const int64_t m = mg / groups, g = mg % groups;
+            quantize_group(x + m * k + g * GROUP, g, paired, a + m * k, step + mg, sum + mg);
         }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < n; j++) {
+            /* The output's row of weights is read from memory once for the whole block: BLOCK tokens at a time. */
+            const uint8_t *w = packed + j * (k / 2);
+            const uint16_t *sc = scale + j * groups, *lo = low + j * groups;
+            int64_t m = 0;
+#define ROWS(R) rows_output(w, sc, lo, a + m * k, step + m * groups, sum + m * groups, k, groups, R, out + m * n + j, n)
+            for (; m + BLOCK <= rows; m += BLOCK)
+                ROWS(BLOCK);
+            switch (rows - m) { /* the rest of the block, with R a constant in each case */
+            case 3: ROWS(3); break;
+            case 2: ROWS(2); break;
+            case 1: ROWS(1); break;
+            }
 #undef ROWS
+        }
     }
     free(a), free(step), free(sum);
     return 0;
