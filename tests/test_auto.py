@@ -2,6 +2,7 @@
 probe), caches the choice, stays exact, and says what it chose; a drafter of another tokenizer is left out."""
 
 import pytest
+import torch
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd import auto
@@ -26,7 +27,8 @@ def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatc
     decoder = first.decoder("auto")
     record = decoder.choice
     rates = record["tokens_per_second"]
-    assert set(rates) == set(auto.candidates(None)) and record["chosen"] == max(rates, key=rates.get)
+    expected = auto.candidates(None, int4a8=auto.int4a8_is_fast(torch.device("cpu")))
+    assert set(rates) == set(expected) and record["chosen"] == max(rates, key=rates.get)
     assert rates[record["chosen"]] >= rates["plain"]
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     out = first.generate(PROMPT, "auto", config)
@@ -42,6 +44,14 @@ def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatc
 def test_auto_leaves_out_a_drafter_of_another_tokenizer():
     assert "sd" not in auto.candidates(False) and "sd" in auto.candidates(True)
     assert auto.candidates(False)[0] == "plain"
+
+
+def test_auto_drafts_with_int4a8_views_only_where_their_kernel_runs():
+    fast = auto.candidates(True, int4a8=True)
+    assert "sd:drafter_quant=int4a8" in fast and "self:drafter_quant=int4a8" in fast
+    assert not any(name.endswith("=int4") or name.endswith("=int8") for name in fast)
+    assert "sd:drafter_quant=int4" in auto.candidates(True) and "self:drafter_quant=int8" in auto.candidates(True)
+    assert not auto.int4a8_is_fast(torch.device("meta"))  # not a CPU: the kernel is not used there
 
 
 def test_a_default_drafter_of_another_tokenizer_is_refused_before_any_fetch(monkeypatch):
