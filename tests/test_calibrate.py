@@ -576,3 +576,17 @@ def test_calibration_chooses_among_quantized_slim_views_and_drafters(tmp_path):
     assert (decoder.drafter.session.model is target.model) == profile.self_drafter
     again = reselect(load_profile(path), "sha", target, drafter, settings, work_file=tmp_path / "p.work")
     assert (again.gate, again.gamma, again.cap) == (profile.gate, profile.gamma, profile.cap)
+
+
+def test_via_uses_the_shipped_int4a8_profile_only_where_its_kernel_runs():
+    """Two profiles ship for the default pair: int8 slim verifier and int4 drafter for any x86 CPU, and int4a8 views
+    (a few times slower without their compiled kernel) where that kernel runs. Both are for the same models."""
+    from viasd.calibration.project_command import profile_views
+    from viasd.profile import DEFAULT_PROFILE, INT4A8_PROFILE, default_profile_path
+
+    anywhere, fast = default_profile_path(False), default_profile_path(True)
+    assert anywhere is not None and anywhere.name == DEFAULT_PROFILE
+    assert fast is not None and fast.name == INT4A8_PROFILE
+    general, kernel = load_profile(anywhere), load_profile(fast)
+    assert general.target == kernel.target and general.drafter["fingerprint"] == kernel.drafter["fingerprint"]
+    assert profile_views(general) == ("int8", "int4") and "int4a8" in profile_views(kernel)[0]

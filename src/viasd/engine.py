@@ -129,9 +129,14 @@ class Engine:
         return vocabulary_fingerprint(self.target.tokenizer) == entry.vocabulary
 
     def _profile_path(self, path: str | None) -> str | Path | None:
-        from viasd.profile import shipped_profile_path
+        return path or self.spec.profile or self.default_profile()
 
-        return path or self.spec.profile or shipped_profile_path()
+    def default_profile(self) -> Path | None:
+        """The shipped profile for the default pair that suits where the target runs (`default_profile_path`)."""
+        from viasd.auto import int4a8_is_fast
+        from viasd.profile import default_profile_path
+
+        return default_profile_path(int4a8_is_fast(next(self.target.model.parameters()).device))
 
     def gguf(self) -> Path:
         """The target's GGUF file: the verified file of a default model (assembled once), or the file it was

@@ -24,6 +24,8 @@ from viasd.verify.gates import Gate
 
 FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
+# The default pair's profile for CPUs where viasd's int4a8 kernel runs: int4a8 views as slim verifier and drafter.
+INT4A8_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.int4a8.json"
 
 
 @dataclass
@@ -170,3 +172,9 @@ def shipped_profile_path(name: str = DEFAULT_PROFILE) -> Path | None:
     """The profile shipped inside the package for a default model pair, if there is one."""
     candidate = resources.files("viasd") / "profiles" / name
     return Path(str(candidate)) if candidate.is_file() else None
+
+
+def default_profile_path(int4a8: bool) -> Path | None:
+    """The shipped profile `via` uses unless told otherwise: the int4a8 one where that kernel runs (`int4a8`),
+    else the one whose views (int8 slim verifier, int4 drafter) run well on any x86 CPU."""
+    return (shipped_profile_path(INT4A8_PROFILE) if int4a8 else None) or shipped_profile_path()

@@ -133,6 +133,9 @@ def bench(
     ] = None,
 ) -> None:
     """Benchmark decoding methods side by side: speed, tier statistics and quality, on Spec-Bench and HumanEval."""
+    import torch
+
+    from viasd.auto import int4a8_is_fast
     from viasd.bench.memory import PeakMemory
     from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, load_average, write_atomic, write_report
     from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
@@ -140,7 +143,8 @@ def bench(
     from viasd.engine import Engine
     from viasd.fileio import file_sha256
     from viasd.methods import parse_method_list
-    from viasd.profile import shipped_profile_path
+    from viasd.models.loading import resolve_device
+    from viasd.profile import default_profile_path
     from viasd.verify.sampling import SamplingParams
 
     err = Console(stderr=True)
@@ -171,7 +175,8 @@ def bench(
     results_path = out_dir / RESULTS_JSONL
     if results_path.exists() and not resume:
         raise ViasdError(f"{out_dir} already holds a run: pass --resume to continue it, or another --out")
-    profile_path = profile or shipped_profile_path()
+    # What `via` without profile= uses where the target will run (Engine.default_profile, once loaded).
+    profile_path = profile or default_profile_path(int4a8_is_fast(torch.device(resolve_device(device))))
     spec = engine_spec(
         target,
         drafter,
