@@ -543,7 +543,7 @@ def test_calibrate_and_reselect_from_the_command_line(tmp_path):
     assert load_profile(again).stop == 0.55
     what_if = runner.invoke(app, [*reselect_args, "--what-if"])
     assert what_if.exit_code == 0 and "| as configured" in what_if.output
-    assert "| slim verifier always right" in what_if.output
+    assert "| slim verifier always right" in what_if.output and "| slim pass at its 1-token cost" in what_if.output
     refused = runner.invoke(app, ["calibrate", *common, "--what-if"])
     assert refused.exit_code == 2 and "--what-if needs --reselect" in refused.output
 
