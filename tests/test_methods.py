@@ -134,3 +134,27 @@ def test_drafter_and_draft_length_options_build_what_they_say():
         out = engine.generate(prompt, name, config)
         assert out.tokens == want, name
         assert sum(s.drafted for s in out.stats.sources.values()) == out.stats.drafted
+
+
+def test_self_drafting_skips_layers_even_when_the_profile_slims_by_quantization(tmp_path):
+    """A profile whose slim view is a quantized copy has a full layer mask; `self` then drafts with a spread mask
+    (skipping layers), not with the whole target, and stays exact. A profile mask that skips layers is used."""
+    from viasd.models.fingerprint import model_fingerprint
+    from viasd.models.layer_skip import LayerMask
+    from viasd.profile import RoutingProfile, save_profile
+    from viasd.verify.gates import Gate
+
+    tok = tiny_tokenizer(64)
+    target = tiny_model("llama", layers=4)
+    fingerprint = {"name": "t", "fingerprint": model_fingerprint(target)}
+    quantized, cut = tmp_path / "quantized.json", tmp_path / "cut.json"
+    save_profile(RoutingProfile(fingerprint, None, [LayerMask.full(4)], ["int8"], Gate("kl", (0.1, 1.0))), quantized)
+    save_profile(RoutingProfile(fingerprint, None, [LayerMask.skipping(4, [2])], [None], Gate("kl", (0.1, 1.0))), cut)
+    loaded = LoadedModel(target, tok, "t", "t")
+    engine = Engine(EngineSpec(target="t", drafter="d", profile=str(quantized)), target=loaded)
+    mask = engine.self_mask()
+    assert not mask.is_full and not all(mask.attention)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    assert engine.generate([1, 5, 9], "self", config).tokens == engine.generate([1, 5, 9], "plain", config).tokens
+    again = Engine(EngineSpec(target="t", drafter="d", profile=str(cut)), target=loaded)
+    assert again.self_mask() == LayerMask.skipping(4, [2])

@@ -152,7 +152,9 @@ class Engine:
         return path
 
     def self_mask(self) -> LayerMask:
-        """The self-drafter's layer mask: the profile's slim mask when it fits this target, else a spread mask."""
+        """The self-drafter's layer mask: the profile's slim mask when it fits this target and skips layers, else a
+        spread mask (a profile whose slim view is quantized, not cut, has a full mask: drafting with it would be the
+        target's own pass)."""
         from viasd.models.fingerprint import model_fingerprint
         from viasd.models.layer_skip import num_decoder_layers, spread_mask
         from viasd.profile import load_profile
@@ -160,8 +162,9 @@ class Engine:
         path = self._profile_path(None)
         if path is not None:
             profile = load_profile(path)
-            if profile.target.get("fingerprint") == model_fingerprint(self.target.model):
-                return profile.masks[0]
+            mask = profile.masks[0]
+            if profile.target.get("fingerprint") == model_fingerprint(self.target.model) and not mask.is_full:
+                return mask
         return spread_mask(num_decoder_layers(self.target.model), self.spec.self_skip_ratio)
 
     def routing_profile(self, path: str | None = None) -> RoutingProfile:

@@ -20,6 +20,7 @@ def _cpuinfo_field(name: str) -> str | None:
     return None
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (`avx512_vnni`, `amx_bf16`, ...); empty where the system does not say.
 
