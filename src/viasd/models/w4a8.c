@@ -1,37 +1,38 @@
-/* int4 weights x int8 activations on x86 CPUs with AVX-512 VNNI: y = x @ W^T for one Linear layer.
+/* int4 weights x int8 activations on x86 CPUs: y = x @ W^T for one Linear layer, in two builds of this file:
+ * AVX-512 VNNI (W4A8_WIDE, recent Xeons and AMD Zen 4) and AVX2 (nearly every x86 CPU since 2015).
  *
- * A single-token pass only has to stream the weights from memory, so its speed is their size: 4.5 bits per
- * weight here (a 4-bit code, and an fp16 scale and minimum per group of 64), against 8 for int8 and 16 for
- * bf16. The arithmetic is the integer dot product VNNI does in one instruction (unsigned codes times signed
- * activations), 64 byte products per instruction, so a single token stays bound by memory. A block of tokens
- * (verification) unpacks each group's codes once for up to BLOCK tokens; there the dot products set the pace.
+ * A single-token pass only has to stream the weights from memory, so its speed is their size: 5 bits per
+ * weight here (a 4-bit code, and an fp16 scale and minimum per group of 32), against 8 for int8 and 16 for
+ * bf16. The arithmetic is the integer dot product of unsigned codes and signed activations (VNNI: one
+ * instruction for 64 byte products; AVX2: two, maddubs then madd, with the same int32 result, since a pair of
+ * products is at most 2 * 15 * 127 and never saturates 16 bits), so a single token stays bound by memory. A
+ * block of tokens (verification) unpacks each chunk's codes once for up to BLOCK tokens; there the dot
+ * products set the pace.
  *
- * Weights, per output row n and group g of 64 inputs (w ~ low + code * scale):
- *   packed[n][g*32 + j] = code[g*64 + j] | code[g*64 + 32 + j] << 4, j < 32
- *   scale[n][g], low[n][g]: fp16
+ * Weights, per output row n, in chunks of 64 inputs that hold two groups of 32 (w ~ low + code * scale):
+ *   packed[n][c*32 + j] = code[c*64 + j] | code[c*64 + 32 + j] << 4, j < 32
+ *   scale[n][g], low[n][g]: fp16, group g = inputs g*32 .. g*32+31
+ * This is the layout of a GGUF Q4_K block's codes (a super-block of 256 is four such chunks, its eight
+ * sub-block scales and minimums are our groups), so such a model's weights are taken over exactly.
  * Activations are quantized per row (token) and group: a = round(x * 127 / max|x|), step = max|x| / 127, so
  *   y[m][n] = sum_g scale[n][g] * step_g * dot(code_g, a_g) + low[n][g] * step_g * sum(a_g),
  * the exact product of the dequantized weights and activations. A row's result never depends on the other
  * rows of the block (exact verification relies on that), and it depends on the activations only through their
- * codes, so the last-bit noise of attention computed in blocks of another size rarely reaches it.
- *
- * Two neighbouring groups share one 512-bit register: 64 bytes of packed codes are group g's 32 then group
- * g+1's, so their low nibbles are [g's codes 0..31 | g+1's 0..31] and their high nibbles the codes 32..63.
- * The quantized activations of the whole 8-group blocks are stored in the same order (`pair_offset`).
+ * codes, so the last-bit noise of attention computed in blocks of another size rarely reaches it. The two
+ * builds add the same terms in different orders, so their last bits may differ; each is the same whatever
+ * the block.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define GROUP 64
-#define BLOCK 4 /* tokens per weight read (R <= BLOCK); more spill registers and run slower */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define W4A8_WIDE 1
+#endif
 
-/* Where code i of activation group g goes: in the whole 8-group blocks (g < paired), pairs of groups are laid
- * out as [g's 0..31 | g+1's 0..31 | g's 32..63 | g+1's 32..63] to meet the weights' nibbles; the rest in order. */
-static inline int64_t pair_offset(int64_t g, int i, int64_t paired) {
-    if (g >= paired) return g * GROUP + i;
-    return (g & ~(int64_t)1) * GROUP + (i >= 32 ? 64 : 0) + (g & 1) * 32 + (i & 31);
-}
+#define GROUP 32 /* inputs per scale and minimum (weights) and per step (activations) */
+#define CHUNK 64 /* inputs per 32 packed bytes: two groups, one in each nibble */
+#define BLOCK 4  /* tokens per weight read (R <= BLOCK); more spill registers and run slower */
 
 static inline float sum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -40,88 +41,228 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Group g of one row: its 64 int8 codes (where `pair_offset` puts them), its step max|x|/127 and step * the sum
- * of its codes (the minimum term's). The product rounds to nearest even, as the default rounding mode does. */
-static inline void quantize_group(const float *v, int64_t g, int64_t paired, int8_t *q, float *step, float *sum) {
-    __m512 x[4], top = _mm512_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        x[i] = _mm512_loadu_ps(v + 16 * i);
-        top = _mm512_max_ps(top, _mm512_abs_ps(x[i]));
+#ifdef W4A8_WIDE
+/* --- AVX-512 VNNI ------------------------------------------------------------------------------------------
+ * Two neighbouring chunks share one 512-bit register: 64 bytes of packed codes are chunk c's 32 then chunk
+ * c+1's, so their low nibbles are groups [2c | 2c+2] and their high nibbles groups [2c+1 | 2c+3]. The quantized
+ * activations of the whole 8-chunk blocks are stored in the same order (`pair_offset`).
+ */
+/* Where code i of activation chunk c goes: in the whole 8-chunk blocks (c < paired), pairs of chunks are laid
+ * out as [c's 0..31 | c+1's 0..31 | c's 32..63 | c+1's 32..63] to meet the weights' nibbles; the rest in order. */
+static inline int64_t pair_offset(int64_t c, int i, int64_t paired) {
+    if (c >= paired) return c * CHUNK + i;
+    return (c & ~(int64_t)1) * CHUNK + (i >= 32 ? 64 : 0) + (c & 1) * 32 + (i & 31);
+}
+
+static inline float sum16(__m512 v) {
+    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+/* Chunk c of one row: its 64 int8 codes (where `pair_offset` puts them), and for each of its two groups the
+ * step max|x|/127 and step * the sum of its codes (the minimum term's). The product rounds to nearest even, as
+ * the default rounding mode does. */
+static inline void quantize_chunk(const float *v, int64_t c, int64_t paired, int8_t *q, float *step, float *sum) {
+    for (int h = 0; h < 2; h++) {
+        const __m512 x0 = _mm512_loadu_ps(v + 32 * h), x1 = _mm512_loadu_ps(v + 32 * h + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+        _mm_storeu_si128((__m128i *)(q + pair_offset(c, 32 * h, paired)), _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(q + pair_offset(c, 32 * h + 16, paired)), _mm512_cvtepi32_epi8(c1));
+        step[h] = amax / 127.0f;
+        sum[h] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)) * (amax / 127.0f);
     }
-    const float amax = _mm512_reduce_max_ps(top);
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m512i total = _mm512_setzero_si512();
-    for (int i = 0; i < 4; i++) {
-        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv));
-        total = _mm512_add_epi32(total, c);
-        _mm_storeu_si128((__m128i *)(q + pair_offset(g, 16 * i, paired)), _mm512_cvtepi32_epi8(c));
-    }
-    *step = amax / 127.0f;
-    *sum = (float)_mm512_reduce_add_epi32(total) * (amax / 127.0f);
 }
 
 /* One output for each of R rows (tokens): sum_g scale_g * step_g * dot_g + low_g * sum_g. Each row goes
- * through the same operations in the same order whatever R is (the factors scale_g * step_g made 8 groups at a
- * time, one accumulator holding even groups in its low half and odd ones in its high half, then the tail), so
- * its result does not depend on the block: R is a constant at each call site, and the loops over r unroll. */
+ * through the same operations in the same order whatever R is (the factors scale_g * step_g made 16 groups at
+ * a time, one accumulator taking every group's products lane by lane, then the tail), so its result does not
+ * depend on the block: R is a constant at each call site, and the loops over r unroll. */
 static inline __attribute__((always_inline)) void rows_output(
     const uint8_t *w, const uint16_t *scale, const uint16_t *low, const int8_t *a, const float *step,
     const float *sum, int64_t k, int64_t groups, const int R, float *out, int64_t n) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const int64_t paired = groups / 8 * 8;
-    __m512 acc[BLOCK];
-    __m256 minimum[BLOCK];
+    const int64_t chunks = groups / 2, paired = chunks / 8 * 8;
+    __m512 acc[BLOCK], minimum[BLOCK];
     float tail[BLOCK];
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
-        minimum[r] = _mm256_setzero_ps();
+        minimum[r] = _mm512_setzero_ps();
         tail[r] = 0.0f;
     }
-    for (int64_t g = 0; g < paired; g += 8) {
-        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
-        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(low + g)));
+    for (int64_t c = 0; c < paired; c += 8) {
+        const int64_t g = 2 * c; /* 16 groups: g .. g+15 */
+        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + g)));
+        const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(low + g)));
         __m512 factor[BLOCK];
         for (int r = 0; r < R; r++) {
-            factor[r] = _mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_loadu_ps(step + r * groups + g)));
-            minimum[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(sum + r * groups + g), minimum[r]);
+            factor[r] = _mm512_mul_ps(sc, _mm512_loadu_ps(step + r * groups + g));
+            minimum[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(sum + r * groups + g), minimum[r]);
         }
         for (int i = 0; i < 8; i += 2) {
-            /* lanes 0..7 take group g+i's factor, lanes 8..15 group g+i+1's */
-            const __m512i pick = _mm512_set_epi32(i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1, i + 1,
-                                                  i, i, i, i, i, i, i, i);
-            const __m512i v = _mm512_loadu_si512((const void *)(w + (g + i) * 32));
+            /* low nibbles: lanes 0..7 group 2i, lanes 8..15 group 2i+2; high nibbles: 2i+1 and 2i+3 */
+            const int e = 2 * i;
+            const __m512i pick_low = _mm512_set_epi32(e + 2, e + 2, e + 2, e + 2, e + 2, e + 2, e + 2, e + 2,
+                                                      e, e, e, e, e, e, e, e);
+            const __m512i pick_high = _mm512_set_epi32(e + 3, e + 3, e + 3, e + 3, e + 3, e + 3, e + 3, e + 3,
+                                                       e + 1, e + 1, e + 1, e + 1, e + 1, e + 1, e + 1, e + 1);
+            const __m512i v = _mm512_loadu_si512((const void *)(w + (c + i) * 32));
             const __m512i first = _mm512_and_si512(v, nibble), second = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             for (int r = 0; r < R; r++) {
-                const int8_t *x = a + r * k + (g + i) * GROUP;
-                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512((const void *)x));
-                d = _mm512_dpbusd_epi32(d, second, _mm512_loadu_si512((const void *)(x + 64)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_permutexvar_ps(pick, factor[r]), acc[r]);
+                const int8_t *x = a + r * k + (c + i) * CHUNK;
+                const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512((const void *)x));
+                const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), second, _mm512_loadu_si512((const void *)(x + 64)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(pick_low, factor[r]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(pick_high, factor[r]), acc[r]);
             }
         }
     }
     const __m256i nibble8 = _mm512_castsi512_si256(nibble);
-    for (int64_t g = paired; g < groups; g++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 32));
+    for (int64_t c = paired; c < chunks; c++) {
+        const int64_t g = 2 * c;
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + c * 32));
         const __m256i first = _mm256_and_si256(v, nibble8), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble8);
+        const float sc0 = _cvtsh_ss(scale[g]), sc1 = _cvtsh_ss(scale[g + 1]);
         for (int r = 0; r < R; r++) {
-            const int8_t *x = a + r * k + g * GROUP;
-            __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), first, _mm256_loadu_si256((const __m256i *)x));
-            d = _mm256_dpbusd_epi32(d, second, _mm256_loadu_si256((const __m256i *)(x + 32)));
-            const __m512 f = _mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(scale[g]) * step[r * groups + g]));
-            acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(d)), f, acc[r], 0x00FF);
+            const int8_t *x = a + r * k + c * CHUNK;
+            const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), first, _mm256_loadu_si256((const __m256i *)x));
+            const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), second, _mm256_loadu_si256((const __m256i *)(x + 32)));
+            const __m512 f0 = _mm512_castps256_ps512(_mm256_set1_ps(sc0 * step[r * groups + g]));
+            const __m512 f1 = _mm512_castps256_ps512(_mm256_set1_ps(sc1 * step[r * groups + g + 1]));
+            acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(d0)), f0, acc[r], 0x00FF);
+            acc[r] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_castsi256_si512(d1)), f1, acc[r], 0x00FF);
             tail[r] += _cvtsh_ss(low[g]) * sum[r * groups + g];
+            tail[r] += _cvtsh_ss(low[g + 1]) * sum[r * groups + g + 1];
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-        out[r * n] = sum8(halves) + sum8(minimum[r]) + tail[r];
+    for (int r = 0; r < R; r++)
+        out[r * n] = sum16(acc[r]) + sum16(minimum[r]) + tail[r];
+}
+#else
+/* --- AVX2 --------------------------------------------------------------------------------------------------
+ * One chunk per 256-bit register: its 32 packed bytes hold group 2c in the low nibbles and group 2c+1 in the
+ * high ones, and a row's quantized activations are stored in plain order, so chunk c's 64 codes are groups 2c
+ * and 2c+1 one after the other. Sixteen registers are few: the minimum terms are summed in a loop of their own.
+ */
+#define W4A8_QUAD 4 /* chunks whose 8 groups' factors are made at once */
+
+static inline int64_t pair_offset(int64_t c, int i, int64_t paired) {
+    (void)paired;
+    return c * CHUNK + i;
+}
+
+static inline int32_t sum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Chunk c of one row: its 64 int8 codes, and for each of its two groups the step max|x|/127 and step * the sum
+ * of its codes. The conversion rounds to nearest even, as the default rounding mode does. */
+static inline void quantize_chunk(const float *v, int64_t c, int64_t paired, int8_t *q, float *step, float *sum) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' per-lane interleave */
+    for (int h = 0; h < 2; h++) {
+        __m256 x[4], top = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            x[i] = _mm256_loadu_ps(v + 32 * h + 8 * i);
+            top = _mm256_max_ps(top, _mm256_and_ps(x[i], magnitude));
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        const float amax = _mm_cvtss_f32(t);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i code[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            code[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
+            total = _mm256_add_epi32(total, code[i]);
+        }
+        const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
+        _mm256_storeu_si256((__m256i *)(q + pair_offset(c, 32 * h, paired)), _mm256_permutevar8x32_epi32(words, order));
+        step[h] = amax / 127.0f;
+        sum[h] = (float)sum8i(total) * (amax / 127.0f);
     }
 }
 
-/* out[rows][n] = x[rows][k] @ W^T; returns 0, or -1 when scratch memory could not be had. */
+/* The int32 dot products of 32 codes (bytes 0..15 as unsigned) and 32 activations, four bytes per lane. */
+static inline __m256i dot32(__m256i codes, __m256i activations, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, activations), ones);
+}
+
+/* One output for each of R rows: the same operations in the same order whatever R is (see the wide build). */
+static inline __attribute__((always_inline)) void rows_output(
+    const uint8_t *w, const uint16_t *scale, const uint16_t *low, const int8_t *a, const float *step,
+    const float *sum, int64_t k, int64_t groups, const int R, float *out, int64_t n) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t chunks = groups / 2, quads = chunks / W4A8_QUAD * W4A8_QUAD;
+    __m256 acc[BLOCK];
+    float tail[BLOCK];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    for (int64_t c = 0; c < quads; c += W4A8_QUAD) {
+        const int64_t g = 2 * c; /* 8 groups: g .. g+7 */
+        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + g)));
+        __m256 factor[BLOCK];
+        for (int r = 0; r < R; r++)
+            factor[r] = _mm256_mul_ps(sc, _mm256_loadu_ps(step + r * groups + g));
+        for (int i = 0; i < W4A8_QUAD; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (c + i) * 32));
+            const __m256i first = _mm256_and_si256(v, nibble), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            const __m256i pick_low = _mm256_set1_epi32(2 * i), pick_high = _mm256_set1_epi32(2 * i + 1);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = a + r * k + (c + i) * CHUNK;
+                const __m256i d0 = dot32(first, _mm256_loadu_si256((const __m256i *)x), ones);
+                const __m256i d1 = dot32(second, _mm256_loadu_si256((const __m256i *)(x + 32)), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_permutevar8x32_ps(factor[r], pick_low), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_permutevar8x32_ps(factor[r], pick_high), acc[r]);
+            }
+        }
+    }
+    for (int64_t c = quads; c < chunks; c++) {
+        const int64_t g = 2 * c;
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + c * 32));
+        const __m256i first = _mm256_and_si256(v, nibble), second = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        const float sc0 = _cvtsh_ss(scale[g]), sc1 = _cvtsh_ss(scale[g + 1]);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = a + r * k + c * CHUNK;
+            const __m256i d0 = dot32(first, _mm256_loadu_si256((const __m256i *)x), ones);
+            const __m256i d1 = dot32(second, _mm256_loadu_si256((const __m256i *)(x + 32)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(sc0 * step[r * groups + g]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(sc1 * step[r * groups + g + 1]), acc[r]);
+        }
+    }
+    /* The minimum terms, low_g * step_g * sum(a_g), 8 groups at a time and then one by one. */
+    const int64_t eights = groups / 8 * 8;
+    for (int r = 0; r < R; r++) {
+        __m256 minimum = _mm256_setzero_ps();
+        for (int64_t g = 0; g < eights; g += 8) {
+            const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(low + g)));
+            minimum = _mm256_fmadd_ps(lo, _mm256_loadu_ps(sum + r * groups + g), minimum);
+        }
+        for (int64_t g = eights; g < groups; g++)
+            tail[r] += _cvtsh_ss(low[g]) * sum[r * groups + g];
+        out[r * n] = sum8(acc[r]) + sum8(minimum) + tail[r];
+    }
+}
+#endif
+
+/* Which build this is: 512 (AVX-512 VNNI) or 256 (AVX2). */
+int w4a8_width(void) {
+#ifdef W4A8_WIDE
+    return 512;
+#else
+    return 256;
+#endif
+}
+
+/* out[rows][n] = x[rows][k] @ W^T (k a multiple of 64); returns 0, or -1 when scratch memory could not be had. */
 int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const uint16_t *scale,
                 const uint16_t *low, int64_t n, float *out, int threads) {
-    const int64_t groups = k / GROUP, paired = groups / 8 * 8;
+    const int64_t groups = k / GROUP, chunks = k / CHUNK, paired = chunks / 8 * 8;
     int8_t *a = malloc((size_t)(rows * k));
     float *step = malloc((size_t)(rows * groups) * sizeof(float));
     float *sum = malloc((size_t)(rows * groups) * sizeof(float));
@@ -133,9 +274,9 @@ int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, 
     {
         /* The activations first (every thread waits for all of them at the loop's end), then the outputs. */
 #pragma omp for schedule(static)
-        for (int64_t mg = 0; mg < rows * groups; mg++) {
-            const int64_t m = mg / groups, g = mg % groups;
-            quantize_group(x + m * k + g * GROUP, g, paired, a + m * k, step + mg, sum + mg);
+        for (int64_t mc = 0; mc < rows * chunks; mc++) {
+            const int64_t m = mc / chunks, c = mc % chunks;
+            quantize_chunk(x + m * k + c * CHUNK, c, paired, a + m * k, step + 2 * mc, sum + 2 * mc);
         }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) {
