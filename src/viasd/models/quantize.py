@@ -13,9 +13,14 @@ Kinds (`QuantRecipe.kind`):
   from calibration activations; the layer computes (x / s) @ (W * s)^T.
 * `int8wo`: int8 weights, bf16 activations (weight-only).
 * `int4`: int4 weights in groups along the input (asymmetric: a scale and a zero per group), bf16 activations.
-* `int4a8`: int4 weights in groups of 64 (an fp16 scale and minimum each), activations quantized per token and
-  group to int8 at run time, so a single-token pass reads 4.5 bits per weight and multiplies in int8 (VNNI):
-  viasd's own CPU kernel (models/w4a8.py), the cheapest single-token pass on x86 CPUs with AVX-512 VNNI.
+* `int4a8`: int4 weights in groups of 32 (an fp16 scale and minimum each), activations quantized per token and
+  group to int8 at run time, so a single-token pass reads 5 bits per weight and multiplies in int8 (VNNI):
+  viasd's own CPU kernel (models/w4a8.py, for AVX-512 VNNI and AVX2), the cheapest single-token pass on x86.
+* `gguf` (`int4a8:gguf`): the quantization of the GGUF file the model was converted from, taken over rather
+  than made again: int4a8 layers with the file's own 4-bit codes, scales and minimums where it stores a tensor
+  as Q4_K, and int8 where it stores one at more bits (Q4_K_M keeps the output head and some down and value
+  projections at 6). It computes what llama.cpp computes from the same file, up to the activations' rounding,
+  whereas re-quantizing the dequantized weights would round them a second time onto another grid.
 
 Layers named in `keep` stay as they are (bf16): measurement shows a few are sensitive (the MLP down
 projections of Qwen2.5 take activations with large outlier channels). The quantized modules are new
@@ -30,7 +35,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,6 +43,9 @@ from torch import nn
 from viasd.errors import ViasdError
 from viasd.models import w4a8
 from viasd.models.cpu import cpu_flags
+
+if TYPE_CHECKING:
+    from viasd.models.gguf_blocks import GgufWeights
 
 KINDS = ("int8", "int8wo", "int4", "int4a8")
 
@@ -60,6 +68,7 @@ class QuantRecipe:
     int8: glob patterns of module names quantized to int8 (with int8 activations) instead of `kind`: a mixed
         recipe, as llama.cpp's Q4_K_M keeps its output head and some down projections at 6 bits.
     smooth: the SmoothQuant migration strength a in [0, 1] (int8 only; 0: off).
+    gguf: take the source GGUF file's own Q4_K blocks (int4a8 only), int8 for its other tensors.
     """
 
     kind: str = "int8"
@@ -67,6 +76,7 @@ class QuantRecipe:
     smooth: float = 0.0
     group_size: int = 64
     int8: tuple[str, ...] = ()
+    gguf: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -77,8 +87,10 @@ class QuantRecipe:
             raise ViasdError("smoothing applies to int8 (activations are quantized only there)")
         if self.int8 and self.kind == "int8":
             raise ViasdError("int8=PATTERN mixes int8 layers into another kind; this recipe is int8 already")
+        if self.gguf and self.kind != "int4a8":
+            raise ViasdError("gguf takes a GGUF file's 4-bit blocks as int4a8 layers; write int4a8:gguf or gguf")
         if self.kind == "int4a8" and self.group_size != 64:
-            raise ViasdError("int4a8 uses groups of 64 inputs")
+            raise ViasdError("int4a8's groups are fixed at 32 inputs (group=G is for int4)")
         if self.group_size not in (32, 64, 128, 256):
             raise ViasdError(f"int4 group size must be 32, 64, 128 or 256, got {self.group_size}")
 
@@ -90,6 +102,8 @@ class QuantRecipe:
             parts.append(f"smooth={self.smooth:g}")
         if self.kind == "int4" and self.group_size != 64:
             parts.append(f"group={self.group_size}")
+        if self.gguf:
+            parts.append("gguf")
         if self.keep:
             parts.append("keep=" + ",".join(self.keep))
         if self.int8:
@@ -99,7 +113,8 @@ class QuantRecipe:
     @classmethod
     def parse(cls, text: str) -> QuantRecipe:
         """`KIND[:smooth=A][:group=G][:keep=PATTERN,...][:int8=PATTERN,...]`, as `name` writes it, or a preset
-        (`int4a8m`: int4a8 with the LM head and the MLP down projections in int8, a name that fits a method variant)."""
+        (`int4a8m`: int4a8 with the LM head and the MLP down projections in int8; `gguf`: `int4a8:gguf`; names
+        that fit a method variant)."""
         kind, *options = text.strip().split(":")
         values: dict[str, Any] = {}
         if kind in PRESETS:
@@ -116,11 +131,14 @@ class QuantRecipe:
                     values["keep"] = tuple(p for p in value.split(",") if p)
                 elif key == "int8" and sep:
                     values["int8"] = tuple(p for p in value.split(",") if p)
+                elif key == "gguf" and not sep:
+                    values["gguf"] = True
                 else:
                     raise ValueError
             except ValueError:
                 raise ViasdError(
-                    f"bad quantization option {option!r} in {text!r}: write smooth=A, group=G or keep=PATTERN,..."
+                    f"bad quantization option {option!r} in {text!r}: write smooth=A, group=G, keep=PATTERN,..., "
+                    "int8=PATTERN,... or gguf"
                 ) from None
         return cls(kind, **values)
 
@@ -142,6 +160,7 @@ class QuantRecipe:
 # Recipes by a short name that fits where ':' and ',' cannot go (a method variant: `plain:quant=int4a8m`).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "int4a8m": ("int4a8", {"int8": ("lm_head", "*.mlp.down_proj")}),
+    "gguf": ("int4a8", {"gguf": True}),
 }
 
 
@@ -158,6 +177,12 @@ _ANCHORS = torch.tensor([[1.0, -1.0]])  # the two columns that pin every row's r
 def _fbgemm() -> bool:
     """Whether torch has its x86 int8 kernels (fbgemm), the fast int8 path on CPUs."""
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _fbgemm_reduce_range() -> bool:
+    """Whether fbgemm must quantize activations to 7 bits here. Without AVX-512 VNNI its products are AVX2's
+    maddubs, which adds two byte products in 16 bits: 255 * 127 * 2 saturates them, 127 * 127 * 2 does not."""
+    return "avx512_vnni" not in cpu_flags()
 
 
 class Int8DynamicLinear(nn.Module):
@@ -219,7 +244,7 @@ class Int8DynamicLinear(nn.Module):
         amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
         if rows.device.type == "cpu" and _fbgemm():
             pinned = torch.cat([rows / amax, _ANCHORS.expand(rows.shape[0], 2)], dim=1)
-            out = torch.ops.quantized.linear_dynamic(pinned, self._fbgemm_packed(), False) * amax
+            out = torch.ops.quantized.linear_dynamic(pinned, self._fbgemm_packed(), _fbgemm_reduce_range()) * amax
         else:
             step = amax / 127.0
             q = torch.round(rows / step).to(torch.int8)
@@ -331,13 +356,13 @@ class Int4WeightOnlyLinear(nn.Module):
 
 
 class Int4Int8Linear(nn.Module):
-    """y = x @ W^T + b with W in int4 groups of 64 and x quantized per token and group to int8 (models/w4a8.py)."""
+    """y = x @ W^T + b with W in int4 groups of 32 and x quantized per token and group to int8 (models/w4a8.py)."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("packed", packed)  # [out, in / 2] uint8, two codes per byte
-        self.register_buffer("scale", scale)  # [out, in / 64] fp16
-        self.register_buffer("low", low)  # [out, in / 64] fp16, each group's minimum
+        self.register_buffer("scale", scale)  # [out, in / 32] fp16
+        self.register_buffer("low", low)  # [out, in / 32] fp16, each group's minimum
         self.register_buffer("bias", bias)
         self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
 
@@ -359,10 +384,16 @@ class Int4Int8Linear(nn.Module):
         return fused
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int4Int8Linear:
-        if linear.in_features % w4a8.GROUP:
-            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
-        packed, scale, low = w4a8.pack(linear.weight)
+    def from_linear(
+        cls, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> Int4Int8Linear:
+        """The layer's copy: `blocks` (packed codes, scales, minimums of the same weight, e.g. a GGUF file's own)
+        when given, else its weight quantized here."""
+        if linear.in_features % w4a8.CHUNK:
+            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.CHUNK}")
+        packed, scale, low = blocks if blocks is not None else w4a8.pack(linear.weight)
+        device = linear.weight.device
+        packed, scale, low = packed.to(device), scale.to(device), low.to(device)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         w4a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
         return cls(packed, scale, low, bias)
@@ -427,6 +458,7 @@ class QuantizedLinears:
 
     recipe: QuantRecipe
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    from_file: int = 0  # how many int4a8 layers took a GGUF file's own 4-bit blocks
     _owners: dict[int, list[tuple[nn.Module, str, nn.Module]]] = field(default_factory=dict, repr=False)
 
     def nbytes(self) -> int:
@@ -453,8 +485,17 @@ class QuantizedLinears:
                 setattr(parent, child, original)
 
 
-def quantize(model: nn.Module, recipe: QuantRecipe, sequences: Sequence[Sequence[int]] = ()) -> QuantizedLinears:
-    """Quantized copies of the model's Linear layers by `recipe` (`sequences`: token ids for smoothing)."""
+def quantize(
+    model: nn.Module,
+    recipe: QuantRecipe,
+    sequences: Sequence[Sequence[int]] = (),
+    gguf: GgufWeights | None = None,
+) -> QuantizedLinears:
+    """Quantized copies of the model's Linear layers by `recipe` (`sequences`: token ids for smoothing). A `gguf`
+    recipe takes the 4-bit blocks of `gguf`, the file the model was converted from, where it stores them as Q4_K,
+    and makes the other layers int8."""
+    if recipe.gguf and gguf is None:
+        raise ViasdError("quantization gguf takes the blocks of the GGUF file the model came from: it has none")
     names = [name for name in quantizable(model) if not recipe.keeps(name)]
     if not names:
         raise ViasdError(f"quantization {recipe.name}: it keeps every Linear layer; nothing to quantize")
@@ -474,6 +515,13 @@ def quantize(model: nn.Module, recipe: QuantRecipe, sequences: Sequence[Sequence
                 out.modules[name] = Int8DynamicLinear.from_linear(linear, smooth)
             elif kind == "int8wo":
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
+            elif kind == "int4a8" and gguf is not None and recipe.gguf:
+                blocks = gguf.int4a8(name, linear.weight)
+                out.from_file += blocks is not None
+                if blocks is None:  # stored at more bits than 4 (or not as Q4_K): int8 keeps what it holds
+                    out.modules[name] = Int8DynamicLinear.from_linear(linear)
+                else:
+                    out.modules[name] = Int4Int8Linear.from_linear(linear, blocks)
             elif kind == "int4a8":
                 out.modules[name] = Int4Int8Linear.from_linear(linear)
             else:
