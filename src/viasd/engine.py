@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
+    from viasd.models.gguf_blocks import GgufWeights
     from viasd.models.layer_skip import LayerMask
     from viasd.models.views import View
     from viasd.profile import RoutingProfile
@@ -95,7 +96,19 @@ class Engine:
             def sequences() -> list[list[int]]:
                 return [encode_prompt(model.tokenizer, text) for text in SMOOTHING_TEXTS]
 
-            self._views[key] = View(linears=cached_quantize(model.model, QuantRecipe.parse(recipe), sequences))
+            def gguf() -> GgufWeights:
+                from viasd.models.gguf_blocks import GgufWeights, source_gguf
+
+                path = source_gguf(model.name, model.path)
+                if path is None:
+                    raise ViasdError(
+                        f"quantization {recipe} takes the blocks of the GGUF file a model came from; "
+                        f"{model.name} was not loaded from one (use int4a8, which quantizes it here)"
+                    )
+                return GgufWeights(path)
+
+            linears = cached_quantize(model.model, QuantRecipe.parse(recipe), sequences, gguf=gguf)
+            self._views[key] = View(linears=linears)
         return self._views[key]
 
     @property
@@ -141,13 +154,10 @@ class Engine:
     def gguf(self) -> Path:
         """The target's GGUF file: the verified file of a default model (assembled once), or the file it was
         loaded from."""
-        from viasd.models.catalog import find_default_model
-        from viasd.models.fetch import ensure_default_gguf
+        from viasd.models.gguf_blocks import source_gguf
 
-        if find_default_model(self.spec.target) is not None:
-            return ensure_default_gguf(self.spec.target)
-        path = Path(self.target.path)
-        if path.suffix.lower() != ".gguf" or not path.is_file():
+        path = source_gguf(self.spec.target, self.target.path)
+        if path is None:
             raise ViasdError(f"llama.cpp reads GGUF files: load the target from a .gguf file, not {self.target.path}")
         return path
 

@@ -366,7 +366,14 @@ def _build(
     if keep_gguf:
         gguf_path.rename(out_dir / entry.gguf_filename)
     else:
-        gguf_path.unlink()
+        # Verified already: shelved where `ensure_default_gguf` looks, for llama.cpp and for quantized views
+        # that take the file's own 4-bit blocks, so that neither downloads it again.
+        shelf = work_dir.parent / "gguf" / entry.gguf_filename
+        if shelf.is_file() and shelf.stat().st_size == entry.size:
+            gguf_path.unlink()
+        else:
+            shelf.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(gguf_path, shelf)
     (out_dir / SOURCE_FILE).write_text(json.dumps(_source_record(entry), indent=2) + "\n")
     write_manifest(out_dir)
     return out_dir
@@ -386,8 +393,9 @@ def ensure_default_model(
     """Return the cached Hugging Face directory of default model `name`, building it on first use.
 
     A cached entry whose files do not have the sizes its manifest recorded is fetched again; `force`
-    fetches again even when the entry looks fine. `keep_gguf` keeps the verified GGUF file inside the
-    directory; `downloader`, `converter` and `catalog` are there to swap the slow steps out in tests.
+    fetches again even when the entry looks fine. The verified GGUF file is kept in `<cache>/gguf/` (see
+    `ensure_default_gguf`), or inside the directory with `keep_gguf`; `downloader`, `converter` and `catalog`
+    are there to swap the slow steps out in tests.
     """
     entry = _find_entry(name, catalog)
     cache = _resolve_cache_dir(cache_dir)

@@ -11,6 +11,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,6 +32,9 @@ from viasd.models.quantize import (
     quantizable,
     quantize,
 )
+
+if TYPE_CHECKING:
+    from viasd.models.gguf_blocks import GgufWeights
 
 FORMAT = "viasd-quantized/1"
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
@@ -82,15 +86,20 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     out = QuantizedLinears(recipe)
     for name in names:
         # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
-        probe = _probe(layers[name], recipe, recipe.kind_of(name))
+        # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, int8 elsewhere.
+        kind = recipe.kind_of(name)
+        if recipe.gguf and f"{name}/packed" not in tensors:
+            kind = "int8"
+        probe = _probe(layers[name], recipe, kind)
         for key, expected in probe.named_buffers():
             stored = tensors.get(f"{name}/{key}")
             if stored is None or stored.shape != expected.shape or stored.dtype != expected.dtype:
                 raise DamagedCache(f"tensor {name}/{key} is missing or of another shape")
             setattr(probe, key, stored)
-        if not isinstance(probe, _CLASSES[recipe.kind_of(name)]):
+        if not isinstance(probe, _CLASSES[kind]):
             raise DamagedCache(f"{name}: unexpected module kind")
         out.modules[name] = probe
+        out.from_file += recipe.gguf and kind == "int4a8"
     if len(tensors) != sum(1 for m in out.modules.values() for _ in m.named_buffers()):
         raise DamagedCache("it holds tensors of layers the recipe does not quantize")
     return out
@@ -131,9 +140,11 @@ def cached_quantize(
     sequences: Callable[[], Sequence[Sequence[int]]],
     root: Path | None = None,
     log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
+    gguf: Callable[[], GgufWeights | None] = lambda: None,
 ) -> QuantizedLinears:
     """The model's copies by `recipe`: from the cache when a sound file is there, else made (calibration token
-    sequences from `sequences()` when the recipe smooths) and cached."""
+    sequences from `sequences()` when the recipe smooths, the source GGUF file's blocks from `gguf()` when it
+    takes them over) and cached."""
     path = cache_path(model, recipe, root)
     device = next(model.parameters()).device
     if path.is_file():
@@ -145,6 +156,6 @@ def cached_quantize(
             return out
         except (DamagedCache, SafetensorError, ValueError, KeyError, OSError) as error:
             log(f"the cached {recipe.name} copies at {path} cannot be used ({error}); quantizing again")
-    out = quantize(model, recipe, sequences() if recipe.smooth else ())
+    out = quantize(model, recipe, sequences() if recipe.smooth else (), gguf() if recipe.gguf else None)
     write_atomic(path, _to_bytes(out, model_fingerprint(model)))
     return out

@@ -1,0 +1,104 @@
+"""A GGUF file's own 4-bit blocks as int4a8 weights, so that a model converted from a Q4_K GGUF computes on them.
+
+A Q4_K super-block holds 256 weights of one row: an fp16 scale d and minimum dmin, eight 6-bit sub-block scales
+sc_j and minimums m_j, and 128 bytes of 4-bit codes, with weight = d * sc_j * code - dmin * m_j in sub-block j of
+32 inputs. That is int4a8's layout (models/w4a8.py): groups of 32 with a scale and a minimum, codes in chunks of
+64 inputs whose first 32 sit in the low nibbles. The view takes the codes as they are and multiplies out each
+group's scale and minimum (rounded to fp16, finer than the bf16 rounding of the dense model's copy of the same
+weights). Re-quantizing the dense weights instead would round them a second time, onto another grid.
+
+Only Q4_K tensors are taken; layers the file stores otherwise (Q4_K_M keeps some at 6 bits) are quantized from
+the dense weights (to int8: see the `gguf` recipe, models/quantize.py). Each tensor is checked against the
+model's own weight before use, so a file of another model, or a conversion that reordered a tensor, is not taken.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from viasd.models import w4a8
+
+_SUPER = 256  # weights per Q4_K block
+_BYTES = 144  # its size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+# Largest relative (Frobenius) difference between a tensor's dequantized blocks and the model's weight for the
+# two to count as the same: bf16 rounding leaves about 0.002; another tensor or layout differs by about 1.
+_SAME = 0.01
+
+
+def q4k_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K tensor's raw bytes [rows, columns / 256 * 144] as int4a8's packed codes, scales and minimums."""
+    from gguf.quants import Q4_K
+
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SUPER), _BYTES)
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(raw[:, 4:16])  # [blocks, 8] each, the sub-blocks in order
+    scale = (d * sc.astype(np.float32)).reshape(rows, columns // w4a8.GROUP)
+    low = (-dmin * m.astype(np.float32)).reshape(rows, columns // w4a8.GROUP)
+    packed = raw[:, 16:].reshape(rows, columns // 2)
+    return (
+        torch.from_numpy(packed.copy()),
+        torch.from_numpy(scale).half().contiguous(),
+        torch.from_numpy(low).half().contiguous(),
+    )
+
+
+class GgufWeights:
+    """The Q4_K tensors of a GGUF file, by the Hugging Face module names of the model converted from it."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        reader = gguf.GGUFReader(path)
+        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+        arch_name = _field_text(reader, "general.architecture")
+        archs = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+        blocks = reader.fields.get(f"{arch_name}.block_count")
+        if arch_name not in archs or blocks is None:
+            self._names = None
+        else:
+            count = int(blocks.parts[blocks.data[0]][0])
+            self._names = gguf.get_tensor_name_map(archs[arch_name], count)
+
+    def int4a8(self, module: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Module `module`'s int4a8 tensors from the file's Q4_K blocks, or None: the file has no such Q4_K
+        tensor, or its blocks are not `weight` [out, in] (another model, or a layout the conversion changed)."""
+        import gguf
+
+        if self._names is None:
+            return None
+        name = self._names.get_name(module)
+        tensor = self._tensors.get(f"{name}.weight") if name else None
+        if tensor is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+            return None
+        rows, columns = weight.shape
+        if columns % _SUPER or tuple(tensor.data.shape) != (rows, columns // _SUPER * _BYTES):
+            return None
+        packed, scale, low = q4k_to_int4a8(tensor.data, rows, columns)
+        dense = weight.detach().float().cpu()
+        difference = (w4a8.dequantize(packed, scale, low) - dense).norm() / dense.norm().clamp_min(1e-12)
+        return (packed, scale, low) if float(difference) < _SAME else None
+
+
+def _field_text(reader: object, key: str) -> str:
+    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    if field is None:
+        return ""
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def source_gguf(name: str, path: str) -> Path | None:
+    """The GGUF file a loaded model (its spec `name`, its `path`) came from: a default model's verified file
+    (shelved in the cache when it was converted, else assembled once), or the .gguf file it was loaded from;
+    None for a model that never was a GGUF file."""
+    from viasd.models.catalog import find_default_model
+    from viasd.models.fetch import ensure_default_gguf
+
+    if find_default_model(name) is not None:
+        return ensure_default_gguf(name)
+    location = Path(path)
+    return location if location.is_file() and location.suffix.lower() == ".gguf" else None

@@ -1,0 +1,126 @@
+"""A GGUF file's own Q4_K blocks as int4a8 weights (models/gguf_blocks.py) and the `gguf` recipe built on them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from test_quantize import PROMPT, assert_same_until_a_near_tie
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.errors import ViasdError
+from viasd.models import w4a8
+from viasd.models.gguf_blocks import GgufWeights, q4k_to_int4a8
+from viasd.models.quant_cache import cached_quantize
+from viasd.models.quantize import Int4Int8Linear, Int8DynamicLinear, QuantRecipe, quantizable, quantize
+from viasd.models.views import View
+
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+
+
+def random_q4k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random Q4_K bytes [rows, columns / 256 * 144]: any codes and 6-bit scales make a valid block; d and dmin
+    are kept to the magnitudes real layers have."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(1e-4, 1e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:4] = rng.uniform(1e-4, 2e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, columns // 256 * 144)
+
+
+def test_q4k_blocks_are_the_weights_the_gguf_library_reads_from_them():
+    raw = random_q4k(24, 768, seed=0)
+    want = torch.from_numpy(gguf_dequantize(raw, Q4_K).astype(np.float32))  # the gguf package's own reading
+    packed, scale, low = q4k_to_int4a8(raw, 24, 768)
+    assert packed.shape == (24, 384) and scale.shape == low.shape == (24, 24)
+    got = w4a8.dequantize(packed, scale, low)
+    # The same codes; each group's scale d * sc and minimum dmin * m rounded once to fp16.
+    assert (got - want).norm() / want.norm() < 2e-3
+    x = torch.randn(3, 768)
+    exact = x @ want.T
+    assert (w4a8.product(x, packed, scale, low) - exact).norm() / exact.norm() < 0.02  # int8 activations
+
+
+def qwen2_with_gguf(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Path, set[str]]:
+    """A tiny Qwen2 whose Linear weights are the dequantized Q4_K blocks of a GGUF file written beside it, except
+    the value projections and the head, which the file stores in float32 (as Q4_K_M keeps some at 6 bits)."""
+    model = tiny_model("qwen2", hidden=256, layers=2, dtype=dtype)
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
+    writer.add_block_count(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    four: set[str] = set()
+    with torch.no_grad():
+        for i, (name, linear) in enumerate(quantizable(model).items()):
+            rows, columns = linear.weight.shape
+            if name.endswith("v_proj") or name == "lm_head" or columns % 256:
+                writer.add_tensor(f"{names.get_name(name)}.weight", linear.weight.float().numpy())
+                continue
+            raw = random_q4k(rows, columns, seed=i)
+            linear.weight.copy_(torch.from_numpy(gguf_dequantize(raw, Q4_K).astype(np.float32)))
+            writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=Q4_K)
+            four.add(name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, tmp_path / "tiny.gguf", four
+
+
+def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path: Path):
+    model, path, four = qwen2_with_gguf(tmp_path)
+    source = GgufWeights(path)
+    linears = quantize(model, QuantRecipe.parse("gguf"), gguf=source)
+    assert QuantRecipe.parse("gguf").name == "int4a8:gguf" and linears.from_file == len(four) > 0
+    layers = quantizable(model)
+    for name, module in linears.modules.items():
+        if name in four:
+            assert isinstance(module, Int4Int8Linear)
+            weight = w4a8.dequantize(module.packed, module.scale, module.low)
+            assert (weight - layers[name].weight).norm() / layers[name].weight.norm() < 2e-3
+        else:  # the file keeps these at more bits: int8, not a second 4-bit rounding
+            assert isinstance(module, Int8DynamicLinear)
+    # Blocks that are not this weight (another layer's) are refused, not used.
+    down, up = "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"
+    assert source.int4a8(up, layers[up].weight) is not None
+    assert source.int4a8(up, layers["model.layers.1.mlp.up_proj"].weight) is None
+    assert source.int4a8(down, layers[down].weight) is not None
+    # Without a file the recipe says what it needs.
+    with pytest.raises(ViasdError, match="GGUF file"):
+        quantize(model, QuantRecipe.parse("gguf"))
+    with pytest.raises(ViasdError, match="int4a8:gguf"):
+        QuantRecipe.parse("int8:gguf")
+
+
+def test_a_cached_gguf_quantization_comes_back_with_its_mixed_layers(tmp_path: Path):
+    model, path, four = qwen2_with_gguf(tmp_path)
+    recipe = QuantRecipe.parse("gguf")
+    made = cached_quantize(model, recipe, list, root=tmp_path / "q", gguf=lambda: GgufWeights(path))
+
+    def unusable() -> GgufWeights:
+        raise AssertionError("a sound cache needs no GGUF file")
+
+    loaded = cached_quantize(model, recipe, list, root=tmp_path / "q", gguf=unusable)
+    assert loaded.from_file == made.from_file == len(four)
+    assert {n: type(m) for n, m in loaded.modules.items()} == {n: type(m) for n, m in made.modules.items()}
+    x = torch.randn(1, 5, 256)
+    with torch.inference_mode():
+        for name in ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"):
+            assert torch.equal(loaded.modules[name](x), made.modules[name](x))
+
+
+def test_exact_methods_stay_exact_on_the_gguf_view_of_a_target(tmp_path: Path):
+    model, path, _ = qwen2_with_gguf(tmp_path)
+    view = View(linears=quantize(model, QuantRecipe.parse("gguf"), gguf=GgufWeights(path)))
+    tok, config = tiny_tokenizer(64), GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    fast = PlainDecoder(model, tok, view=view).generate(PROMPT, config)
+    drafter = ModelDrafter(tiny_model("qwen2", hidden=256, layers=1, seed=1, dtype=torch.float32))
+    sd = SpeculativeDecoder(model, tok, drafter, gamma=4, view=view).generate(PROMPT, config)
+    assert_same_until_a_near_tie(model, view, sd.tokens, fast.tokens)
