@@ -20,7 +20,7 @@ from viasd.errors import ViasdError
 from viasd.models import w4a8
 from viasd.models.gguf_blocks import GgufWeights, q4k_to_int4a8
 from viasd.models.quant_cache import cached_quantize
-from viasd.models.quantize import Int4Int8Linear, Int8DynamicLinear, QuantRecipe, quantizable, quantize
+from viasd.models.quantize import Int4Int8Linear, Int8WeightOnlyLinear, QuantRecipe, quantizable, quantize
 from viasd.models.views import View
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
@@ -85,8 +85,8 @@ def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path
             assert isinstance(module, Int4Int8Linear)
             weight = w4a8.dequantize(module.packed, module.scale, module.low)
             assert (weight - layers[name].weight).norm() / layers[name].weight.norm() < 2e-3
-        else:  # the file keeps these at more bits: int8, not a second 4-bit rounding
-            assert isinstance(module, Int8DynamicLinear)
+        else:  # the file keeps these at more bits: int8 weights, not a second 4-bit rounding
+            assert isinstance(module, Int8WeightOnlyLinear)
     # Blocks that are not this weight (another layer's) are refused, not used.
     down, up = "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"
     assert source.int4a8(up, layers[up].weight) is not None

@@ -8,7 +8,7 @@ group's scale and minimum (rounded to fp16, finer than the bf16 rounding of the 
 weights). Re-quantizing the dense weights instead would round them a second time, onto another grid.
 
 Only Q4_K tensors are taken; layers the file stores otherwise (Q4_K_M keeps some at 6 bits) are quantized from
-the dense weights (to int8: see the `gguf` recipe, models/quantize.py). Each tensor is checked against the
+the dense weights (to int8 weight-only: see the `gguf` recipe, models/quantize.py). Each tensor is checked against the
 model's own weight before use, so a file of another model, or a conversion that reordered a tensor, is not taken.
 """
 

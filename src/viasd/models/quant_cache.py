@@ -86,10 +86,10 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     out = QuantizedLinears(recipe)
     for name in names:
         # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
-        # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, int8 elsewhere.
+        # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, int8 weight-only elsewhere.
         kind = recipe.kind_of(name)
         if recipe.gguf and f"{name}/packed" not in tensors:
-            kind = "int8"
+            kind = "int8wo"
         probe = _probe(layers[name], recipe, kind)
         for key, expected in probe.named_buffers():
             stored = tensors.get(f"{name}/{key}")
