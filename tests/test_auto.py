@@ -52,6 +52,9 @@ def test_auto_drafts_with_int4a8_views_only_where_their_kernel_runs():
     assert not any(name.endswith("=int4") or name.endswith("=int8") for name in fast)
     assert "sd:drafter_quant=int4" in auto.candidates(True) and "self:drafter_quant=int8" in auto.candidates(True)
     assert not auto.int4a8_is_fast(torch.device("meta"))  # not a CPU: the kernel is not used there
+    # A target converted from a GGUF file with 4-bit blocks drafts for itself with those blocks.
+    assert "self:drafter_quant=gguf" in auto.candidates(True, int4a8=True, gguf=True)
+    assert "self:drafter_quant=gguf" not in auto.candidates(True, int4a8=False, gguf=True)
 
 
 def test_a_default_drafter_of_another_tokenizer_is_refused_before_any_fetch(monkeypatch):

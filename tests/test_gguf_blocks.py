@@ -18,7 +18,7 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.models import w4a8
-from viasd.models.gguf_blocks import GgufWeights, q4k_to_int4a8
+from viasd.models.gguf_blocks import GgufWeights, has_q4k_blocks, q4k_to_int4a8
 from viasd.models.quant_cache import cached_quantize
 from viasd.models.quantize import Int4Int8Linear, Int8WeightOnlyLinear, QuantRecipe, quantizable, quantize
 from viasd.models.views import View
@@ -124,3 +124,16 @@ def test_exact_methods_stay_exact_on_the_gguf_view_of_a_target(tmp_path: Path):
     drafter = ModelDrafter(tiny_model("qwen2", hidden=256, layers=1, seed=1, dtype=torch.float32))
     sd = SpeculativeDecoder(model, tok, drafter, gamma=4, view=view).generate(PROMPT, config)
     assert_same_until_a_near_tie(model, view, sd.tokens, fast.tokens)
+
+
+def test_whether_a_models_file_has_4bit_blocks_is_read_from_the_file(tmp_path: Path):
+    _, path, _ = qwen2_with_gguf(tmp_path)
+    assert has_q4k_blocks("tiny", str(path))
+    plain = gguf.GGUFWriter(tmp_path / "f32.gguf", "qwen2")
+    plain.add_tensor("blk.0.attn_q.weight", np.zeros((4, 256), dtype=np.float32))
+    plain.write_header_to_file()
+    plain.write_kv_data_to_file()
+    plain.write_tensors_to_file()
+    plain.close()
+    assert not has_q4k_blocks("tiny", str(tmp_path / "f32.gguf"))
+    assert not has_q4k_blocks("tiny", str(tmp_path))  # a directory: no file to read

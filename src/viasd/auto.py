@@ -36,12 +36,13 @@ PROBE_PROMPTS = (
 PROBE_TOKENS = 32
 
 
-def candidates(drafter_fits: bool | None, quantize: bool = True, int4a8: bool = False) -> list[str]:
+def candidates(drafter_fits: bool | None, quantize: bool = True, int4a8: bool = False, gguf: bool = False) -> list[str]:
     """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits. Quantized
     drafters are int4a8 views where viasd's int4a8 kernel runs (`int4a8_is_fast`), else int4 (the drafter's)
-    and int8 (the target's own)."""
+    and int8 (the target's own); the target drafts for itself with its `gguf` view where that runs on the kernel
+    and its GGUF file has 4-bit blocks (`gguf`: a better guesser than int4a8 at about its cost)."""
     names = ["plain", "lookup"]
-    small, own = ("int4a8", "int4a8") if int4a8 else ("int4", "int8")
+    small, own = ("int4a8", "gguf" if gguf else "int4a8") if int4a8 else ("int4", "int8")
     if quantize:
         names.append(f"self:drafter_quant={own}")
     if drafter_fits is not False:
@@ -61,7 +62,10 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
+    from viasd.models.bf16_linear import CpuBf16Linear
+
     machine = [platform.machine(), platform.processor(), os.cpu_count(), torch.get_num_threads(), str(device)]
+    machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
     if device.type == "cuda":
         machine.append(torch.cuda.get_device_name(device))
     parts = [machine, torch.__version__, model_fingerprint(target), str(parameter.dtype), settings, list(names)]

@@ -345,9 +345,12 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
 def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
     from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
+    from viasd.models.gguf_blocks import has_q4k_blocks
 
     fits = parts.drafter_fits()
-    names = candidates(fits, int4a8=int4a8_is_fast(next(parts.target.model.parameters()).device))
+    target = parts.target
+    fast = int4a8_is_fast(next(target.model.parameters()).device)
+    names = candidates(fits, int4a8=fast, gguf=fast and has_q4k_blocks(target.name, target.path))
     if fits is False:
         print(
             f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "

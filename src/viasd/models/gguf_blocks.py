@@ -102,3 +102,22 @@ def source_gguf(name: str, path: str) -> Path | None:
         return ensure_default_gguf(name)
     location = Path(path)
     return location if location.is_file() and location.suffix.lower() == ".gguf" else None
+
+
+def has_q4k_blocks(name: str, path: str) -> bool:
+    """Whether the model's source GGUF file is at hand (nothing is fetched) and stores some tensor as Q4_K, so that
+    its `gguf` view takes blocks from it."""
+    import gguf
+
+    from viasd.models.catalog import find_default_model
+    from viasd.models.fetch import default_cache_dir
+
+    entry = find_default_model(name)
+    location = default_cache_dir() / "gguf" / entry.gguf_filename if entry is not None else Path(path)
+    if not location.is_file() or location.suffix.lower() != ".gguf":
+        return False
+    try:
+        reader = gguf.GGUFReader(location)
+    except (OSError, ValueError):
+        return False
+    return any(tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K for tensor in reader.tensors)

@@ -195,7 +195,8 @@ def load_model(
     """Load a model and tokenizer in eval mode from a default model name, directory, .gguf file or hub id.
 
     `device_map` (e.g. "auto") is handed to transformers to spread the model over devices; without it
-    the model is moved to `device` (default: CUDA if available, else CPU).
+    the model is moved to `device` (default: CUDA if available, else CPU). A bf16 model on a CPU without bf16
+    matrix instructions computes its short passes with viasd's kernel (`viasd.models.bf16_linear`).
     """
     target_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, target_device)
@@ -203,6 +204,9 @@ def load_model(
     if device_map is None:
         model = _guarded(spec, lambda: model.to(target_device))
     model.eval()
+    from viasd.models.bf16_linear import use_bf16_kernel
+
+    use_bf16_kernel(model)  # bf16 on a CPU without bf16 matrix instructions: blocks as cheap as one token
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, path=str(path) if path else spec)
 
 

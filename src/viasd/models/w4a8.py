@@ -11,30 +11,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
-from importlib import resources
-from pathlib import Path
 
 import torch
 
-from viasd.models.cpu import cpu_flags
-from viasd.models.fetch import default_cache_dir
+from viasd.models.native import Build, load_kernel
 
 GROUP = 32  # inputs per scale and minimum (weights) and per step (activations)
 CHUNK = 64  # inputs per 32 packed bytes: two groups, one in each nibble
 # The kernel's builds, widest first: the CPU flags each needs and the compiler flags it is built with.
-_BUILDS = (
+BUILDS: tuple[Build, ...] = (
     ("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
-     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]),
-    ("avx2", ("avx2", "f16c", "fma"), ["-mavx2", "-mf16c", "-mfma"]),
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")),
+    ("avx2", ("avx2", "f16c", "fma"), ("-mavx2", "-mf16c", "-mfma")),
 )  # fmt: skip
-_COMPILE = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -92,47 +82,13 @@ def _reference_rows(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
     return terms.contiguous().sum(dim=-1)
 
 
-def kernel_build(flags: frozenset[str]) -> tuple[str, list[str]] | str:
-    """The widest build of the kernel that a CPU with `flags` runs (name, compiler flags), or why none does."""
-    if not flags:
-        return "cannot read the CPU's flags (/proc/cpuinfo)"
-    for name, needed, compile_flags in _BUILDS:
-        if all(flag in flags for flag in needed):
-            return name, compile_flags
-    return "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
-
-
 @functools.cache
 def _kernel() -> ctypes.CDLL | str:
-    """The compiled kernel, or why there is none (a sentence); built once per machine and source."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the int4 x int8 kernel is for x86 CPUs, this is {platform.machine()}"
-    build = kernel_build(cpu_flags())
-    if isinstance(build, str):
-        return build
-    name, build_flags = build
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return "no C compiler found (set CC)"
-    source = resources.files("viasd.models").joinpath("w4a8.c").read_bytes()
-    command = [*_COMPILE, *build_flags]
-    digest = hashlib.sha256(source + " ".join(command).encode()).hexdigest()[:16]
-    library = default_cache_dir().parent / "kernels" / f"w4a8-{name}-{digest}.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as work:
-            (Path(work) / "w4a8.c").write_bytes(source)
-            built = Path(work) / "w4a8.so"
-            result = subprocess.run([compiler, *command, "w4a8.c", "-o", built.name], cwd=work,
-                                    capture_output=True, text=True)  # fmt: skip
-            if result.returncode != 0:
-                last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-                return f"compiling the int4 x int8 kernel ({name}) failed: {last}"
-            os.replace(built, library)  # atomic: other processes see no half-written library
-    try:
-        kernel = ctypes.CDLL(str(library))
-    except OSError as error:
-        return f"the compiled int4 x int8 kernel does not load: {error}"
+    """The compiled kernel, checked, or why there is none (a sentence); built once per machine and source."""
+    loaded = load_kernel("w4a8.c", BUILDS, "int4 x int8")
+    if isinstance(loaded, str):
+        return loaded
+    kernel, name = loaded
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernel.w4a8_linear.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
     kernel.w4a8_linear.restype = ctypes.c_int
