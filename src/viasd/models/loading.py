@@ -196,7 +196,7 @@ def load_model(
 
     `device_map` (e.g. "auto") is handed to transformers to spread the model over devices; without it
     the model is moved to `device` (default: CUDA if available, else CPU). A bf16 model on a CPU without bf16
-    matrix instructions computes its short passes with viasd's kernel (`viasd.models.bf16_linear`).
+    matrix instructions computes its passes with viasd's kernel (`viasd.models.bf16_linear`).
     """
     target_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, target_device)
