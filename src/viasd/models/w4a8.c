@@ -250,15 +250,6 @@ static inline __attribute__((always_inline)) void rows_output(
 }
 #endif
 
-/* Which build this is: 512 (AVX-512 VNNI) or 256 (AVX2). */
-int w4a8_width(void) {
-#ifdef W4A8_WIDE
-    return 512;
-#else
-    return 256;
-#endif
-}
-
 /* out[rows][n] = x[rows][k] @ W^T (k a multiple of 64); returns 0, or -1 when scratch memory could not be had. */
 int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const uint16_t *scale,
                 const uint16_t *low, int64_t n, float *out, int threads) {

@@ -92,7 +92,6 @@ def _kernel() -> ctypes.CDLL | str:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     kernel.w4a8_linear.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
     kernel.w4a8_linear.restype = ctypes.c_int
-    kernel.w4a8_width.restype = ctypes.c_int
     problem = _self_check(kernel)
     return f"the compiled int4 x int8 kernel ({name}) {problem}; using torch ops" if problem else kernel
 
@@ -129,11 +128,6 @@ def kernel_status() -> str:
     kernel = _kernel()
     return "compiled" if isinstance(kernel, ctypes.CDLL) else kernel
 
-
-def kernel_width() -> int | None:
-    """The vector width in bits of the compiled kernel in use (512: AVX-512 VNNI, 256: AVX2); None without one."""
-    kernel = _kernel()
-    return int(kernel.w4a8_width()) if isinstance(kernel, ctypes.CDLL) else None
 
 
 def product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
