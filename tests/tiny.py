@@ -14,6 +14,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from viasd.models.attention import use_packed_attention
+
 ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2")
 
 _CONFIGS = {
@@ -78,10 +80,12 @@ def tiny_model(
     init_scale: float = 0.3,
     dtype: torch.dtype = torch.float64,
     sliding_window: int | None = None,
+    packed: bool = True,
 ) -> torch.nn.Module:
     """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform.
 
     sliding_window: the attention window of the sliding layers (Gemma2: every other layer; Mistral: all).
+    packed: attend as loaded CPU models do (`viasd.models.attention`); False: transformers' own sdpa.
     """
     kwargs = dict(
         vocab_size=vocab_size,
@@ -105,5 +109,7 @@ def tiny_model(
     config = _CONFIGS[arch](**kwargs)
     config._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    if packed:
+        use_packed_attention(model)
+    return model
