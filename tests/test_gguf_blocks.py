@@ -1,4 +1,5 @@
-"""A GGUF file's own Q4_K blocks as int4a8 weights (models/gguf_blocks.py) and the `gguf` recipe built on them."""
+"""A GGUF file's own blocks (Q4_K as int4a8, Q6_K as 6-bit weights; models/gguf_blocks.py) and the `gguf` recipe
+built on them."""
 
 from __future__ import annotations
 
@@ -11,19 +12,28 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from test_quantize import PROMPT, assert_same_until_a_near_tie
+from test_w6a8 import random_q6k
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
-from viasd.models import w4a8
+from viasd.models import w4a8, w6a8
 from viasd.models.gguf_blocks import GgufWeights, has_q4k_blocks, q4k_to_int4a8
 from viasd.models.quant_cache import cached_quantize
-from viasd.models.quantize import Int4Int8Linear, Int8WeightOnlyLinear, QuantRecipe, quantizable, quantize
+from viasd.models.quantize import (
+    Int4Int8Linear,
+    Int6Int8Linear,
+    Int8WeightOnlyLinear,
+    QuantRecipe,
+    quantizable,
+    quantize,
+)
 from viasd.models.views import View
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q6_K = gguf.GGMLQuantizationType.Q6_K
 
 
 def random_q4k(rows: int, columns: int, seed: int) -> np.ndarray:
@@ -50,48 +60,58 @@ def test_q4k_blocks_are_the_weights_the_gguf_library_reads_from_them():
 
 
 def qwen2_with_gguf(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Path, set[str]]:
-    """A tiny Qwen2 whose Linear weights are the dequantized Q4_K blocks of a GGUF file written beside it, except
-    the value projections and the head, which the file stores in float32 (as Q4_K_M keeps some at 6 bits)."""
+    """A tiny Qwen2 whose Linear weights are the dequantized blocks of a GGUF file written beside it: Q4_K, but Q6_K
+    for the value projections (as Q4_K_M keeps some at 6 bits) and float32 for the head. Also returns the names of
+    the layers the file has blocks for."""
     model = tiny_model("qwen2", hidden=256, layers=2, dtype=dtype)
     writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
     writer.add_block_count(2)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
-    four: set[str] = set()
+    in_blocks: set[str] = set()
     with torch.no_grad():
         for i, (name, linear) in enumerate(quantizable(model).items()):
             rows, columns = linear.weight.shape
-            if name.endswith("v_proj") or name == "lm_head" or columns % 256:
+            if name == "lm_head" or columns % 256:
                 writer.add_tensor(f"{names.get_name(name)}.weight", linear.weight.float().numpy())
                 continue
-            raw = random_q4k(rows, columns, seed=i)
-            linear.weight.copy_(torch.from_numpy(gguf_dequantize(raw, Q4_K).astype(np.float32)))
-            writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=Q4_K)
-            four.add(name)
+            six = name.endswith("v_proj")
+            kind, raw = (Q6_K, random_q6k(rows, columns, i)) if six else (Q4_K, random_q4k(rows, columns, i))
+            linear.weight.copy_(torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32)))
+            writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=kind)
+            in_blocks.add(name)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return model, tmp_path / "tiny.gguf", four
+    return model, tmp_path / "tiny.gguf", in_blocks
 
 
 def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path: Path):
-    model, path, four = qwen2_with_gguf(tmp_path)
+    model, path, in_blocks = qwen2_with_gguf(tmp_path)
     source = GgufWeights(path)
     linears = quantize(model, QuantRecipe.parse("gguf"), gguf=source)
-    assert QuantRecipe.parse("gguf").name == "int4a8:gguf" and linears.from_file == len(four) > 0
+    assert QuantRecipe.parse("gguf").name == "int4a8:gguf" and linears.from_file == len(in_blocks) > 0
     layers = quantizable(model)
     for name, module in linears.modules.items():
-        if name in four:
+        if name.endswith("v_proj"):  # the file's 6-bit blocks, as they are
+            assert isinstance(module, Int6Int8Linear)
+            weight = w6a8.dequantize(w6a8.SixBitWeights(module.low, module.high, module.sub, module.d))
+            assert torch.equal(weight, layers[name].weight)
+        elif name in in_blocks:
             assert isinstance(module, Int4Int8Linear)
             weight = w4a8.dequantize(module.packed, module.scale, module.low)
             assert (weight - layers[name].weight).norm() / layers[name].weight.norm() < 2e-3
-        else:  # the file keeps these at more bits: int8 weights, not a second 4-bit rounding
+        else:  # the file keeps this one in float32: int8 weights, not a 4-bit rounding
             assert isinstance(module, Int8WeightOnlyLinear)
     # Blocks that are not this weight (another layer's) are refused, not used.
     down, up = "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"
     assert source.int4a8(up, layers[up].weight) is not None
     assert source.int4a8(up, layers["model.layers.1.mlp.up_proj"].weight) is None
     assert source.int4a8(down, layers[down].weight) is not None
+    value = "model.layers.0.self_attn.v_proj"
+    assert source.int4a8(value, layers[value].weight) is None  # 6-bit blocks are not 4-bit ones
+    assert source.int6a8(value, layers[value].weight) is not None
+    assert source.int6a8(value, layers["model.layers.1.self_attn.v_proj"].weight) is None
     # Without a file the recipe says what it needs.
     with pytest.raises(ViasdError, match="GGUF file"):
         quantize(model, QuantRecipe.parse("gguf"))
@@ -100,7 +120,7 @@ def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path
 
 
 def test_a_cached_gguf_quantization_comes_back_with_its_mixed_layers(tmp_path: Path):
-    model, path, four = qwen2_with_gguf(tmp_path)
+    model, path, in_blocks = qwen2_with_gguf(tmp_path)
     recipe = QuantRecipe.parse("gguf")
     made = cached_quantize(model, recipe, list, root=tmp_path / "q", gguf=lambda: GgufWeights(path))
 
@@ -108,7 +128,7 @@ def test_a_cached_gguf_quantization_comes_back_with_its_mixed_layers(tmp_path: P
         raise AssertionError("a sound cache needs no GGUF file")
 
     loaded = cached_quantize(model, recipe, list, root=tmp_path / "q", gguf=unusable)
-    assert loaded.from_file == made.from_file == len(four)
+    assert loaded.from_file == made.from_file == len(in_blocks)
     assert {n: type(m) for n, m in loaded.modules.items()} == {n: type(m) for n, m in made.modules.items()}
     x = torch.randn(1, 5, 256)
     with torch.inference_mode():

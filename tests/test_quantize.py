@@ -1,6 +1,8 @@
 """Quantized views: the kernels compute what the quantized weights say, smoothing earns its place, views swap in
 and out without touching the model's own weights, and exact methods stay exact with quantized models."""
 
+import ctypes
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.models import w4a8
+from viasd.models.cpu import cpu_flags
 from viasd.models.layer_skip import LayerMask
 from viasd.models.quantize import (
     Int4Int8Linear,
@@ -107,6 +110,26 @@ def test_int4a8_computes_its_codes_times_per_token_int8_activations():
     for start, size in ((0, 1), (3, 1), (10, 1), (1, 2), (5, 3), (2, 4), (4, 7)):
         part = w4a8.product(x[start : start + size], packed, scale, low)
         assert torch.equal(part, block[start : start + size]), (start, size)
+
+
+@pytest.mark.parametrize(
+    "build", [b for b in w4a8.BUILDS if all(f in cpu_flags() for f in b[1])] or [None], ids=lambda b: b and b[0]
+)
+def test_every_int4a8_build_this_cpu_runs_agrees_with_the_reference(build):
+    """Each build the CPU can run (an AVX-512 machine runs the AVX2 one too) passes the load-time check and gives
+    the reference's numbers, a row the same bits in any block."""
+    if build is None:
+        pytest.skip("this CPU runs no build of the int4a8 kernel")
+    kernel = w4a8.build((build,))
+    if not isinstance(kernel, ctypes.CDLL):
+        pytest.skip(kernel)
+    packed, scale, low = w4a8.pack(linear(inp=832, out=96, dtype=torch.float32).weight)
+    x = torch.randn(7, 832) * torch.linspace(0.1, 4.0, 832)
+    block = w4a8._run(kernel, x, packed, scale, low, 2)
+    assert rel_error(block, w4a8.reference(x, packed, scale, low)) < 1e-5
+    for start, size in ((0, 1), (6, 1), (1, 2), (2, 5)):
+        assert torch.equal(w4a8._run(kernel, x[start : start + size].contiguous(), packed, scale, low, 2),
+                           block[start : start + size])  # fmt: skip
 
 
 def test_int4a8_without_its_kernel_says_so_and_computes_the_same(monkeypatch):

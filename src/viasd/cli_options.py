@@ -24,13 +24,13 @@ DeviceMapOpt = Annotated[str | None, typer.Option(help="'auto' spreads a large t
 QuantOpt = Annotated[
     str | None,
     typer.Option(
-        help="Run the target as its quantized view (int8, int8wo, int4, int4a8; e.g. int8:keep=lm_head): faster, and "
-        "a different model than the target as loaded. Quantized once and cached."
+        help="Run the target as its quantized view (int8, int8wo, int4, int4a8, gguf; e.g. int8:keep=lm_head): faster, "
+        "and a different model than the target as loaded. Quantized once and cached."
     ),
 ]
 DrafterQuantOpt = Annotated[
     str | None,
-    typer.Option("--drafter-quant", help="Run the drafter as its quantized view (int8, int8wo, int4, int4a8)."),
+    typer.Option("--drafter-quant", help="Run the drafter as its quantized view (int8, int8wo, int4, int4a8, gguf)."),
 ]
 
 

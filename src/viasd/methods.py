@@ -170,7 +170,9 @@ OPTIONS: dict[str, Option] = {
         Option("profile", _path, "routing profile JSON (via)"),
         Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
         Option(
-            "quant", _recipe, "run the target as its quantized view (int8, int8wo, int4, int4a8): a faster, other model"
+            "quant",
+            _recipe,
+            "run the target as its quantized view (int8, int8wo, int4, int4a8, gguf): a faster, other model",
         ),
         Option("drafter_quant", _recipe, "run the drafter as its quantized view (self: the target's own view)"),
         Option("lookup", _int_in(0, MAX_GAMMA), "prompt-lookup draft tokens per round, 0 = off (llama.cpp)"),

@@ -100,7 +100,10 @@ def costs(
         ),
     ] = 0,
     kernels: Annotated[
-        bool, typer.Option(help="Time the matrix kernels alone (bf16, int8, int8wo, int4, int4a8, fbgemm), no model.")
+        bool,
+        typer.Option(
+            help="Time the matrix kernels alone (bf16, int8, int8wo, int4, int4a8, int6a8, fbgemm): no model."
+        ),
     ] = False,
     kernel_shape: Annotated[str, typer.Option(help="in,out features of the kernel matrices.")] = "1536,8960",
     profile: ProfileOpt = None,

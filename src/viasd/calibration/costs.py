@@ -357,10 +357,17 @@ def measure_kernels(
 
     Each timing runs the input through `matrices` distinct weight matrices, as a model does, so the weights come
     from memory and not from cache (one matrix timed over and over looks several times faster). Kinds:
-    `bf16` (torch's linear), `int8`, `int8wo`, `int4`, `int4a8` (viasd's quantized modules), `fbgemm` (torch's dynamic
-    int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
+    `bf16` (torch's linear), `int8`, `int8wo`, `int4`, `int4a8`, `int6a8` (viasd's quantized modules), `fbgemm`
+    (torch's dynamic int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
     """
-    from viasd.models.quantize import Int4Int8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear
+    from viasd.models import w6a8
+    from viasd.models.quantize import (
+        Int4Int8Linear,
+        Int4WeightOnlyLinear,
+        Int6Int8Linear,
+        Int8DynamicLinear,
+        Int8WeightOnlyLinear,
+    )
 
     torch.manual_seed(seed)
     layers = [nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16) for _ in range(matrices)]
@@ -376,6 +383,13 @@ def measure_kernels(
             return [Int4WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
         if kind == "int4a8":
             return [Int4Int8Linear.from_linear(layer) for layer in layers], torch.bfloat16
+        if kind == "int6a8":  # a GGUF file's 6-bit blocks (random codes and scales: the timing is the same)
+            generator = torch.Generator().manual_seed(seed)
+            modules = [
+                Int6Int8Linear.from_linear(layer, w6a8.random_weights(out_features, in_features, generator))
+                for layer in layers
+            ]
+            return modules, torch.bfloat16
         if kind == "fbgemm":
             from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
@@ -388,7 +402,7 @@ def measure_kernels(
                 module.set_weight_bias(torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8), None)
                 modules.append(module)
             return modules, torch.float32
-        raise ViasdError(f"unknown kernel kind {kind!r}; choose from bf16, int8, int8wo, int4, int4a8, fbgemm")
+        raise ViasdError(f"unknown kernel kind {kind!r}; choose from bf16, int8, int8wo, int4, int4a8, int6a8, fbgemm")
 
     built = {kind: build(kind) for kind in kinds}
     inputs = {n: torch.randn(n, in_features) for n in rows}

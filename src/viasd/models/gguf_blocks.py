@@ -7,9 +7,11 @@ sc_j and minimums m_j, and 128 bytes of 4-bit codes, with weight = d * sc_j * co
 group's scale and minimum (rounded to fp16, finer than the bf16 rounding of the dense model's copy of the same
 weights). Re-quantizing the dense weights instead would round them a second time, onto another grid.
 
-Only Q4_K tensors are taken; layers the file stores otherwise (Q4_K_M keeps some at 6 bits) are quantized from
-the dense weights (to int8 weight-only: see the `gguf` recipe, models/quantize.py). Each tensor is checked against the
-model's own weight before use, so a file of another model, or a conversion that reordered a tensor, is not taken.
+Q4_K_M keeps its most sensitive tensors at 6 bits, as Q6_K: per super-block of 256 an fp16 scale d, per sub-block
+of 16 an int8 scale s_j, and 6-bit codes q with weight = d * s_j * (q - 32). Those are taken as they are too, laid
+out for the 6-bit kernel (models/w6a8.py). Layers the file stores otherwise are quantized from the dense weights
+(int8 weight-only: see the `gguf` recipe, models/quantize.py). Each tensor is checked against the model's own
+weight before use, so a file of another model, or a conversion that reordered a tensor, is not taken.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from viasd.models import w4a8
+from viasd.models import w4a8, w6a8
 
-_SUPER = 256  # weights per Q4_K block
-_BYTES = 144  # its size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+_SUPER = 256  # weights per Q4_K or Q6_K block
+_BYTES = 144  # a Q4_K block's size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+_BYTES6 = 210  # a Q6_K block's: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16)
 # Largest relative (Frobenius) difference between a tensor's dequantized blocks and the model's weight for the
 # two to count as the same: bf16 rounding leaves about 0.002; another tensor or layout differs by about 1.
 _SAME = 0.01
@@ -46,6 +49,21 @@ def q4k_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> tuple[torch.Te
     )
 
 
+def q6k_to_int6a8(blocks: np.ndarray, rows: int, columns: int) -> w6a8.SixBitWeights:
+    """A Q6_K tensor's raw bytes [rows, columns / 256 * 210] in the 6-bit kernel's layout (the same numbers).
+
+    In each half of a block (128 weights) byte l of its 64 low-nibble bytes holds weight l (low nibble) and l + 64
+    (high), byte l + 32 weights l + 32 and l + 96; byte l of its 32 high-pair bytes holds the top two bits of weights
+    l, l + 32, l + 64 and l + 96 (bits 0-1 .. 6-7)."""
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SUPER), _BYTES6)
+    low = raw[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    codes = (low & 15).reshape(-1, _SUPER) | (high & 3).reshape(-1, _SUPER) << 4
+    sub = raw[:, 192:208].copy().view(np.int8).reshape(rows, columns // 16)
+    d = raw[:, 208:210].copy().view(np.float16).reshape(rows, columns // _SUPER)
+    return w6a8.pack(torch.from_numpy(codes.reshape(rows, columns)), torch.from_numpy(sub), torch.from_numpy(d))
+
+
 class GgufWeights:
     """The Q4_K tensors of a GGUF file, by the Hugging Face module names of the model converted from it."""
 
@@ -64,24 +82,44 @@ class GgufWeights:
             count = int(blocks.parts[blocks.data[0]][0])
             self._names = gguf.get_tensor_name_map(archs[arch_name], count)
 
-    def int4a8(self, module: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Module `module`'s int4a8 tensors from the file's Q4_K blocks, or None: the file has no such Q4_K
-        tensor, or its blocks are not `weight` [out, in] (another model, or a layout the conversion changed)."""
+    def _blocks(self, module: str, weight: torch.Tensor, kind: str, size: int) -> np.ndarray | None:
+        """The raw blocks of module `module`'s weight [out, in] where the file stores it as `kind` (a GGML type
+        name) in blocks of `size` bytes per 256 inputs; None where it does not."""
         import gguf
 
         if self._names is None:
             return None
         name = self._names.get_name(module)
         tensor = self._tensors.get(f"{name}.weight") if name else None
-        if tensor is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_K:
+        if tensor is None or tensor.tensor_type != gguf.GGMLQuantizationType[kind]:
             return None
         rows, columns = weight.shape
-        if columns % _SUPER or tuple(tensor.data.shape) != (rows, columns // _SUPER * _BYTES):
+        if columns % _SUPER or tuple(tensor.data.shape) != (rows, columns // _SUPER * size):
             return None
-        packed, scale, low = q4k_to_int4a8(tensor.data, rows, columns)
-        dense = weight.detach().float().cpu()
-        difference = (w4a8.dequantize(packed, scale, low) - dense).norm() / dense.norm().clamp_min(1e-12)
-        return (packed, scale, low) if float(difference) < _SAME else None
+        return tensor.data
+
+    def int4a8(self, module: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Module `module`'s int4a8 tensors from the file's Q4_K blocks, or None: the file has no such Q4_K
+        tensor, or its blocks are not `weight` [out, in] (another model, or a layout the conversion changed)."""
+        blocks = self._blocks(module, weight, "Q4_K", _BYTES)
+        if blocks is None:
+            return None
+        packed, scale, low = q4k_to_int4a8(blocks, *weight.shape)
+        return (packed, scale, low) if _same(w4a8.dequantize(packed, scale, low), weight) else None
+
+    def int6a8(self, module: str, weight: torch.Tensor) -> w6a8.SixBitWeights | None:
+        """Module `module`'s 6-bit weights from the file's Q6_K blocks, or None (as `int4a8`)."""
+        blocks = self._blocks(module, weight, "Q6_K", _BYTES6)
+        if blocks is None:
+            return None
+        six = q6k_to_int6a8(blocks, *weight.shape)
+        return six if _same(w6a8.dequantize(six), weight) else None
+
+
+def _same(blocks: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a file's dequantized blocks are the model's `weight` (up to the dense copy's rounding)."""
+    dense = weight.detach().float().cpu()
+    return float((blocks - dense).norm() / dense.norm().clamp_min(1e-12)) < _SAME
 
 
 def _field_text(reader: object, key: str) -> str:

@@ -7,6 +7,7 @@ replaced, with a line on stderr saying so.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -19,11 +20,13 @@ from safetensors.torch import save as save_bytes
 from torch import nn
 
 from viasd.fileio import write_atomic
+from viasd.models import w6a8
 from viasd.models.fetch import default_cache_dir
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.quantize import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
+    Int6Int8Linear,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
     QuantizedLinears,
@@ -36,7 +39,7 @@ from viasd.models.quantize import (
 if TYPE_CHECKING:
     from viasd.models.gguf_blocks import GgufWeights
 
-FORMAT = "viasd-quantized/1"
+FORMAT = "viasd-quantized/2"  # 2: a gguf recipe's 6-bit layers are the file's own blocks
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
 SMOOTHING_TEXTS = (
     "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
@@ -49,6 +52,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "int8wo": Int8WeightOnlyLinear,
     "int4": Int4WeightOnlyLinear,
     "int4a8": Int4Int8Linear,
+    "int6a8": Int6Int8Linear,
 }
 
 
@@ -86,10 +90,11 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     out = QuantizedLinears(recipe)
     for name in names:
         # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
-        # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, int8 weight-only elsewhere.
+        # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, 6-bit where it had 6-bit ones,
+        # int8 weight-only elsewhere.
         kind = recipe.kind_of(name)
         if recipe.gguf and f"{name}/packed" not in tensors:
-            kind = "int8wo"
+            kind = "int6a8" if f"{name}/high" in tensors else "int8wo"
         probe = _probe(layers[name], recipe, kind)
         for key, expected in probe.named_buffers():
             stored = tensors.get(f"{name}/{key}")
@@ -99,7 +104,7 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
         if not isinstance(probe, _CLASSES[kind]):
             raise DamagedCache(f"{name}: unexpected module kind")
         out.modules[name] = probe
-        out.from_file += recipe.gguf and kind == "int4a8"
+        out.from_file += recipe.gguf and kind in ("int4a8", "int6a8")
     if len(tensors) != sum(1 for m in out.modules.values() for _ in m.named_buffers()):
         raise DamagedCache("it holds tensors of layers the recipe does not quantize")
     return out
@@ -116,9 +121,18 @@ def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
         module = Int8WeightOnlyLinear.from_linear(meta)
     elif kind == "int4a8":
         module = Int4Int8Linear.from_linear(meta)
+    elif kind == "int6a8":
+        module = Int6Int8Linear(_six_bit_probe(linear.out_features, linear.in_features), meta.bias)
     else:
         module = _int4_probe(linear, recipe.group_size)
     return module
+
+
+def _six_bit_probe(rows: int, columns: int) -> w6a8.SixBitWeights:
+    empty = functools.partial(torch.empty, device="meta")
+    low, high = empty(rows, columns // 2, dtype=torch.uint8), empty(rows, columns // 4, dtype=torch.uint8)
+    return w6a8.SixBitWeights(low, high, empty(rows, columns // 16, dtype=torch.int8),
+                              empty(rows, columns // 256, dtype=torch.float16))  # fmt: skip
 
 
 def _int4_probe(linear: nn.Linear, group_size: int) -> nn.Module:

@@ -18,12 +18,13 @@ Kinds (`QuantRecipe.kind`):
   viasd's own CPU kernel (models/w4a8.py, for AVX-512 VNNI and AVX2), the cheapest single-token pass on x86.
 * `gguf` (`int4a8:gguf`): the quantization of the GGUF file the model was converted from, taken over rather
   than made again: int4a8 layers with the file's own 4-bit codes, scales and minimums where it stores a tensor
-  as Q4_K, and int8 weight-only (`int8wo`) where it stores one at more bits (Q4_K_M keeps the output head and
-  some down and value projections at 6). It computes what llama.cpp computes from the same file, up to the
-  activations' rounding, whereas re-quantizing the dequantized weights would round them a second time onto
-  another grid. The layers kept at more bits are the sensitive ones: as int8 with int8 activations per token
-  the default target's greedy top-1 agreement with bf16 was 0.954, as int8wo 0.986 (as bf16 0.994; 347
-  teacher-forced positions).
+  as Q4_K, 6-bit layers (`Int6Int8Linear`, models/w6a8.py) with its own codes and scales where it stores one as
+  Q6_K (Q4_K_M keeps the output head and some down and value projections so), and int8 weight-only (`int8wo`)
+  for any other tensor. It computes what llama.cpp computes from the same file, up to the activations'
+  rounding, whereas re-quantizing the dequantized weights would round them a second time onto another grid.
+  The layers kept at more bits are the sensitive ones: as int8 with int8 activations per token the default
+  target's greedy top-1 agreement with bf16 was 0.954, as int8wo 0.986 (as bf16 0.994; 347 teacher-forced
+  positions); with activations in int8 per group of 32, as the 6-bit layers take them, outliers stay local.
 
 Layers named in `keep` stay as they are (bf16): measurement shows a few are sensitive (the MLP down
 projections of Qwen2.5 take activations with large outlier channels). The quantized modules are new
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.models import w4a8
+from viasd.models import w4a8, w6a8
 from viasd.models.cpu import cpu_flags
 
 if TYPE_CHECKING:
@@ -414,6 +415,34 @@ class Int4Int8Linear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+class Int6Int8Linear(nn.Module):
+    """y = x @ W^T + b with W a GGUF file's 6-bit (Q6_K) weights and x quantized per token and group to int8
+    (models/w6a8.py). Made only from a file's blocks: there is no 6-bit recipe of dense weights."""
+
+    def __init__(self, weights: w6a8.SixBitWeights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("low", weights.low)  # [out, in / 2] uint8, the codes' low nibbles
+        self.register_buffer("high", weights.high)  # [out, in / 4] uint8, their top two bits
+        self.register_buffer("sub", weights.sub)  # [out, in / 16] int8, a scale per 16 inputs
+        self.register_buffer("d", weights.d)  # [out, in / 256] fp16, a scale per 256 inputs
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weights: w6a8.SixBitWeights) -> Int6Int8Linear:
+        device = linear.weight.device
+        moved = w6a8.SixBitWeights(*(t.to(device) for t in weights.tensors()))
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        w6a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
+        return cls(moved, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = w6a8.SixBitWeights(self.low, self.high, self.sub, self.d)
+        out = w6a8.product(_flat(x), weights)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 # --------------------------------------------------------------------------------------- a model's copy
 
 
@@ -461,7 +490,7 @@ class QuantizedLinears:
 
     recipe: QuantRecipe
     modules: dict[str, nn.Module] = field(default_factory=dict)
-    from_file: int = 0  # how many int4a8 layers took a GGUF file's own 4-bit blocks
+    from_file: int = 0  # how many layers took a GGUF file's own blocks (4- or 6-bit)
     _owners: dict[int, list[tuple[nn.Module, str, nn.Module]]] = field(default_factory=dict, repr=False)
 
     def nbytes(self) -> int:
@@ -519,15 +548,26 @@ def quantize(
             elif kind == "int8wo":
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
             elif kind == "int4a8" and gguf is not None and recipe.gguf:
-                blocks = gguf.int4a8(name, linear.weight)
-                out.from_file += blocks is not None
-                if blocks is None:  # stored at more bits than 4 (or not as Q4_K): int8 keeps what it holds
-                    out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
-                else:
-                    out.modules[name] = Int4Int8Linear.from_linear(linear, blocks)
+                weight = linear.weight
+                out.modules[name] = _from_file(linear, gguf.int4a8(name, weight), gguf.int6a8(name, weight))
+                out.from_file += not isinstance(out.modules[name], Int8WeightOnlyLinear)
             elif kind == "int4a8":
                 out.modules[name] = Int4Int8Linear.from_linear(linear)
             else:
                 out.modules[name] = Int4WeightOnlyLinear.from_linear(linear, recipe.group_size)
     join_siblings(out.modules)
     return out
+
+
+def _from_file(
+    linear: nn.Linear,
+    four: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    six: w6a8.SixBitWeights | None,
+) -> nn.Module:
+    """A layer's copy from its GGUF file's own blocks (4-bit, else 6-bit); int8 weight-only where the file has
+    neither for it (int8 keeps what a tensor stored at more bits holds)."""
+    if four is not None:
+        return Int4Int8Linear.from_linear(linear, four)
+    if six is not None:
+        return Int6Int8Linear.from_linear(linear, six)
+    return Int8WeightOnlyLinear.from_linear(linear)

@@ -70,14 +70,20 @@ def reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: t
     return torch.cat([_reference_rows(chunk, weights, scale, low) for chunk in x.split(8)])
 
 
-def _reference_rows(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+def activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] quantized per row and group of 32 as the kernels do: the codes [rows, G, 32] (integers in
+    float32) and each group's step max|x| / 127 [rows, G]."""
     rows, columns = x.shape
     groups = x.reshape(rows, columns // GROUP, GROUP)
     amax = groups.abs().amax(dim=-1)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    codes = torch.round(groups * inverse[..., None])  # [rows, G, 32]
+    # A true division, as the kernels make it (torch computes a number over a tensor through a reciprocal).
+    inverse = torch.where(amax > 0, amax.new_tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(groups * inverse[..., None]), amax / 127.0
+
+
+def _reference_rows(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    codes, step = activation_codes(x)  # [rows, G, 32], [rows, G]
     dots = torch.bmm(codes.transpose(0, 1), weights).permute(1, 2, 0)  # [rows, out, G]
-    step = amax / 127.0
     terms = dots * scale.float()[None] * step[:, None, :] + low.float()[None] * (codes.sum(-1) * step)[:, None, :]
     return terms.contiguous().sum(dim=-1)
 
@@ -85,7 +91,12 @@ def _reference_rows(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
 @functools.cache
 def _kernel() -> ctypes.CDLL | str:
     """The compiled kernel, checked, or why there is none (a sentence); built once per machine and source."""
-    loaded = load_kernel("w4a8.c", BUILDS, "int4 x int8")
+    return build(BUILDS)
+
+
+def build(builds: tuple[Build, ...]) -> ctypes.CDLL | str:
+    """The widest of `builds` this CPU runs, compiled, loaded and checked, or why not (a sentence)."""
+    loaded = load_kernel("w4a8.c", builds, "int4 x int8")
     if isinstance(loaded, str):
         return loaded
     kernel, name = loaded
@@ -127,7 +138,6 @@ def kernel_status() -> str:
     """`compiled` when the fast CPU kernel is in use, else why not."""
     kernel = _kernel()
     return "compiled" if isinstance(kernel, ctypes.CDLL) else kernel
-
 
 
 def product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
