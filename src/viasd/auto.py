@@ -62,14 +62,26 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
+    from viasd.models import w4a8, w6a8
     from viasd.models.bf16_linear import CpuBf16Linear
+    from viasd.models.cpu import cpu_model
 
-    machine = [platform.machine(), platform.processor(), os.cpu_count(), torch.get_num_threads(), str(device)]
+    machine = [platform.machine(), cpu_model(), os.cpu_count(), torch.get_num_threads(), str(device)]
     machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
+    if device.type == "cpu":  # which of viasd's kernels run here, and their sources (a changed kernel: probe again)
+        machine += [w4a8.kernel_status(), w6a8.kernel_status(), _kernel_sources()]
     if device.type == "cuda":
         machine.append(torch.cuda.get_device_name(device))
     parts = [machine, torch.__version__, model_fingerprint(target), str(parameter.dtype), settings, list(names)]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _kernel_sources() -> str:
+    """A digest of viasd's C kernels as installed."""
+    from importlib import resources
+
+    files = sorted(resources.files("viasd.models").iterdir(), key=lambda f: f.name)
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.name.endswith(".c"))).hexdigest()[:12]
 
 
 def probe(
