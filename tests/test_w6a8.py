@@ -94,3 +94,20 @@ def test_without_its_kernel_the_product_says_so_and_computes_the_same(monkeypatc
     with pytest.warns(RuntimeWarning, match="lacks avx2"):
         got = w6a8.product(x, weights)
     assert torch.equal(got, w6a8.reference(x, weights))
+
+
+@pytest.mark.parametrize("six_bit", [True, False], ids=["w6a8", "w4a8"])
+def test_bf16_activations_go_in_and_come_out_as_one_float32_product_rounded_once(six_bit):
+    """A bf16 model's activations go to the kernels as they are, and the output, bias added, comes back in bf16:
+    the same bits as the float32 product of the same (exactly widened) input, bias added, rounded by torch."""
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 512, generator=generator) * 3).bfloat16()
+    bias = torch.randn(40, generator=generator).bfloat16()
+    if six_bit:
+        weights = q6k_to_int6a8(random_q6k(40, 512, seed=5), 40, 512)
+        got, want = w6a8.product(x, weights, bias), w6a8.product(x.float(), weights, bias.float())
+    else:
+        packed, scale, low = w4a8.pack(torch.randn(40, 512, generator=generator))
+        got, want = w4a8.product(x, packed, scale, low, bias), w4a8.product(x.float(), packed, scale, low, bias.float())
+    assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+    assert torch.equal(got, want.to(torch.bfloat16))

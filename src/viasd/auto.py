@@ -81,7 +81,7 @@ def _kernel_sources() -> str:
     from importlib import resources
 
     files = sorted(resources.files("viasd.models").iterdir(), key=lambda f: f.name)
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.name.endswith(".c"))).hexdigest()[:12]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.name.endswith((".c", ".h")))).hexdigest()[:12]
 
 
 def probe(

@@ -9,9 +9,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
+
+import torch
 
 from viasd.models.cpu import cpu_flags
 from viasd.models.fetch import default_cache_dir
@@ -31,10 +33,13 @@ def choose_build(builds: Sequence[Build], flags: frozenset[str]) -> Build | str:
     return "this CPU has none of " + ", ".join("+".join(needed) for _, needed, _ in builds)
 
 
-def load_kernel(source: str, builds: Sequence[Build], what: str) -> tuple[ctypes.CDLL, str] | str:
-    """`viasd/models/<source>` compiled for the widest build this CPU runs and loaded: (library, build name), or
-    why not (a sentence naming `what`). The library is kept in viasd's cache under a name that digests the
-    source and flags, and written atomically, so processes never load a half-written file."""
+def load_kernel(
+    source: str, builds: Sequence[Build], what: str, headers: Sequence[str] = ()
+) -> tuple[ctypes.CDLL, str] | str:
+    """`viasd/models/<source>` (which may include `headers`, beside it) compiled for the widest build this CPU runs
+    and loaded: (library, build name), or why not (a sentence naming `what`). The library is kept in viasd's cache
+    under a name that digests the source, headers and flags, and written atomically, so processes never load a
+    half-written file."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the {what} kernel is for x86 CPUs, this is {platform.machine()}"
     build = choose_build(builds, cpu_flags())
@@ -44,14 +49,15 @@ def load_kernel(source: str, builds: Sequence[Build], what: str) -> tuple[ctypes
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return "no C compiler found (set CC)"
-    text = resources.files("viasd.models").joinpath(source).read_bytes()
+    files = {name: resources.files("viasd.models").joinpath(name).read_bytes() for name in (source, *headers)}
     command = [*COMMON_FLAGS, *build_flags]
-    digest = hashlib.sha256(text + " ".join(command).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(files.values()) + " ".join(command).encode()).hexdigest()[:16]
     library = default_cache_dir().parent / "kernels" / f"{Path(source).stem}-{name}-{digest}.so"
     if not library.is_file():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as work:
-            (Path(work) / source).write_bytes(text)
+            for name, text in files.items():
+                (Path(work) / name).write_bytes(text)
             built = Path(work) / "kernel.so"
             result = subprocess.run([compiler, *command, source, "-o", built.name], cwd=work,
                                     capture_output=True, text=True)  # fmt: skip
@@ -63,3 +69,35 @@ def load_kernel(source: str, builds: Sequence[Build], what: str) -> tuple[ctypes
         return ctypes.CDLL(str(library)), name
     except OSError as error:
         return f"the compiled {what} kernel does not load: {error}"
+
+
+def checked_kernel(
+    source: str,
+    builds: Sequence[Build],
+    what: str,
+    function: str,
+    argtypes: Sequence[type],
+    check: Callable[[ctypes.CDLL], str | None],
+    headers: Sequence[str] = (),
+) -> ctypes.CDLL | str:
+    """`load_kernel`, then `function`'s signature (returning an int status) declared and the library held to
+    `check` (None: it computes what it should): the library, or why it is not used (a sentence)."""
+    loaded = load_kernel(source, builds, what, headers)
+    if isinstance(loaded, str):
+        return loaded
+    kernel, name = loaded
+    getattr(kernel, function).argtypes = list(argtypes)
+    getattr(kernel, function).restype = ctypes.c_int
+    problem = check(kernel)
+    return f"the compiled {what} kernel ({name}) {problem}; using torch ops" if problem else kernel
+
+
+def status(kernel: ctypes.CDLL | str) -> str:
+    """`compiled` for a kernel in use, else why there is none."""
+    return "compiled" if isinstance(kernel, ctypes.CDLL) else kernel
+
+
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """x as viasd's low-bit kernels take it: contiguous float32 or bf16 (a bf16 model's activations as they come);
+    other dtypes as float32. Their output has the same dtype."""
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()

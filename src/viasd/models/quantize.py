@@ -209,9 +209,9 @@ class Int8DynamicLinear(nn.Module):
 
     @classmethod
     def stacked(cls, members: Sequence[Int8DynamicLinear]) -> Int8DynamicLinear:
-        """One layer whose outputs are the members' outputs side by side (no bias; a copy of their weights)."""
+        """One layer whose outputs are the members' outputs side by side (a copy of their weights)."""
         weights = torch.cat([m.weight_t for m in members], dim=1).t()
-        return cls(weights, torch.cat([m.scale for m in members]), None, None)
+        return cls(weights, torch.cat([m.scale for m in members]), stacked_bias(members), None)
 
     def _fbgemm_packed(self) -> Any:
         if self._packed is None:
@@ -269,8 +269,6 @@ class Siblings:
 
     def __init__(self, members: Sequence[Int8DynamicLinear | Int4Int8Linear]) -> None:
         self.fused = type(members[0]).stacked(members)
-        biases = [m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.float32) for m in members]
-        self.bias = torch.cat([b.float() for b in biases]) if any(m.bias is not None for m in members) else None
         edges = torch.tensor([0, *(m.out_features for m in members)]).cumsum(0).tolist()
         self.columns = {id(m): (edges[i], edges[i + 1]) for i, m in enumerate(members)}
         self._input: torch.Tensor | None = None
@@ -278,12 +276,18 @@ class Siblings:
 
     def output(self, x: torch.Tensor, member: nn.Module) -> torch.Tensor:
         if x is not self._input:  # holding the input keeps its identity from being reused by another tensor
-            out = self.fused.product(x.float()).float()
-            self._output = out if self.bias is None else out + self.bias
+            self._output = self.fused.product(x)
             self._input = x
         assert self._output is not None
         start, stop = self.columns[id(member)]
-        return self._output[..., start:stop].to(x.dtype)
+        return self._output[..., start:stop]
+
+
+def stacked_bias(members: Sequence[nn.Module]) -> torch.Tensor | None:
+    """The members' biases side by side in float32 (zeros for a member without one); None where none has one."""
+    if all(m.bias is None for m in members):
+        return None
+    return torch.cat([torch.zeros(m.out_features) if m.bias is None else m.bias.float() for m in members])
 
 
 def join_siblings(modules: Mapping[str, nn.Module]) -> None:
@@ -376,9 +380,10 @@ class Int4Int8Linear(nn.Module):
 
     @classmethod
     def stacked(cls, members: Sequence[Int4Int8Linear]) -> Int4Int8Linear:
-        """One layer whose outputs are the members' outputs side by side (no bias). The members' tensors become
-        row slices of the stacked ones, so stacking costs no memory."""
-        fused = cls(*(torch.cat([getattr(m, key) for m in members]) for key in ("packed", "scale", "low")), None)
+        """One layer whose outputs are the members' outputs side by side. The members' tensors become row slices of
+        the stacked ones, so stacking costs no memory."""
+        tensors = (torch.cat([getattr(m, key) for m in members]) for key in ("packed", "scale", "low"))
+        fused = cls(*tensors, stacked_bias(members))
         start = 0
         for member in members:
             stop = start + member.out_features
@@ -409,10 +414,8 @@ class Int4Int8Linear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T + b for this layer alone."""
-        out = w4a8.product(_flat(x), self.packed, self.scale, self.low)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        out = w4a8.product(_flat(x), self.packed, self.scale, self.low, self.bias)
+        return out.reshape(*x.shape[:-1], -1)
 
 
 class Int6Int8Linear(nn.Module):
@@ -437,10 +440,7 @@ class Int6Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = w6a8.SixBitWeights(self.low, self.high, self.sub, self.d)
-        out = w6a8.product(_flat(x), weights)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return w6a8.product(_flat(x), weights, self.bias).reshape(*x.shape[:-1], -1)
 
 
 # --------------------------------------------------------------------------------------- a model's copy

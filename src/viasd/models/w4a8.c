@@ -1,5 +1,5 @@
 /* int4 weights x int8 activations on x86 CPUs: y = x @ W^T for one Linear layer, in two builds of this file:
- * AVX-512 VNNI (W4A8_WIDE, recent Xeons and AMD Zen 4) and AVX2 (nearly every x86 CPU since 2015).
+ * AVX-512 VNNI (LOWBIT_WIDE, recent Xeons and AMD Zen 4) and AVX2 (nearly every x86 CPU since 2015).
  *
  * A single-token pass only has to stream the weights from memory, so its speed is their size: 5 bits per
  * weight here (a 4-bit code, and an fp16 scale and minimum per group of 32), against 8 for int8 and 16 for
@@ -22,26 +22,15 @@
  * builds add the same terms in different orders, so their last bits may differ; each is the same whatever
  * the block.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define W4A8_WIDE 1
-#endif
+#include "lowbit.h"
 
 #define GROUP 32 /* inputs per scale and minimum (weights) and per step (activations) */
 #define CHUNK 64 /* inputs per 32 packed bytes: two groups, one in each nibble */
 #define BLOCK 4  /* tokens per weight read (R <= BLOCK); more spill registers and run slower */
 
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-#ifdef W4A8_WIDE
+#ifdef LOWBIT_WIDE
 /* --- AVX-512 VNNI ------------------------------------------------------------------------------------------
  * Two neighbouring chunks share one 512-bit register: 64 bytes of packed codes are chunk c's 32 then chunk
  * c+1's, so their low nibbles are groups [2c | 2c+2] and their high nibbles groups [2c+1 | 2c+3]. The quantized
@@ -52,26 +41,6 @@ static inline float sum8(__m256 v) {
 static inline int64_t pair_offset(int64_t c, int i, int64_t paired) {
     if (c >= paired) return c * CHUNK + i;
     return (c & ~(int64_t)1) * CHUNK + (i >= 32 ? 64 : 0) + (c & 1) * 32 + (i & 31);
-}
-
-static inline float sum16(__m512 v) {
-    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-
-/* Chunk c of one row: its 64 int8 codes (where `pair_offset` puts them), and for each of its two groups the
- * step max|x|/127 and step * the sum of its codes (the minimum term's). The product rounds to nearest even, as
- * the default rounding mode does. */
-static inline void quantize_chunk(const float *v, int64_t c, int64_t paired, int8_t *q, float *step, float *sum) {
-    for (int h = 0; h < 2; h++) {
-        const __m512 x0 = _mm512_loadu_ps(v + 32 * h), x1 = _mm512_loadu_ps(v + 32 * h + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-        _mm_storeu_si128((__m128i *)(q + pair_offset(c, 32 * h, paired)), _mm512_cvtepi32_epi8(c0));
-        _mm_storeu_si128((__m128i *)(q + pair_offset(c, 32 * h + 16, paired)), _mm512_cvtepi32_epi8(c1));
-        step[h] = amax / 127.0f;
-        sum[h] = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)) * (amax / 127.0f);
-    }
 }
 
 /* One output for each of R rows (tokens): sum_g scale_g * step_g * dot_g + low_g * sum_g. Each row goes
@@ -151,41 +120,6 @@ static inline int64_t pair_offset(int64_t c, int i, int64_t paired) {
     return c * CHUNK + i;
 }
 
-static inline int32_t sum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* Chunk c of one row: its 64 int8 codes, and for each of its two groups the step max|x|/127 and step * the sum
- * of its codes. The conversion rounds to nearest even, as the default rounding mode does. */
-static inline void quantize_chunk(const float *v, int64_t c, int64_t paired, int8_t *q, float *step, float *sum) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' per-lane interleave */
-    for (int h = 0; h < 2; h++) {
-        __m256 x[4], top = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            x[i] = _mm256_loadu_ps(v + 32 * h + 8 * i);
-            top = _mm256_max_ps(top, _mm256_and_ps(x[i], magnitude));
-        }
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        const float amax = _mm_cvtss_f32(t);
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i code[4], total = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            code[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
-            total = _mm256_add_epi32(total, code[i]);
-        }
-        const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
-        _mm256_storeu_si256((__m256i *)(q + pair_offset(c, 32 * h, paired)), _mm256_permutevar8x32_epi32(words, order));
-        step[h] = amax / 127.0f;
-        sum[h] = (float)sum8i(total) * (amax / 127.0f);
-    }
-}
-
 /* The int32 dot products of 32 codes (bytes 0..15 as unsigned) and 32 activations, four bytes per lane. */
 static inline __m256i dot32(__m256i codes, __m256i activations, __m256i ones) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, activations), ones);
@@ -250,9 +184,20 @@ static inline __attribute__((always_inline)) void rows_output(
 }
 #endif
 
-/* out[rows][n] = x[rows][k] @ W^T (k a multiple of 64); returns 0, or -1 when scratch memory could not be had. */
-int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, const uint16_t *scale,
-                const uint16_t *low, int64_t n, float *out, int threads) {
+/* Chunk c of one row: its 64 int8 codes (where `pair_offset` puts them), and for each of its two groups the
+ * step max|x|/127 and step * the sum of its codes (the minimum term's). */
+static inline void quantize_chunk(const float *v, int64_t c, int64_t paired, int8_t *q, float *step, float *sum) {
+    for (int h = 0; h < 2; h++) {
+        int32_t halves[2];
+        step[h] = quantize_group(v + 32 * h, q + pair_offset(c, 32 * h, paired), halves);
+        sum[h] = (float)(halves[0] + halves[1]) * step[h];
+    }
+}
+
+/* out[rows][n] = x[rows][k] @ W^T + bias (k a multiple of 64; bias may be NULL; x and out float32, or bf16 where
+ * `bf16`); returns 0, or -1 when scratch memory could not be had. */
+int w4a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *packed, const uint16_t *scale,
+                const uint16_t *low, int64_t n, const float *bias, void *out, int threads) {
     const int64_t groups = k / GROUP, chunks = k / CHUNK, paired = chunks / 8 * 8;
     int8_t *a = malloc((size_t)(rows * k));
     float *step = malloc((size_t)(rows * groups) * sizeof(float));
@@ -267,23 +212,28 @@ int w4a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *packed, 
 #pragma omp for schedule(static)
         for (int64_t mc = 0; mc < rows * chunks; mc++) {
             const int64_t m = mc / chunks, c = mc % chunks;
-            quantize_chunk(x + m * k + c * CHUNK, c, paired, a + m * k, step + 2 * mc, sum + 2 * mc);
+            float buffer[CHUNK];
+            const float *v = chunk_floats(x, bf16, m * k + c * CHUNK, buffer);
+            quantize_chunk(v, c, paired, a + m * k, step + 2 * mc, sum + 2 * mc);
         }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) {
             /* The output's row of weights is read from memory once for the whole block: BLOCK tokens at a time. */
             const uint8_t *w = packed + j * (k / 2);
             const uint16_t *sc = scale + j * groups, *lo = low + j * groups;
-            int64_t m = 0;
-#define ROWS(R) rows_output(w, sc, lo, a + m * k, step + m * groups, sum + m * groups, k, groups, R, out + m * n + j, n)
-            for (; m + BLOCK <= rows; m += BLOCK)
-                ROWS(BLOCK);
-            switch (rows - m) { /* the rest of the block, with R a constant in each case */
-            case 3: ROWS(3); break;
-            case 2: ROWS(2); break;
-            case 1: ROWS(1); break;
-            }
+            float y[BLOCK] = {0};
+            for (int64_t m = 0; m < rows; m += BLOCK) {
+#define ROWS(R) rows_output(w, sc, lo, a + m * k, step + m * groups, sum + m * groups, k, groups, R, y, 1)
+                switch (rows - m < BLOCK ? rows - m : BLOCK) { /* R a constant in each case */
+                case 4: ROWS(4); break;
+                case 3: ROWS(3); break;
+                case 2: ROWS(2); break;
+                case 1: ROWS(1); break;
+                }
 #undef ROWS
+                for (int64_t r = 0; r < rows - m && r < BLOCK; r++)
+                    put(out, bf16, (m + r) * n + j, y[r], bias, j);
+            }
         }
     }
     free(a), free(step), free(sum);

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from viasd.models.native import Build, load_kernel
+from viasd.models.native import Build, checked_kernel, kernel_input, status
 
 GROUP = 32  # inputs per scale and minimum (weights) and per step (activations)
 CHUNK = 64  # inputs per 32 packed bytes: two groups, one in each nibble
@@ -96,22 +96,18 @@ def _kernel() -> ctypes.CDLL | str:
 
 def build(builds: tuple[Build, ...]) -> ctypes.CDLL | str:
     """The widest of `builds` this CPU runs, compiled, loaded and checked, or why not (a sentence)."""
-    loaded = load_kernel("w4a8.c", builds, "int4 x int8")
-    if isinstance(loaded, str):
-        return loaded
-    kernel, name = loaded
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.w4a8_linear.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
-    kernel.w4a8_linear.restype = ctypes.c_int
-    problem = _self_check(kernel)
-    return f"the compiled int4 x int8 kernel ({name}) {problem}; using torch ops" if problem else kernel
+    argtypes = [pointer, ctypes.c_int, size, size, pointer, pointer, pointer, size, pointer, pointer, ctypes.c_int]
+    return checked_kernel("w4a8.c", builds, "int4 x int8", "w4a8_linear", argtypes, _self_check, ("lowbit.h",))
 
 
 def _run(kernel: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-         threads: int) -> torch.Tensor:  # fmt: skip
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    status = kernel.w4a8_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scale.data_ptr(),
-                                low.data_ptr(), packed.shape[0], out.data_ptr(), threads)  # fmt: skip
+         threads: int, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
+    status = kernel.w4a8_linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(),
+                                scale.data_ptr(), low.data_ptr(), packed.shape[0],
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), threads)  # fmt: skip
     if status != 0:
         raise MemoryError("the int4 x int8 kernel could not allocate its scratch memory")
     return out
@@ -136,16 +132,19 @@ def _self_check(kernel: ctypes.CDLL) -> str | None:
 
 def kernel_status() -> str:
     """`compiled` when the fast CPU kernel is in use, else why not."""
-    kernel = _kernel()
-    return "compiled" if isinstance(kernel, ctypes.CDLL) else kernel
+    return status(_kernel())
 
 
-def product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ W^T as float32 [rows, out]: the C kernel on a capable CPU, else `reference`."""
-    x = x.float().contiguous()
+def product(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, in] @ W^T + bias [rows, out] in x's dtype, computed in float32 and rounded once: the C kernel on a
+    capable CPU, else `reference`."""
     if x.device.type == "cpu":
         kernel = _kernel()
         if isinstance(kernel, ctypes.CDLL):
-            return _run(kernel, x, packed, scale, low, torch.get_num_threads())
+            b = None if bias is None else bias.float().contiguous()
+            return _run(kernel, kernel_input(x), packed, scale, low, torch.get_num_threads(), b).to(x.dtype)
         warnings.warn(f"int4a8 runs on torch ops, slowly: {kernel}", RuntimeWarning, stacklevel=2)
-    return reference(x, packed, scale, low)
+    out = reference(x.float(), packed, scale, low)
+    return (out if bias is None else out + bias.float()).to(x.dtype)

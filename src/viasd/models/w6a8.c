@@ -1,5 +1,5 @@
 /* A GGUF file's 6-bit (Q6_K) weights x int8 activations on x86 CPUs: y = x @ W^T for one Linear layer, in two
- * builds of this file, AVX-512 VNNI (W6A8_WIDE) and AVX2, like w4a8.c.
+ * builds of this file, AVX-512 VNNI (LOWBIT_WIDE) and AVX2, like w4a8.c.
  *
  * Q4_K_M files keep their most sensitive tensors (the output head, half the value and down projections) as Q6_K:
  * per super-block of 256 inputs an fp16 scale d, per sub-block of 16 inputs an int8 scale s_j, and per weight a
@@ -19,25 +19,14 @@
  * rows of its block: R below is a constant at each call site, and each row goes through the same operations in
  * the same order whatever R is.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define W6A8_WIDE 1
-#endif
+#include "lowbit.h"
 
 #define GROUP 32  /* inputs per activation step */
 #define CHUNK 64  /* inputs per 32 bytes of low nibbles */
 #define SUPER 256 /* inputs per super-block: sixteen sub-blocks of 16, eight groups, four chunks, two pairs */
 #define BLOCK 4   /* tokens per weight read */
-
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* d * s_j for the sixteen sub-blocks of one super-block, as two vectors of eight. */
 static inline void sub_scales(const int8_t *sub, uint16_t d, __m256 *first, __m256 *second) {
@@ -47,33 +36,13 @@ static inline void sub_scales(const int8_t *sub, uint16_t d, __m256 *first, __m2
     *second = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s, 8))));
 }
 
-#ifdef W6A8_WIDE
+#ifdef LOWBIT_WIDE
 /* --- AVX-512 VNNI ------------------------------------------------------------------------------------------
  * A pair of chunks fills one 512-bit register: its 64 bytes of low nibbles hold [c's 0..31 | c''s 0..31] in the
  * low nibbles and [c's 32..63 | c''s 32..63] in the high ones; the row's activations are stored in that order. */
 
 static inline int64_t pair_offset(int64_t c, int i) {
     return (c & ~(int64_t)1) * CHUNK + (i >= 32 ? 64 : 0) + (c & 1) * 32 + (i & 31);
-}
-
-static inline float sum16(__m512 v) {
-    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-
-/* Chunk c of one row: its 64 int8 codes (where `pair_offset` puts them), each group's step, each sub-block's sum
- * of codes. Rounds to nearest even, as the default rounding mode does. */
-static inline void quantize_chunk(const float *v, int64_t c, int8_t *q, float *step, float *sum) {
-    for (int h = 0; h < 2; h++) {
-        const __m512 x0 = _mm512_loadu_ps(v + 32 * h), x1 = _mm512_loadu_ps(v + 32 * h + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-        _mm_storeu_si128((__m128i *)(q + pair_offset(c, 32 * h)), _mm512_cvtepi32_epi8(c0));
-        _mm_storeu_si128((__m128i *)(q + pair_offset(c, 32 * h + 16)), _mm512_cvtepi32_epi8(c1));
-        step[h] = amax / 127.0f;
-        sum[2 * h] = (float)_mm512_reduce_add_epi32(c0);
-        sum[2 * h + 1] = (float)_mm512_reduce_add_epi32(c1);
-    }
 }
 
 static inline __attribute__((always_inline)) void rows_output(
@@ -135,38 +104,6 @@ static inline int64_t pair_offset(int64_t c, int i) {
     return c * CHUNK + i;
 }
 
-static inline int32_t sum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
-static inline void quantize_chunk(const float *v, int64_t c, int8_t *q, float *step, float *sum) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' per-lane interleave */
-    for (int h = 0; h < 2; h++) {
-        __m256 x[4], top = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            x[i] = _mm256_loadu_ps(v + 32 * h + 8 * i);
-            top = _mm256_max_ps(top, _mm256_and_ps(x[i], magnitude));
-        }
-        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-        t = _mm_max_ss(t, _mm_movehdup_ps(t));
-        const float amax = _mm_cvtss_f32(t);
-        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        __m256i code[4];
-        for (int i = 0; i < 4; i++)
-            code[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
-        const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
-        _mm256_storeu_si256((__m256i *)(q + pair_offset(c, 32 * h)), _mm256_permutevar8x32_epi32(words, order));
-        step[h] = amax / 127.0f;
-        sum[2 * h] = (float)sum8i(_mm256_add_epi32(code[0], code[1]));
-        sum[2 * h + 1] = (float)sum8i(_mm256_add_epi32(code[2], code[3]));
-    }
-}
-
 /* The int32 dot products of 32 codes (0..63) and 32 activations, four bytes per lane; a pair of products is at
  * most 2 * 63 * 127, which the 16-bit sums of maddubs hold. */
 static inline __m256i dot32(__m256i codes, __m256i activations, __m256i ones) {
@@ -223,9 +160,21 @@ static inline __attribute__((always_inline)) void rows_output(
 }
 #endif
 
-/* out[rows][n] = x[rows][k] @ W^T (k a multiple of 256); returns 0, or -1 when scratch memory could not be had. */
-int w6a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *low, const uint8_t *high, const int8_t *sub,
-                const uint16_t *d, int64_t n, float *out, int threads) {
+/* Chunk c of one row: its 64 int8 codes (where `pair_offset` puts them), each group's step, each sub-block's sum
+ * of codes. */
+static inline void quantize_chunk(const float *v, int64_t c, int8_t *q, float *step, float *sum) {
+    for (int h = 0; h < 2; h++) {
+        int32_t halves[2];
+        step[h] = quantize_group(v + 32 * h, q + pair_offset(c, 32 * h), halves);
+        sum[2 * h] = (float)halves[0];
+        sum[2 * h + 1] = (float)halves[1];
+    }
+}
+
+/* out[rows][n] = x[rows][k] @ W^T + bias (k a multiple of 256; bias may be NULL; x and out float32, or bf16 where
+ * `bf16`); returns 0, or -1 when scratch memory could not be had. */
+int w6a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *low, const uint8_t *high,
+                const int8_t *sub, const uint16_t *d, int64_t n, const float *bias, void *out, int threads) {
     const int64_t groups = k / GROUP, subs = k / 16, chunks = k / CHUNK;
     int8_t *a = malloc((size_t)(rows * k));
     float *step = malloc((size_t)(rows * groups) * sizeof(float));
@@ -239,23 +188,28 @@ int w6a8_linear(const float *x, int64_t rows, int64_t k, const uint8_t *low, con
 #pragma omp for schedule(static)
         for (int64_t mc = 0; mc < rows * chunks; mc++) {
             const int64_t m = mc / chunks, c = mc % chunks;
-            quantize_chunk(x + m * k + c * CHUNK, c, a + m * k, step + 2 * mc, sum + 4 * mc);
+            float buffer[CHUNK];
+            const float *v = chunk_floats(x, bf16, m * k + c * CHUNK, buffer);
+            quantize_chunk(v, c, a + m * k, step + 2 * mc, sum + 4 * mc);
         }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *lw = low + j * (k / 2), *hw = high + j * (k / 4);
             const int8_t *sw = sub + j * subs;
             const uint16_t *dw = d + j * (k / SUPER);
-            int64_t m = 0;
-#define ROWS(R) rows_output(lw, hw, sw, dw, a + m * k, step + m * groups, sum + m * subs, k, R, out + m * n + j, n)
-            for (; m + BLOCK <= rows; m += BLOCK)
-                ROWS(BLOCK);
-            switch (rows - m) {
-            case 3: ROWS(3); break;
-            case 2: ROWS(2); break;
-            case 1: ROWS(1); break;
-            }
+            float y[BLOCK] = {0};
+            for (int64_t m = 0; m < rows; m += BLOCK) {
+#define ROWS(R) rows_output(lw, hw, sw, dw, a + m * k, step + m * groups, sum + m * subs, k, R, y, 1)
+                switch (rows - m < BLOCK ? rows - m : BLOCK) { /* R a constant in each case */
+                case 4: ROWS(4); break;
+                case 3: ROWS(3); break;
+                case 2: ROWS(2); break;
+                case 1: ROWS(1); break;
+                }
 #undef ROWS
+                for (int64_t r = 0; r < rows - m && r < BLOCK; r++)
+                    put(out, bf16, (m + r) * n + j, y[r], bias, j);
+            }
         }
     }
     free(a), free(step), free(sum);

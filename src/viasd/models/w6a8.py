@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from viasd.models import w4a8
-from viasd.models.native import Build, load_kernel
+from viasd.models.native import Build, checked_kernel, kernel_input, status
 
 SUB = 16  # inputs per int8 sub-block scale
 SUPER = 256  # inputs per fp16 super-block scale
@@ -99,22 +99,20 @@ def _kernel() -> ctypes.CDLL | str:
 
 def build(builds: tuple[Build, ...]) -> ctypes.CDLL | str:
     """The widest of `builds` this CPU runs, compiled, loaded and checked, or why not (a sentence)."""
-    loaded = load_kernel("w6a8.c", builds, "6-bit x int8")
-    if isinstance(loaded, str):
-        return loaded
-    kernel, name = loaded
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    kernel.w6a8_linear.argtypes = [pointer, size, size, *[pointer] * 4, size, pointer, ctypes.c_int]
-    kernel.w6a8_linear.restype = ctypes.c_int
-    problem = _self_check(kernel)
-    return f"the compiled 6-bit x int8 kernel ({name}) {problem}; using torch ops" if problem else kernel
+    argtypes = [pointer, ctypes.c_int, size, size, *[pointer] * 4, size, pointer, pointer, ctypes.c_int]
+    return checked_kernel("w6a8.c", builds, "6-bit x int8", "w6a8_linear", argtypes, _self_check, ("lowbit.h",))
 
 
-def _run(kernel: ctypes.CDLL, x: torch.Tensor, weights: SixBitWeights, threads: int) -> torch.Tensor:
-    out = torch.empty(x.shape[0], weights.low.shape[0], dtype=torch.float32)
+def _run(
+    kernel: ctypes.CDLL, x: torch.Tensor, weights: SixBitWeights, threads: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
+    out = torch.empty(x.shape[0], weights.low.shape[0], dtype=x.dtype)
     pointers = [t.data_ptr() for t in weights.tensors()]
-    status = kernel.w6a8_linear(x.data_ptr(), x.shape[0], x.shape[1], *pointers, weights.low.shape[0],
-                                out.data_ptr(), threads)  # fmt: skip
+    status = kernel.w6a8_linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
+                                weights.low.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                threads)  # fmt: skip
     if status != 0:
         raise MemoryError("the 6-bit x int8 kernel could not allocate its scratch memory")
     return out
@@ -146,16 +144,17 @@ def _self_check(kernel: ctypes.CDLL) -> str | None:
 
 def kernel_status() -> str:
     """`compiled` when the fast CPU kernel is in use, else why not."""
-    kernel = _kernel()
-    return "compiled" if isinstance(kernel, ctypes.CDLL) else kernel
+    return status(_kernel())
 
 
-def product(x: torch.Tensor, weights: SixBitWeights) -> torch.Tensor:
-    """x [rows, in] @ W^T as float32 [rows, out]: the C kernel on a capable CPU, else `reference`."""
-    x = x.float().contiguous()
+def product(x: torch.Tensor, weights: SixBitWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ W^T + bias [rows, out] in x's dtype, computed in float32 and rounded once: the C kernel on a
+    capable CPU, else `reference`."""
     if x.device.type == "cpu":
         kernel = _kernel()
         if isinstance(kernel, ctypes.CDLL):
-            return _run(kernel, x, weights, torch.get_num_threads())
+            b = None if bias is None else bias.float().contiguous()
+            return _run(kernel, kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
         warnings.warn(f"6-bit x int8 runs on torch ops, slowly: {kernel}", RuntimeWarning, stacklevel=2)
-    return reference(x, weights)
+    out = reference(x.float(), weights)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
