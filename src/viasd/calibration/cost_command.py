@@ -136,6 +136,8 @@ def costs(
         in_features, out_features = _list(kernel_shape, int, "--kernel-shape")
         with err.status("timing kernels over 40 distinct matrices"):
             kinds = ["bf16", "int8", "int8wo", "int4", "int4a8", "fbgemm"]
+            if in_features % 256 == 0:  # a GGUF file's 6-bit blocks hold 256 inputs
+                kinds.insert(5, "int6a8")
             tables["kernels"] = measure_kernels(in_features, out_features, lengths, kinds, repeats=repeats)
         record["kernel_shape"] = [in_features, out_features]
     else:

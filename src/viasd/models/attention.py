@@ -2,13 +2,13 @@
 
 A grouped-query model (Qwen2.5: 12 query heads over 2 key/value heads) decodes one token at a time, and verifies
 blocks of a few. Transformers' `sdpa` attention hands torch either the groups (`enable_gqa`) or copies of the
-key/value heads (`repeat_kv`), and torch's CPU kernel for a single query with `enable_gqa` is slow: 147 us per layer
-of the 1.5B target at 100 tokens of context and 1.5 ms at 1000, against 19 us and 111 us for the same product with
-each group's queries stacked as one block of queries over their key/value head (a 2-core AMD EPYC, bf16;
-BENCHMARKS.md). At 1000 tokens of context that was 42 ms of every decoding step. `packed_sdpa` stacks them for
-passes of up to PACK_UP_TO tokens (decoding, verification) and leaves longer ones (a prompt) to transformers, whose
-causal flash path is the fast one there. Each query row attends as before, to the same keys under the same mask, so
-what changes is only how torch blocks the arithmetic. `VIASD_PACKED_ATTENTION=off` leaves models as they are.
+key/value heads (`repeat_kv`), and torch's CPU kernel for a single query with `enable_gqa` is slow, the more so the
+longer the context: with each group's queries stacked as one block of queries over their key/value head, a bf16
+decoding step of the 1.5B target at 1024 tokens of context takes 154 ms instead of 210 (a 2-core AMD EPYC;
+BENCHMARKS.md). `packed_sdpa` stacks them for passes of up to PACK_UP_TO tokens (decoding, verification) and
+leaves longer ones (a prompt) to transformers, whose causal flash path is the fast one there. Each query row
+attends as before, to the same keys under the same mask, so what changes is only how torch blocks the arithmetic.
+`VIASD_PACKED_ATTENTION=off` leaves models as they are.
 """
 
 from __future__ import annotations
