@@ -65,7 +65,7 @@ def q6k_to_int6a8(blocks: np.ndarray, rows: int, columns: int) -> w6a8.SixBitWei
 
 
 class GgufWeights:
-    """The Q4_K tensors of a GGUF file, by the Hugging Face module names of the model converted from it."""
+    """The Q4_K and Q6_K tensors of a GGUF file, by the Hugging Face module names of the model converted from it."""
 
     def __init__(self, path: Path) -> None:
         import gguf

@@ -49,15 +49,15 @@ def load_kernel(
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return "no C compiler found (set CC)"
-    files = {name: resources.files("viasd.models").joinpath(name).read_bytes() for name in (source, *headers)}
+    files = {file: resources.files("viasd.models").joinpath(file).read_bytes() for file in (source, *headers)}
     command = [*COMMON_FLAGS, *build_flags]
     digest = hashlib.sha256(b"".join(files.values()) + " ".join(command).encode()).hexdigest()[:16]
     library = default_cache_dir().parent / "kernels" / f"{Path(source).stem}-{name}-{digest}.so"
     if not library.is_file():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as work:
-            for name, text in files.items():
-                (Path(work) / name).write_bytes(text)
+            for file, text in files.items():
+                (Path(work) / file).write_bytes(text)
             built = Path(work) / "kernel.so"
             result = subprocess.run([compiler, *command, source, "-o", built.name], cwd=work,
                                     capture_output=True, text=True)  # fmt: skip
