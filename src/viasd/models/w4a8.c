@@ -225,7 +225,7 @@ int w4a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t 
             for (int64_t m = 0; m < rows; m += BLOCK) {
 #define ROWS(R) rows_output(w, sc, lo, a + m * k, step + m * groups, sum + m * groups, k, groups, R, y, 1)
                 switch (rows - m < BLOCK ? rows - m : BLOCK) { /* R a constant in each case */
-                case 4: ROWS(4); break;
+                case BLOCK: ROWS(BLOCK); break;
                 case 3: ROWS(3); break;
                 case 2: ROWS(2); break;
                 case 1: ROWS(1); break;
