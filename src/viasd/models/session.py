@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from viasd.models.cache_layer import growing_cache
 from viasd.models.views import View, ViewLike, applied, as_view
 
 
@@ -61,8 +62,9 @@ Ids = Sequence[int] | torch.Tensor  # host token ids, or a 1-D LongTensor of ids
 
 
 def new_cache(model: nn.Module) -> DynamicCache:
-    """An empty cache shaped by the model's config (sliding-window layers included) that can be rolled back."""
-    cache = DynamicCache(config=model.config)
+    """An empty cache shaped by the model's config (sliding-window layers included) that can be rolled back; its
+    full-attention layers write each pass's entries in place (models/cache_layer.py)."""
+    cache = growing_cache(DynamicCache(config=model.config))
     cache.activate_past_recording()
     return cache
 
