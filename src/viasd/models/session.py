@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from viasd.models import short_pass
 from viasd.models.cache_layer import growing_cache
 from viasd.models.views import View, ViewLike, applied, as_view
 
@@ -84,6 +85,7 @@ class KVSession:
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
+        self.short_passes = short_pass.supports(model)  # a leaner loop for passes of a few tokens
 
     def _stacks(self, view: View) -> bool:
         """Whether a pass of `view` may go on top of pending entries (it runs every mask-size layer)."""
@@ -163,11 +165,20 @@ class KVSession:
     def _pass(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
         device = self.device
         input_ids = ids.to(device) if isinstance(ids, torch.Tensor) else upload_ids(ids, device)
+        input_ids = input_ids.reshape(1, -1)
+        short = (
+            self.short_passes
+            and (view is None or view.mask is None or view.mask.is_full)  # no skipped layers
+            and short_pass.usable(self.model, self.cache, input_ids.shape[1])
+        )
         with torch.inference_mode(), applied(self.model, view):
-            out = self.model(input_ids=input_ids.reshape(1, -1), cache=self.cache, use_cache=True, logits_to_keep=keep)
+            if short:  # the same logits as the model's own forward, with less plumbing (models/short_pass.py)
+                logits = short_pass.short_pass(self.model, input_ids, self.cache, keep)
+            else:
+                logits = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
         self.forward_passes += 1
         # float32 logits where the model made them: no host copy (on a CPU this is the tensor it always was).
-        return out.logits[0, -keep:].float()
+        return logits[0, -keep:].float()
 
     def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
         """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the

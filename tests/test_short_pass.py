@@ -1,0 +1,88 @@
+"""Short passes: the lean loop gives the model's own logits and cache entries bit for bit, for the architectures it
+mirrors, in full precision, bf16 and quantized views, and sessions take it only where it applies."""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tiny import tiny_model
+from viasd.models import short_pass
+from viasd.models.attention import PACK_UP_TO
+from viasd.models.layer_skip import LayerMask
+from viasd.models.quantize import QuantRecipe, quantize
+from viasd.models.session import KVSession, new_cache
+from viasd.models.views import View, applied
+
+
+def own_and_short(model, view, seed=0):
+    """Pairs of (own forward, short pass) logits over random blocks after a prompt, on two caches; and the caches."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(64) for _ in range(200)]
+    own, short = new_cache(model), new_cache(model)
+    pairs = []
+    with torch.inference_mode(), applied(model, view):
+        for cache in (own, short):
+            model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
+        at = 20
+        for _ in range(12):
+            length = rng.randint(1, PACK_UP_TO)
+            block = torch.tensor([ids[at : at + length]])
+            want = model(input_ids=block, cache=own, use_cache=True, logits_to_keep=length).logits
+            pairs.append((want, short_pass.short_pass(model, block, short, length)))
+            if rng.random() < 0.5:  # a rejected draft: both caches roll back alike
+                drop = rng.randint(0, length - 1)
+                for cache in (own, short):
+                    cache.crop(-drop) if drop else None
+                length -= drop
+            at += length
+    return pairs, own, short
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_short_passes_give_the_models_own_logits_and_cache(arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    assert short_pass.supports(model)
+    pairs, own, short = own_and_short(model, None)
+    for want, got in pairs:
+        assert torch.equal(got, want)
+    for a, b in zip(own.layers, short.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_short_passes_of_a_quantized_view_give_its_own_logits():
+    model = tiny_model("qwen2", dtype=torch.float32)
+    view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+    pairs, _, _ = own_and_short(model, view, seed=1)
+    for want, got in pairs:
+        assert torch.equal(got, want)
+
+
+def test_what_the_loop_does_not_mirror_is_left_to_the_model(monkeypatch):
+    for arch in ("gemma", "gemma2"):
+        assert not short_pass.supports(tiny_model(arch))
+    monkeypatch.setenv("VIASD_PACKED_ATTENTION", "off")
+    assert not short_pass.supports(tiny_model("llama"))
+
+
+def test_only_short_blocks_on_plain_cache_layers_are_usable():
+    model = tiny_model("llama")
+    cache = new_cache(model)
+    assert short_pass.usable(model, cache, 1) and short_pass.usable(model, cache, PACK_UP_TO)
+    assert not short_pass.usable(model, cache, PACK_UP_TO + 1) and not short_pass.usable(model, cache, 0)
+    assert not short_pass.usable(model, DynamicCache(), 1)  # layers made lazily: not the model's shape
+
+
+def test_sessions_take_short_passes_for_steps_and_the_model_for_prompts_and_skipping_views(monkeypatch):
+    model = tiny_model("qwen2")
+    calls = []
+    real = short_pass.short_pass
+    monkeypatch.setattr(short_pass, "short_pass", lambda *args: calls.append(args[1].shape[1]) or real(*args))
+    session = KVSession(model)
+    session.forward(list(range(3, 3 + PACK_UP_TO + 1)))  # a prompt longer than a short pass
+    session.forward([5])
+    session.forward([6, 7, 8])
+    session.forward_slim([9, 10], LayerMask.skipping(4, [1, 2]))  # a slim view skips layers
+    assert calls == [1, 3]
