@@ -73,6 +73,10 @@ def test_only_short_blocks_on_plain_cache_layers_are_usable():
     assert short_pass.usable(model, cache, 1) and short_pass.usable(model, cache, PACK_UP_TO)
     assert not short_pass.usable(model, cache, PACK_UP_TO + 1) and not short_pass.usable(model, cache, 0)
     assert not short_pass.usable(model, DynamicCache(), 1)  # layers made lazily: not the model's shape
+    handle = model.register_forward_pre_hook(lambda module, args: None)  # it would not see a short pass
+    assert not short_pass.usable(model, cache, 1)
+    handle.remove()
+    assert short_pass.usable(model, cache, 1)
 
 
 def test_sessions_take_short_passes_for_steps_and_the_model_for_prompts_and_skipping_views(monkeypatch):

@@ -59,10 +59,14 @@ def supports(model: nn.Module) -> bool:
 
 
 def usable(model: nn.Module, cache: DynamicCache, tokens: int) -> bool:
-    """Whether a pass of `tokens` tokens on `cache` may go through `short_pass` (the model `supports` it, and the
-    model is as loaded or runs quantized copies only: a skipped layer is not one of transformers' classes)."""
+    """Whether a pass of `tokens` tokens on `cache` may go through `short_pass`, for a model that `supports` it: it
+    has no forward hooks of its own and runs all its layers (a skipped layer is not one of transformers' classes)."""
     if not 0 < tokens <= PACK_UP_TO or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
         return False
+    # Hooks on the model or its decoder stack see its own forward's arguments: the short loop has none to give.
+    for module in (model, model.model):  # type: ignore[union-attr]
+        if module._forward_hooks or module._forward_pre_hooks:
+            return False
     layers = model.model.layers  # type: ignore[union-attr]
     return len(cache.layers) == len(layers) and all(type(layer) is type(layers[0]) for layer in layers)
 
