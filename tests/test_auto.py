@@ -70,8 +70,8 @@ def test_a_default_drafter_of_another_tokenizer_is_refused_before_any_fetch(monk
 
 
 def test_a_probe_is_not_reused_on_another_cpu_or_with_other_kernels(monkeypatch):
-    """The cached choice belongs to the machine that timed it: another CPU model (same core count), or kernels
-    that run differently here, probe again."""
+    """The cached choice belongs to the machine that timed it: another CPU model (same core count), kernels that run
+    differently here, or passes that run another way, probe again."""
     model = tiny_model()
     names = auto.candidates(True)
     key = auto.probe_key(model, {}, names)
@@ -79,4 +79,6 @@ def test_a_probe_is_not_reused_on_another_cpu_or_with_other_kernels(monkeypatch)
     monkeypatch.setattr("viasd.models.cpu.cpu_model", lambda: "Some Other CPU")
     other_cpu = auto.probe_key(model, {}, names)
     monkeypatch.setattr("viasd.models.w6a8.kernel_status", lambda: "no C compiler found (set CC)")
-    assert len({key, other_cpu, auto.probe_key(model, {}, names)}) == 3
+    other_kernels = auto.probe_key(model, {}, names)
+    monkeypatch.setenv("VIASD_PACKED_ATTENTION", "off")  # no packed attention: no short passes either
+    assert len({key, other_cpu, other_kernels, auto.probe_key(model, {}, names)}) == 4

@@ -62,12 +62,13 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
-    from viasd.models import w4a8, w6a8
+    from viasd.models import short_pass, w4a8, w6a8
     from viasd.models.bf16_linear import CpuBf16Linear
     from viasd.models.cpu import cpu_model
 
     machine = [platform.machine(), cpu_model(), os.cpu_count(), torch.get_num_threads(), str(device)]
     machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
+    machine.append(short_pass.supports(target))  # steps and blocks run the leaner loop: other costs
     if device.type == "cpu":  # which of viasd's kernels run here, and their sources (a changed kernel: probe again)
         machine += [w4a8.kernel_status(), w6a8.kernel_status(), _kernel_sources()]
     if device.type == "cuda":
