@@ -63,8 +63,11 @@ def test_short_passes_of_a_quantized_view_give_its_own_logits():
 def test_what_the_loop_does_not_mirror_is_left_to_the_model(monkeypatch):
     for arch in ("gemma", "gemma2"):
         assert not short_pass.supports(tiny_model(arch))
-    monkeypatch.setenv("VIASD_PACKED_ATTENTION", "off")
-    assert not short_pass.supports(tiny_model("llama"))
+    for switch in ("VIASD_SHORT_PASSES", "VIASD_PACKED_ATTENTION"):
+        monkeypatch.setenv(switch, "off")
+        assert not short_pass.supports(tiny_model("llama"))
+        monkeypatch.delenv(switch)
+    assert short_pass.supports(tiny_model("llama"))
 
 
 def test_only_short_blocks_on_plain_cache_layers_are_usable():

@@ -10,8 +10,9 @@ per step of the 4-bit view.
 
 It covers the architectures whose layer code it mirrors (`supports`: Llama and Qwen2, full attention only) and
 passes of up to `attention.PACK_UP_TO` tokens, where attention packs each key/value head's query heads into one
-block (models/attention.py); anything else (a prompt, a layer-skipping view, a sliding-window model) goes through
-the model's own forward.
+block (models/attention.py); anything else (a prompt, a layer-skipping view, a sliding-window model, a model with
+forward hooks) goes through the model's own forward, and so does everything with `VIASD_SHORT_PASSES=off` (or
+`VIASD_PACKED_ATTENTION=off`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from transformers.cache_utils import DynamicLayer
 
 from viasd.models.attention import PACK_UP_TO, SWITCH
 
+OWN_SWITCH = "VIASD_SHORT_PASSES"  # off: every pass goes through the model's own forward (to compare)
+
 # The transformers classes whose forward `short_pass` mirrors, by architecture (checked by name: a new release that
 # renames or restructures them falls back to the model's own forward, and the bit-identity tests catch a change).
 MIRRORED = {
@@ -36,13 +39,14 @@ MIRRORED = {
 
 def supports(model: nn.Module) -> bool:
     """Whether `short_pass` computes what `model`'s own forward computes: a CPU Llama or Qwen2 model whose layers
-    are all transformers' own classes, with full attention everywhere and packed attention on."""
+    are all transformers' own classes, with full attention everywhere and packed attention on (and short passes
+    not switched off)."""
     config = getattr(model, "config", None)
     classes = MIRRORED.get(getattr(config, "model_type", ""))
     inner = getattr(model, "model", None)
     if classes is None or inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return False
-    if os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
+    if any(os.environ.get(name, "").strip().lower() in ("0", "off", "no", "false") for name in (SWITCH, OWN_SWITCH)):
         return False
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
