@@ -80,5 +80,5 @@ def test_a_probe_is_not_reused_on_another_cpu_or_with_other_kernels(monkeypatch)
     other_cpu = auto.probe_key(model, {}, names)
     monkeypatch.setattr("viasd.models.w6a8.kernel_status", lambda: "no C compiler found (set CC)")
     other_kernels = auto.probe_key(model, {}, names)
-    monkeypatch.setenv("VIASD_PACKED_ATTENTION", "off")  # no packed attention: no short passes either
+    monkeypatch.setenv("VIASD_SHORT_PASSES", "off")
     assert len({key, other_cpu, other_kernels, auto.probe_key(model, {}, names)}) == 4

@@ -63,6 +63,7 @@ def test_short_passes_of_a_quantized_view_give_its_own_logits():
 def test_what_the_loop_does_not_mirror_is_left_to_the_model(monkeypatch):
     for arch in ("gemma", "gemma2"):
         assert not short_pass.supports(tiny_model(arch))
+    assert not short_pass.supports(tiny_model("llama", packed=False))  # transformers' own attention
     for switch in ("VIASD_SHORT_PASSES", "VIASD_PACKED_ATTENTION"):
         monkeypatch.setenv(switch, "off")
         assert not short_pass.supports(tiny_model("llama"))

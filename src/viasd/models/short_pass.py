@@ -5,14 +5,15 @@ everything else, and a good part of that is transformers' plumbing around the ar
 deprecation wrappers, mask builders, attention-function lookup, per-module call hooks (llama.cpp's whole step
 takes about 35 ms). `short_pass` runs the same arithmetic (the same torch operations, in the same order, on the
 same modules: the model's own norms, projections, rotary embedding and cache layers, quantized copies included)
-as a plain loop, so its logits are bit-identical to the model's own forward (tested), only cheaper: about 4.5 ms
-per step of the 4-bit view.
+as a plain loop, so its logits are bit-identical to the model's own forward (tested), only cheaper: 2-5 ms per
+step of the 4-bit view in our measurements (BENCHMARKS.md).
 
 It covers the architectures whose layer code it mirrors (`supports`: Llama and Qwen2, full attention only) and
 passes of up to `attention.PACK_UP_TO` tokens, where attention packs each key/value head's query heads into one
-block (models/attention.py); anything else (a prompt, a layer-skipping view, a sliding-window model, a model with
-forward hooks) goes through the model's own forward, and so does everything with `VIASD_SHORT_PASSES=off` (or
-`VIASD_PACKED_ATTENTION=off`).
+block (models/attention.py), in models switched to that attention; anything else (a prompt, a layer-skipping view,
+a sliding-window model, a model with forward hooks, a model attending another way, as with
+`VIASD_PACKED_ATTENTION=off`) goes through the model's own forward, and so does everything with
+`VIASD_SHORT_PASSES=off`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from viasd.models.attention import PACK_UP_TO, SWITCH
+from viasd.models.attention import NAME as PACKED
+from viasd.models.attention import PACK_UP_TO
 
-OWN_SWITCH = "VIASD_SHORT_PASSES"  # off: every pass goes through the model's own forward (to compare)
+SWITCH = "VIASD_SHORT_PASSES"  # off: every pass goes through the model's own forward (to compare)
 
 # The transformers classes whose forward `short_pass` mirrors, by architecture (checked by name: a new release that
 # renames or restructures them falls back to the model's own forward, and the bit-identity tests catch a change).
@@ -39,14 +41,16 @@ MIRRORED = {
 
 def supports(model: nn.Module) -> bool:
     """Whether `short_pass` computes what `model`'s own forward computes: a CPU Llama or Qwen2 model whose layers
-    are all transformers' own classes, with full attention everywhere and packed attention on (and short passes
-    not switched off)."""
+    are all transformers' own classes, with full attention everywhere, switched to packed attention (and short
+    passes not switched off)."""
     config = getattr(model, "config", None)
     classes = MIRRORED.get(getattr(config, "model_type", ""))
     inner = getattr(model, "model", None)
     if classes is None or inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return False
-    if any(os.environ.get(name, "").strip().lower() in ("0", "off", "no", "false") for name in (SWITCH, OWN_SWITCH)):
+    if os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
+        return False
+    if getattr(config, "_attn_implementation", None) != PACKED:  # attention as the loop computes it (packed)
         return False
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
