@@ -2,10 +2,10 @@
 
 Transformers' `DynamicLayer` appends a pass's keys and values by concatenation, so each decoding step copies the
 layer's whole cache: at 1024 tokens of context the 1.5B target copies 28 MiB per token, and at 300 tokens a
-decoding step of its 4-bit view spent 1.5 ms on these copies, more than on attention (a torch profile). `GrowingLayer` keeps each layer's keys and values in a store with room to spare
-(doubled when full, so a sequence of n tokens is copied O(log n) times), writes each pass's entries after the
-last ones, and hands attention a view of the filled part. Cropping shortens the view; the next pass overwrites
-what was cropped.
+decoding step of its 4-bit view spent 1.5 ms on these copies, more than on attention (a torch profile).
+`GrowingLayer` keeps each layer's keys and values in a store with room to spare (doubled when full, so a sequence
+of n tokens is copied O(log n) times), writes each pass's entries after the last ones, and hands attention a view
+of the filled part. Cropping shortens the view; the next pass overwrites what was cropped.
 
 Invariant: `keys` and `values` are always the leading `length` positions of the store. Views handed out earlier
 (attention's inputs of a past pass) may see their positions beyond a later crop overwritten: the cache never
