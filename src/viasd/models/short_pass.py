@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
 from viasd.models.attention import NAME as PACKED
 from viasd.models.attention import PACK_UP_TO
@@ -79,19 +80,6 @@ def usable(model: nn.Module, cache: DynamicCache, tokens: int) -> bool:
     return len(cache.layers) == len(layers) and all(type(layer) is type(layers[0]) for layer in layers)
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Llama/Qwen2 RMSNorm, operation for operation (float32 statistics, the input's dtype after)."""
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int) -> torch.Tensor:
     """Logits [1, keep, vocab] of the last `keep` of `input_ids` [1, M] after the cache's tokens, the cache extended
     by them: what `model(input_ids=..., cache=cache, use_cache=True, logits_to_keep=keep).logits` returns, for a
@@ -108,14 +96,14 @@ def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, k
     if length > 1:
         causal = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)
     for index, layer in enumerate(inner.layers):
-        attention, mlp = layer.self_attn, layer.mlp
+        attention, mlp = layer.self_attn, layer.mlp  # norms and MLPs are called as they are: no plumbing there
         shape = (1, length, -1, attention.head_dim)
-        h = _rms_norm(layer.input_layernorm, x)
+        h = layer.input_layernorm(x)
         query = attention.q_proj(h).view(shape).transpose(1, 2)
         key = attention.k_proj(h).view(shape).transpose(1, 2)
         value = attention.v_proj(h).view(shape).transpose(1, 2)
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
+        query = (query * cos) + (rotate_half(query) * sin)
+        key = (key * cos) + (rotate_half(key) * sin)
         key, value = cache.layers[index].update(key, value)
         # models/attention.py's packing: the query heads of one key/value head as one block of queries.
         heads, kv_heads = query.shape[1], key.shape[1]
@@ -125,6 +113,5 @@ def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, k
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=attention.scaling)
         out = out.reshape(1, heads, length, attention.head_dim).transpose(1, 2).contiguous()
         x = x + attention.o_proj(out.reshape(1, length, -1).contiguous())
-        h = _rms_norm(layer.post_attention_layernorm, x)
-        x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-    return model.lm_head(_rms_norm(inner.norm, x[:, -keep:, :]))  # type: ignore[operator]
+        x = x + mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
