@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from tiny import tiny_model
-from viasd.models import short_pass
+from viasd.models import short_attention, short_pass
 from viasd.models.attention import PACK_UP_TO
 from viasd.models.layer_skip import LayerMask
 from viasd.models.quantize import QuantRecipe, quantize
@@ -42,7 +42,8 @@ def own_and_short(model, view, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_short_passes_give_the_models_own_logits_and_cache(arch, dtype):
+def test_short_passes_give_the_models_own_logits_and_cache(arch, dtype, monkeypatch):
+    monkeypatch.setenv(short_attention.SWITCH, "off")  # bf16 attention in torch's ops (the kernel's: below)
     model = tiny_model(arch, dtype=dtype)
     assert short_pass.supports(model)
     pairs, own, short = own_and_short(model, None)
@@ -58,6 +59,30 @@ def test_short_passes_of_a_quantized_view_give_its_own_logits():
     pairs, _, _ = own_and_short(model, view, seed=1)
     for want, got in pairs:
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not short_attention.applies(torch.bfloat16, 4, 2, 16), reason="no attention kernel here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselves(arch):
+    """With the attention kernel a bf16 pass is no longer the model's own bits, but within bf16 noise of them, and
+    a token gets the same logits whatever block it comes in (what exact greedy verification needs): compared here
+    on a 4-bit view, whose products are also the same for each token in every block."""
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+    pairs, _, _ = own_and_short(model, view, seed=2)
+    for want, got in pairs:
+        assert (got.float() - want.float()).abs().max() <= 0.1 * want.float().abs().max()
+    tokens = torch.tensor([[5, 9, 11, 3, 7, 30, 2, 8]])
+    stepped, blocked = new_cache(model), new_cache(model)
+    with torch.inference_mode(), applied(model, view):
+        for cache in (stepped, blocked):
+            model(input_ids=torch.tensor([list(range(3, 23))]), cache=cache, use_cache=True, logits_to_keep=1)
+        whole = short_pass.short_pass(model, tokens, blocked, 8)
+        steps = [short_pass.short_pass(model, tokens[:, at : at + size], stepped, size)
+                 for at, size in ((0, 1), (1, 4), (5, 1), (6, 2))]  # fmt: skip
+    assert torch.equal(torch.cat(steps, dim=1), whole)
+    for a, b in zip(stepped.layers, blocked.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_what_the_loop_does_not_mirror_is_left_to_the_model(monkeypatch):

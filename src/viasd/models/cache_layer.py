@@ -45,17 +45,43 @@ class GrowingLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        length = self._extend(key_states, value_states)
+        end = length + key_states.shape[-2]
+        assert self._key_store is not None and self._value_store is not None
+        self._key_store[..., length:end, :] = key_states
+        self._value_store[..., length:end, :] = value_states
+        return self.keys, self.values
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+        """Extend `keys` and `values` over the positions of a pass whose entries have `shape` ([..., M, dim])
+        without writing them, and return where they start: the caller writes them into `stores()` (positions
+        start .. start + M) before anything reads the layer (models/short_attention.py's kernel does)."""
+        store = self._key_store if self.is_initialized else None
+        length = self.get_seq_length()
+        end = length + shape[-2]
+        if store is not None and store.shape[-2] >= end and (not length or self.keys.data_ptr() == store.data_ptr()):
+            # The common case, kept lean (it runs once per layer and pass): room enough, nothing to copy.
+            self.keys, self.values = store[..., :end, :], self._value_store[..., :end, :]  # type: ignore[index]
+            return length
+        prototype = torch.empty(shape, dtype=dtype, device=device)
+        return self._extend(prototype, prototype)
+
+    def stores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value stores [..., capacity, dim]: `keys` and `values` are their leading positions."""
+        assert self._key_store is not None and self._value_store is not None, "nothing stored yet"
+        return self._key_store, self._value_store
+
+    def _extend(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int:
+        """Room for the new entries, `keys` and `values` extended over them; where they start."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         self._key_store = self._room(self._key_store, self.keys, key_states, end)
         self._value_store = self._room(self._value_store, self.values, value_states, end)
-        self._key_store[..., length:end, :] = key_states
-        self._value_store[..., length:end, :] = value_states
         self.keys = self._key_store[..., :end, :]
         self.values = self._value_store[..., :end, :]
-        return self.keys, self.values
+        return length
 
     def reset(self) -> None:
         self._key_store = self._value_store = None

@@ -6,7 +6,10 @@ deprecation wrappers, mask builders, attention-function lookup, per-module call 
 takes about 35 ms). `short_pass` runs the same arithmetic (the same torch operations, in the same order, on the
 same modules: the model's own norms, projections, rotary embedding and cache layers, quantized copies included)
 as a plain loop, so its logits are bit-identical to the model's own forward (tested), only cheaper: 2-5 ms per
-step of the 4-bit view in our measurements (BENCHMARKS.md).
+step of the 4-bit view in our measurements (BENCHMARKS.md). In bf16, each layer's rotary embedding, cache write
+and attention are instead one call of viasd's attention kernel (models/short_attention.py), 3-5 ms less again:
+torch's cache entries, attention correctly rounded, and the same logits for a token in any block, but no longer
+the model's own last bits.
 
 It covers the architectures whose layer code it mirrors (`supports`: Llama and Qwen2, full attention only) and
 passes of up to `attention.PACK_UP_TO` tokens, where attention packs each key/value head's query heads into one
@@ -27,8 +30,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
+from viasd.models import short_attention
 from viasd.models.attention import NAME as PACKED
 from viasd.models.attention import PACK_UP_TO
+from viasd.models.cache_layer import GrowingLayer
 
 SWITCH = "VIASD_SHORT_PASSES"  # off: every pass goes through the model's own forward (to compare)
 
@@ -90,6 +95,8 @@ def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, k
     x = inner.embed_tokens(input_ids)
     positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
     cos, sin = inner.rotary_emb(x, positions)
+    if _kernel_attends(model, x.dtype, cache):
+        return _short_pass_attending_in_c(model, x, cos[0], sin[0], cache, keep)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     # Query m (position past + m) sees keys 0 .. past + m; a single query sees them all (transformers: no mask).
     causal = None
@@ -113,5 +120,34 @@ def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, k
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=attention.scaling)
         out = out.reshape(1, heads, length, attention.head_dim).transpose(1, 2).contiguous()
         x = x + attention.o_proj(out.reshape(1, length, -1).contiguous())
+        x = x + mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
+
+
+def _kernel_attends(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> bool:
+    """Whether the pass's attention goes through models/short_attention.py's kernel (bf16, in-place caches)."""
+    config = model.config  # type: ignore[union-attr]
+    attention = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return all(type(layer) is GrowingLayer for layer in cache.layers) and short_attention.applies(
+        dtype, heads, kv_heads, attention.head_dim
+    )
+
+
+def _short_pass_attending_in_c(
+    model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache, keep: int
+) -> torch.Tensor:
+    """`short_pass` from the embeddings x [1, M, hidden] on, with each layer's rotary embedding, cache update and
+    attention in one call of the kernel (cos and sin [M, dim]): torch's cache entries, attention to bf16 rounding."""
+    inner = model.model  # type: ignore[union-attr]
+    first = inner.layers[0].self_attn
+    heads = model.config.num_attention_heads  # type: ignore[union-attr]
+    attend = short_attention.PassAttention(cos, sin, heads, first.head_dim, first.scaling)
+    for index, layer in enumerate(inner.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        h = layer.input_layernorm(x)
+        query, key, value = attention.q_proj(h)[0], attention.k_proj(h)[0], attention.v_proj(h)[0]
+        out = attend(query, key, value, cache.layers[index])
+        x = x + attention.o_proj(out[None])
         x = x + mlp(layer.post_attention_layernorm(x))
     return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]

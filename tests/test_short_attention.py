@@ -1,0 +1,140 @@
+"""The attention kernel of short bf16 passes: torch's cache entries bit for bit, attention as exact as bf16 allows
+(closer to the float64 truth than torch's own), each query row the same in every block, both CPU builds alike."""
+
+import ctypes
+import platform
+import shutil
+
+import pytest
+import torch
+
+from viasd.models import short_attention
+from viasd.models.cache_layer import GrowingLayer
+from viasd.models.cpu import cpu_flags
+from viasd.models.native import checked_kernel
+
+# Where it can be built (an x86 CPU with AVX2 and FMA, a C compiler), the kernel must also pass its own check.
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpu_flags() or not shutil.which("cc"),
+    reason="the attention kernel is for x86 CPUs with AVX2 and a C compiler",
+)
+
+
+def test_the_kernel_is_built_and_passes_its_check():
+    assert isinstance(short_attention._kernel(), ctypes.CDLL), short_attention._kernel()
+
+
+def case(heads, kv_heads, dim, past, rows, seed=0):
+    """Queries, keys and values as columns of one fused projection (strided rows), rotary tables, a cached prefix."""
+    generator = torch.Generator().manual_seed(seed)
+    fused = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16()
+    query, key, value = fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    angles = torch.randn(rows, dim // 2, generator=generator) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, 1).bfloat16(), torch.cat([angles.sin()] * 2, 1).bfloat16()
+    prefix = (torch.randn(2, 1, kv_heads, past, dim, generator=generator) * 2).bfloat16()
+    return query, key, value, cos, sin, prefix
+
+
+def layer_with(prefix):
+    layer = GrowingLayer()
+    if prefix.shape[-2]:
+        layer.update(prefix[0], prefix[1])
+    return layer
+
+
+def truth(query, cos, sin, layer, heads, dim):
+    """float64 attention over the rotated bf16 queries and the layer's (bf16) cache, causal: [M, heads * dim]."""
+    rows = query.shape[0]
+    rotated = short_attention.rotated(query.view(1, rows, heads, dim).transpose(1, 2), cos[None, None], sin[None, None])
+    q, keys, values = rotated[0].double(), layer.keys[0].double(), layer.values[0].double()
+    group = heads // keys.shape[0]
+    past = keys.shape[1] - rows
+    out = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for h in range(heads):
+        for m in range(rows):
+            visible = past + m + 1
+            weights = torch.softmax((keys[h // group, :visible] @ q[h, m]) * dim**-0.5, dim=0)
+            out[m, h] = weights @ values[h // group, :visible]
+    return out.reshape(rows, heads * dim)
+
+
+SHAPES = [  # heads, kv heads, dim, cached positions, rows: the real pair's, a tail of scores, no prefix, MHA
+    (12, 2, 128, 300, 1),
+    (12, 2, 128, 37, 7),
+    (14, 2, 64, 100, 16),
+    (4, 2, 16, 0, 5),
+    (8, 8, 32, 17, 2),
+    (7, 1, 256, 3, 3),
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "past", "rows"), SHAPES)
+def test_kernel_writes_torchs_cache_entries_and_attends_as_exactly_as_bf16_allows(heads, kv_heads, dim, past, rows):
+    query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, past, rows)
+    torch_layer, kernel_layer = layer_with(prefix), layer_with(prefix)
+    want = short_attention.reference(query, key, value, cos, sin, torch_layer, heads, dim, dim**-0.5)
+    got = short_attention.PassAttention(cos, sin, heads, dim, dim**-0.5)(query, key, value, kernel_layer)
+    assert torch.equal(kernel_layer.keys, torch_layer.keys) and torch.equal(kernel_layer.values, torch_layer.values)
+    exact = truth(query, cos, sin, kernel_layer, heads, dim)
+    # Within one bf16 rounding of the truth (half a unit in the last place, plus float32 noise), and on average
+    # no further from it than torch's result.
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-6).all()
+    assert (got.double() - exact).abs().mean() <= (want.double() - exact).abs().mean() * 1.001
+
+
+def test_each_query_row_gets_the_same_bits_in_every_block():
+    heads, kv_heads, dim = 12, 2, 128
+    query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, 50, 9, seed=1)
+    blocked = layer_with(prefix)
+    whole = short_attention.PassAttention(cos, sin, heads, dim, dim**-0.5)(query, key, value, blocked)
+    stepped, parts, at = layer_with(prefix), [], 0
+    for size in (1, 3, 1, 4):  # the same rows in other blocks, after the same cache
+        rows = slice(at, at + size)
+        attention = short_attention.PassAttention(cos[rows], sin[rows], heads, dim, dim**-0.5)
+        parts.append(attention(query[rows], key[rows], value[rows], stepped))
+        at += size
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(stepped.keys, blocked.keys) and torch.equal(stepped.values, blocked.values)
+
+
+def test_the_layer_grows_under_the_kernel():
+    heads, kv_heads, dim = 4, 2, 16
+    query, key, value, cos, sin, _ = case(heads, kv_heads, dim, 0, 1)
+    kernel_layer, torch_layer = GrowingLayer(), GrowingLayer()
+    for step in range(300):  # past MIN_ROOM: the store doubles while the kernel writes into it
+        if step == 120:
+            kernel_layer.crop(-20), torch_layer.crop(-20)
+        short_attention.PassAttention(cos, sin, heads, dim, 0.25)(query, key, value, kernel_layer)
+        short_attention.reference(query, key, value, cos, sin, torch_layer, heads, dim, 0.25)
+    assert kernel_layer.get_seq_length() == 280 and kernel_layer.stores()[0].shape[-2] == 512
+    assert torch.equal(kernel_layer.keys, torch_layer.keys) and torch.equal(kernel_layer.values, torch_layer.values)
+
+
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="compares the AVX-512 build with the AVX2 one")
+def test_the_avx2_build_gives_the_avx512_builds_bits():
+    argtypes = short_attention._kernel().short_attention.argtypes
+    avx2 = checked_kernel(
+        "short_attention.c", short_attention.BUILDS[1:], "attention", "short_attention", argtypes,
+        short_attention._self_check,
+    )  # fmt: skip
+    assert isinstance(avx2, ctypes.CDLL)
+    heads, kv_heads, dim = 12, 2, 128
+    query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, 70, 4, seed=2)
+    outputs = [
+        short_attention.PassAttention(cos, sin, heads, dim, dim**-0.5, kernel)(query, key, value, layer_with(prefix))
+        for kernel in (short_attention._kernel(), avx2)
+    ]
+    assert torch.equal(*outputs)
+
+
+def test_what_the_kernel_does_not_take(monkeypatch):
+    assert short_attention.applies(torch.bfloat16, 12, 2, 128)
+    assert not short_attention.applies(torch.float32, 12, 2, 128)  # float32 and float64 models: torch's ops
+    assert not short_attention.applies(torch.bfloat16, 12, 2, 72)  # a head dim that is not whole vectors
+    assert not short_attention.applies(torch.bfloat16, 34, 2, 64)  # more query heads per group than it holds
+    monkeypatch.setenv(short_attention.SWITCH, "off")
+    assert not short_attention.applies(torch.bfloat16, 12, 2, 128)
+    query, key, value, cos, sin, prefix = case(4, 2, 16, 5, 2)
+    attention = short_attention.PassAttention(cos, sin, 4, 16, 0.25)
+    with pytest.raises(ValueError, match="side by side"):
+        attention(query, key.t().contiguous().t(), value, layer_with(prefix))
