@@ -128,12 +128,12 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
 
 
 def test_what_the_kernel_does_not_take(monkeypatch):
-    assert short_attention.applies(torch.bfloat16, 12, 2, 128)
+    assert short_attention.applies(torch.bfloat16, 12, 2, 128) and short_attention.kernel_status() == "compiled"
     assert not short_attention.applies(torch.float32, 12, 2, 128)  # float32 and float64 models: torch's ops
     assert not short_attention.applies(torch.bfloat16, 12, 2, 72)  # a head dim that is not whole vectors
     assert not short_attention.applies(torch.bfloat16, 34, 2, 64)  # more query heads per group than it holds
     monkeypatch.setenv(short_attention.SWITCH, "off")
-    assert not short_attention.applies(torch.bfloat16, 12, 2, 128)
+    assert not short_attention.applies(torch.bfloat16, 12, 2, 128) and short_attention.kernel_status() == "off"
     query, key, value, cos, sin, prefix = case(4, 2, 16, 5, 2)
     attention = short_attention.PassAttention(cos, sin, 4, 16, 0.25)
     with pytest.raises(ValueError, match="side by side"):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
 from viasd.models.cache_layer import GrowingLayer
-from viasd.models.native import Build, checked_kernel
+from viasd.models.native import Build, checked_kernel, status
 
 SWITCH = "VIASD_ATTENTION_KERNEL"
 MAX_DIM, MAX_GROUP, LANES = 256, 16, 16  # head dims (multiples of LANES) and query heads per key/value head
@@ -66,9 +66,20 @@ def reference(
     return out.reshape(heads, length, dim).transpose(0, 1).reshape(length, heads * dim)
 
 
+def kernel_status() -> str:
+    """`compiled` when the kernel is in use for bf16 short passes, `off` when switched off, else why there is none."""
+    if _switched_off():
+        return "off"
+    return status(_kernel())
+
+
+def _switched_off() -> bool:
+    return os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "no", "false")
+
+
 def applies(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
     """Whether `attend` takes a model of this dtype and attention shape here (and is not switched off)."""
-    if os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
+    if _switched_off():
         return False
     shape_fits = dim % LANES == 0 and dim <= MAX_DIM and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
     return dtype == torch.bfloat16 and shape_fits and isinstance(_kernel(), ctypes.CDLL)
