@@ -115,7 +115,7 @@ def test_the_avx2_build_gives_the_avx512_builds_bits():
     argtypes = short_attention._kernel().short_attention.argtypes
     avx2 = checked_kernel(
         "short_attention.c", short_attention.BUILDS[1:], "attention", "short_attention", argtypes,
-        short_attention._self_check,
+        short_attention._self_check, ("bf16_vectors.h",),
     )  # fmt: skip
     assert isinstance(avx2, ctypes.CDLL)
     heads, kv_heads, dim = 12, 2, 128

@@ -62,7 +62,7 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
-    from viasd.models import short_attention, short_pass, w4a8, w6a8
+    from viasd.models import fused_layers, short_attention, short_pass, w4a8, w6a8
     from viasd.models.bf16_linear import CpuBf16Linear
     from viasd.models.cpu import cpu_model
 
@@ -70,7 +70,8 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
     machine.append(short_pass.supports(target))  # steps and blocks run the leaner loop: other costs
     if device.type == "cpu":  # which of viasd's kernels run here, and their sources (a changed kernel: probe again)
-        machine += [w4a8.kernel_status(), w6a8.kernel_status(), short_attention.kernel_status(), _kernel_sources()]
+        machine += [w4a8.kernel_status(), w6a8.kernel_status(), short_attention.kernel_status()]
+        machine += [fused_layers.kernel_status(), _kernel_sources()]
     if device.type == "cuda":
         machine.append(torch.cuda.get_device_name(device))
     parts = [machine, torch.__version__, model_fingerprint(target), str(parameter.dtype), settings, list(names)]

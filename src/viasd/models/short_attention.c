@@ -10,8 +10,7 @@
  * query and the cache before it, never on the other rows of the pass, so a token verified in a block gets the
  * logits it gets when decoded alone.
  *
- * Written with GCC's vector extensions (16 floats a vector): one AVX-512 register each in the wide build, two
- * AVX2 ones in the other.
+ * Written with GCC's vector extensions (bf16_vectors.h).
  *
  * Layout (elements, bf16): queries [rows][heads * dim] and keys, values [rows][kv_heads * dim], each with its own
  * row stride (they may be columns of one fused projection); cos, sin [rows][dim]; the stores
@@ -22,72 +21,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#include "bf16_vectors.h"
+
 #define MAX_DIM 256  /* head dims up to this, multiples of LANES */
 #define MAX_GROUP 16 /* query heads per key/value head */
 #define TILE_HEADS 4  /* query heads x ... */
 #define TILE_CHUNKS 4 /* ... chunks of LANES values whose weighted sums are made together (16 registers) */
-
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-static inline float widen(uint16_t b) {
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* The nearest bf16 (ties to even; NaN stays NaN): torch's rounding. */
-static inline uint16_t narrow(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return 0x7FC0;
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return widen(narrow(f)); }
-
-static inline vf load(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
-}
-
-static inline vf splat(float f) { return (vf){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
-
-/* The sum of the lanes, as a tree (the same order every time). */
-static inline float total(vf v) {
-    typedef float v8 __attribute__((vector_size(32)));
-    typedef float v4 __attribute__((vector_size(16)));
-    const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
-
-/* e^x lane by lane for x <= 0 (scores minus their maximum), within a few units in the last place; below -87 it
- * gives about 1e-38 instead of a smaller number or 0, which no softmax sum of at least 1 notices. */
-static inline vf exp_negative(vf x) {
-    const vf low = splat(-87.0f), magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    x = pick(x < low, low, x);
-    const vf shifted = x * splat(1.44269504f) + magic;
-    const vf n = shifted - magic;
-    const vf r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f); /* x - n ln 2, in two parts */
-    vf p = splat(1.98756912e-4f);
-    p = p * r + splat(1.39819885e-3f);
-    p = p * r + splat(8.33345205e-3f);
-    p = p * r + splat(4.16657665e-2f);
-    p = p * r + splat(1.66666657e-1f);
-    p = p * r + splat(5.00000000e-1f);
-    p = (p * r) * r + r + splat(1.0f);
-    const vi power = (((vi)shifted - (vi)magic) + 127) << 23; /* 2^n */
-    return p * (vf)power;
-}
 
 /* y = x * cos + rotate_half(x) * sin for one head's dim values, rounded to bf16 after each operation as torch's
  * bf16 arithmetic rounds (rotate_half(x) = [-x2, x1] for x = [x1, x2]). */
@@ -134,14 +73,14 @@ static void attend_row(const uint16_t *q, const uint16_t *cos, const uint16_t *s
         for (int64_t j = 0; j < whole; j += LANES) {
             vf e;
             memcpy(&e, s + j, sizeof e);
-            e = exp_negative(e - splat(top));
+            e = exp_clamped(e - splat(top));
             memcpy(s + j, &e, sizeof e);
             sum += e;
         }
         if (whole < visible) { /* the tail, padded with lanes that add 0 */
             vf e = splat(-100.0f), pad = splat(0.0f);
             memcpy(&e, s + whole, (size_t)(visible - whole) * sizeof(float));
-            e = exp_negative(e - splat(top));
+            e = exp_clamped(e - splat(top));
             memcpy(&pad, &e, (size_t)(visible - whole) * sizeof(float));
             memcpy(s + whole, &pad, (size_t)(visible - whole) * sizeof(float));
             sum += pad;
@@ -170,11 +109,8 @@ static void attend_row(const uint16_t *q, const uint16_t *cos, const uint16_t *s
                 }
             }
             for (int64_t g = 0; g < heads_here; g++)
-                for (int64_t c = 0; c < chunks_here; c++) {
-                    const vf o = acc[g][c] * splat(inverse[g0 + g]);
-                    for (int l = 0; l < LANES; l++)
-                        out[(g0 + g) * dim + (c0 + c) * LANES + l] = narrow(o[l]);
-                }
+                for (int64_t c = 0; c < chunks_here; c++)
+                    store(out + (g0 + g) * dim + (c0 + c) * LANES, acc[g][c] * splat(inverse[g0 + g]));
         }
     }
 }

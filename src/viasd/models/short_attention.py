@@ -128,7 +128,9 @@ def _kernel() -> ctypes.CDLL | str:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     argtypes = [pointer, size, pointer, size, pointer, size, pointer, pointer, pointer, pointer, size, size, size,
                 size, size, size, ctypes.c_float, pointer, ctypes.c_int]  # fmt: skip
-    return checked_kernel("short_attention.c", BUILDS, "attention", "short_attention", argtypes, _self_check)
+    return checked_kernel(
+        "short_attention.c", BUILDS, "attention", "short_attention", argtypes, _self_check, ("bf16_vectors.h",)
+    )
 
 
 def _self_check(kernel: ctypes.CDLL) -> str | None:

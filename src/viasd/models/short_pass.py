@@ -9,7 +9,8 @@ as a plain loop, so its logits are bit-identical to the model's own forward (tes
 step of the 4-bit view in our measurements (BENCHMARKS.md). In bf16, each layer's rotary embedding, cache write
 and attention are instead one call of viasd's attention kernel (models/short_attention.py), 3-5 ms less again:
 torch's cache entries, attention correctly rounded, and the same logits for a token in any block, but no longer
-the model's own last bits.
+the model's own last bits. A bf16 view whose Linear layers are all low-bit ones runs its whole decoder stack as
+one C call (models/fused_layers.py), about 5 ms less again.
 
 It covers the architectures whose layer code it mirrors (`supports`: Llama and Qwen2, full attention only) and
 passes of up to `attention.PACK_UP_TO` tokens, where attention packs each key/value head's query heads into one
@@ -30,7 +31,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
-from viasd.models import short_attention
+from viasd.models import fused_layers, short_attention
 from viasd.models.attention import NAME as PACKED
 from viasd.models.attention import PACK_UP_TO
 from viasd.models.cache_layer import GrowingLayer
@@ -96,6 +97,9 @@ def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, k
     positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
     cos, sin = inner.rotary_emb(x, positions)
     if _kernel_attends(model, x.dtype, cache):
+        if fused_layers.applies(model, x.dtype, cache):  # a low-bit view: all layers in one call
+            fused_layers.run_layers(model, x, cos[0], sin[0], cache)
+            return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
         return _short_pass_attending_in_c(model, x, cos[0], sin[0], cache, keep)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     # Query m (position past + m) sees keys 0 .. past + m; a single query sees them all (transformers: no mask).

@@ -1,0 +1,122 @@
+"""Short passes of low-bit bf16 views with all decoder layers in one C call: the numbers of the per-layer loop (with
+the attention kernel), the same for each token in any block, re-planned when a view swaps other layers in, and
+used by sessions only where every layer is a low-bit one."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_gguf_blocks import qwen2_with_gguf
+from tiny import tiny_model
+from viasd.models import fused_layers, short_pass
+from viasd.models.gguf_blocks import GgufWeights
+from viasd.models.quantize import Int6Int8Linear, QuantRecipe, quantize
+from viasd.models.session import KVSession, new_cache
+from viasd.models.views import View, applied
+
+pytestmark = pytest.mark.skipif(fused_layers.kernel_status() != "compiled", reason="no fused layers on this machine")
+
+
+def passes(model, view, blocks, seed=0):
+    """Logits [1, sum of blocks, V] of short passes of the given sizes after a 20-token prompt, and the cache."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(64) for _ in range(20 + sum(blocks))]
+    cache = new_cache(model)
+    out = []
+    with torch.inference_mode(), applied(model, view):
+        model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
+        at = 20
+        for size in blocks:
+            assert fused_layers.applies(model, torch.bfloat16, cache) == (fused_layers.kernel_status() == "compiled")
+            out.append(short_pass.short_pass(model, torch.tensor([ids[at : at + size]]), cache, size))
+            at += size
+    return torch.cat(out, dim=1), cache
+
+
+def int4a8_view(arch):
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    return model, View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+
+
+def gguf_view(tmp_path):
+    """A tiny bf16 Qwen2 in a GGUF file's blocks: 4-bit ones, 6-bit value projections (so q, k and v are three
+    products, not one)."""
+    model, path, _ = qwen2_with_gguf(tmp_path, dtype=torch.bfloat16)
+    view = View(linears=quantize(model, QuantRecipe.parse("gguf"), gguf=GgufWeights(path)))
+    assert any(isinstance(m, Int6Int8Linear) for m in view.linears.modules.values())
+    return model, view
+
+
+def close_to_the_loop(model, view, monkeypatch, blocks=(1, 4, 1, 7, 2)):
+    fused, fused_cache = passes(model, view, blocks)
+    monkeypatch.setenv(fused_layers.SWITCH, "off")
+    loop, loop_cache = passes(model, view, blocks)
+    monkeypatch.delenv(fused_layers.SWITCH)
+    # The same products and attention; norms and SiLU may differ from torch's in a last bit now and then.
+    assert (fused.float() - loop.float()).abs().max() <= 0.02 * loop.float().abs().max()
+    assert (fused.argmax(-1) == loop.argmax(-1)).float().mean() >= 0.9
+    for a, b in zip(fused_cache.layers, loop_cache.layers, strict=True):
+        assert a.get_seq_length() == b.get_seq_length() == 20 + sum(blocks)
+        assert (a.keys.float() - b.keys.float()).abs().max() <= 0.02 * b.keys.float().abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_layers_compute_what_the_loop_computes(arch, monkeypatch):
+    close_to_the_loop(*int4a8_view(arch), monkeypatch)
+
+
+def test_fused_layers_take_a_gguf_files_4_and_6_bit_layers(tmp_path: Path, monkeypatch):
+    close_to_the_loop(*gguf_view(tmp_path), monkeypatch)
+
+
+@pytest.mark.parametrize("which", ["int4a8", "gguf"])
+def test_each_token_gets_the_same_logits_in_any_block(which, tmp_path: Path):
+    model, view = int4a8_view("qwen2") if which == "int4a8" else gguf_view(tmp_path)
+    whole, whole_cache = passes(model, view, (9,))
+    stepped, stepped_cache = passes(model, view, (1, 3, 1, 4))
+    assert torch.equal(whole, stepped)
+    for a, b in zip(whole_cache.layers, stepped_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_plan_follows_the_view_in_place(monkeypatch):
+    """Two views of one model, used by turns: each pass runs the layers of the view applied then."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    first = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+    second = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+    with torch.inference_mode():
+        for layer in second.linears.modules.values():  # another view: other weights
+            if hasattr(layer, "scale"):
+                layer.scale.mul_(1.5)
+    results = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv(fused_layers.SWITCH, mode)
+        results[mode] = [passes(model, view, (2,))[0] for view in (first, second, first)]
+    for fused, loop in zip(results["on"], results["off"], strict=True):
+        assert (fused.float() - loop.float()).abs().max() <= 0.02 * loop.float().abs().max()
+    assert not torch.equal(results["on"][0], results["on"][1]) and torch.equal(results["on"][0], results["on"][2])
+
+
+def test_only_low_bit_bf16_views_run_fused(monkeypatch):
+    model, view = int4a8_view("qwen2")
+    cache = new_cache(model)
+    assert not fused_layers.applies(model, torch.bfloat16, cache)  # the model's own bf16 layers
+    with applied(model, view):
+        assert fused_layers.applies(model, torch.bfloat16, cache)
+        assert not fused_layers.applies(model, torch.float32, cache)
+        monkeypatch.setenv(fused_layers.SWITCH, "off")
+        assert not fused_layers.applies(model, torch.bfloat16, cache) and fused_layers.kernel_status() == "off"
+    float_model = tiny_model("qwen2", dtype=torch.float32)
+    float_view = View(linears=quantize(float_model, QuantRecipe.parse("int4a8")))
+    calls = []
+    monkeypatch.delenv(fused_layers.SWITCH)
+    real = fused_layers.run_layers
+    monkeypatch.setattr(fused_layers, "run_layers", lambda *args: calls.append(args[1].shape[1]) or real(*args))
+    for each, each_view in ((model, view), (float_model, float_view)):
+        session = KVSession(each, base_view=each_view)
+        session.forward(list(range(3, 30)))  # a prompt: its last position a pass of the view's, the rest not
+        session.forward([5])
+        session.forward([6, 7, 8])
+    assert calls == [1, 1, 3]  # the bf16 view's passes; float32 models keep torch's operations
