@@ -138,3 +138,8 @@ def test_what_the_kernel_does_not_take(monkeypatch):
     attention = short_attention.PassAttention(cos, sin, 4, 16, 0.25)
     with pytest.raises(ValueError, match="side by side"):
         attention(query, key.t().contiguous().t(), value, layer_with(prefix))
+    query, key, value, cos, sin, prefix = case(34, 2, 16, 5, 2)  # 17 query heads per group: more than it holds
+    layer = layer_with(prefix)
+    with pytest.raises(ValueError, match="does not take 34 heads"):
+        short_attention.PassAttention(cos, sin, 34, 16, 0.25)(query, key, value, layer)
+    assert layer.get_seq_length() == 5  # nothing half-written kept

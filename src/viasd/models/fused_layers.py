@@ -208,6 +208,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     kernel = _kernel()
     plan = _plan(model)
     assert not isinstance(kernel, str) and plan is not None
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError("the fused layers take contiguous bf16 hidden states")
     library, functions = kernel
     config = model.config  # type: ignore[union-attr]
     attention = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
@@ -227,7 +229,9 @@ def run_layers(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.
         address(sizes), address(sizes) + count * ctypes.sizeof(ctypes.c_int64), config.num_attention_heads,
         kv_heads, dim, attention.scaling, config.intermediate_size, torch.get_num_threads(),
     )  # fmt: skip
-    if status == -1:
-        raise MemoryError("the fused layers could not allocate their scratch memory")
-    if status != 0:
+    if status != 0:  # the cache keeps what it had: the pass's positions were reserved, maybe not written
+        for layer in cache.layers:
+            layer.crop(-length)
+        if status == -1:
+            raise MemoryError("the fused layers could not allocate their scratch memory")
         raise RuntimeError(f"a kernel of the fused layers refused its shapes (status {status})")

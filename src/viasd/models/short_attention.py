@@ -115,9 +115,10 @@ class PassAttention:
                                value.stride(0), self.cos.data_ptr(), self.sin.data_ptr(), keys.data_ptr(),
                                values.data_ptr(), keys.shape[-2], past, length, self.heads, kv_heads, dim, self.scale,
                                out.data_ptr(), self.threads)  # fmt: skip
-        if status == -1:
-            raise MemoryError("the attention kernel could not allocate its scratch memory")
         if status != 0:
+            layer.crop(-length)  # the layer keeps what it had: the pass's positions were reserved, not written
+            if status == -1:
+                raise MemoryError("the attention kernel could not allocate its scratch memory")
             raise ValueError(f"the attention kernel does not take {self.heads} heads over {kv_heads} of dim {dim}")
         return out
 
