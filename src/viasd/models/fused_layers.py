@@ -29,6 +29,7 @@ from viasd.models.native import load_kernel
 from viasd.models.quantize import Int4Int8Linear, Int6Int8Linear
 
 SWITCH = "VIASD_FUSED_LAYERS"
+PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
 LANES = 16  # hidden and intermediate sizes must be multiples of this (the kernel's vectors)
 
 
@@ -169,19 +170,14 @@ def _make_plan(model: nn.Module, modules: tuple[nn.Module, ...]) -> _Plan | None
     return _Plan(modules, layers, kept)
 
 
-_plans: weakref.WeakKeyDictionary[nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
-
-
 def _plan(model: nn.Module) -> _Plan | None:
     """The model's plan for the modules it has now (made again after a view swapped others in), or None where a
-    layer is not a low-bit one."""
+    layer is not a low-bit one. The model keeps its last plan (in its `__dict__`, not as a registered module)."""
     modules = _modules(model)
-    if model in _plans:
-        plan = _plans[model]
-        if plan is not None and plan.made_for(modules):
-            return plan
-    plan = _make_plan(model, modules)
-    _plans[model] = plan
+    plan = model.__dict__.get(PLAN)
+    if plan is None or not plan.made_for(modules):
+        plan = _make_plan(model, modules)
+        model.__dict__[PLAN] = plan
     return plan
 
 
