@@ -181,29 +181,36 @@ def _plan(model: nn.Module) -> _Plan | None:
     return plan
 
 
-def applies(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> bool:
-    """Whether a short pass of `model` (which `short_pass.supports`, with the modules it has now) runs its layers
-    in one call: bf16, silu MLPs, sizes in whole vectors, the attention kernel, low-bit layers, in-place caches."""
+def plan_for(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> _Plan | None:
+    """The plan by which a short pass of `model` (which `short_pass.supports`, with the modules it has now) runs its
+    layers in one call, or None where it may not: bf16, silu MLPs, sizes in whole vectors, the attention kernel,
+    low-bit layers, in-place caches."""
     config = model.config  # type: ignore[union-attr]
     if _switched_off() or dtype != torch.bfloat16 or getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return False
+        return None
     if config.hidden_size % LANES or config.intermediate_size % LANES:
-        return False
+        return None
     attention = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if not short_attention.applies(dtype, heads, kv_heads, attention.head_dim):
-        return False
+        return None
     if not all(type(layer) is GrowingLayer for layer in cache.layers) or isinstance(_kernel(), str):
-        return False
-    return _plan(model) is not None
+        return None
+    return _plan(model)
 
 
-def run_layers(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache) -> None:
-    """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), for a model and
-    cache that `applies` holds for; cos and sin [M, dim]. The cache is extended by the pass's entries."""
+def applies(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> bool:
+    """Whether a short pass of `model` runs its layers in one call (`plan_for`)."""
+    return plan_for(model, dtype, cache) is not None
+
+
+def run_layers(
+    model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache, plan: _Plan
+) -> None:
+    """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), by the plan
+    `plan_for` gave for this model and cache; cos and sin [M, dim]. The cache is extended by the pass's entries."""
     kernel = _kernel()
-    plan = _plan(model)
-    assert not isinstance(kernel, str) and plan is not None
+    assert not isinstance(kernel, str)
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("the fused layers take contiguous bf16 hidden states")
     library, functions = kernel

@@ -59,8 +59,9 @@ def reference(
     kv_heads, past = k.shape[1], k.shape[2] - length
     groups = heads // kv_heads
     mask = None
-    if length > 1:  # query m (position past + m) sees keys 0 .. past + m
-        mask = torch.ones(length, past + length, dtype=torch.bool).tril(diagonal=past).repeat(groups, 1)
+    if length > 1:  # query m (position past + m) sees keys 0 .. past + m; a single query all (as transformers)
+        mask = torch.ones(length, past + length, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        mask = mask.repeat(groups, 1)
     packed = q.reshape(1, kv_heads, groups * length, dim)
     out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
     return out.reshape(heads, length, dim).transpose(0, 1).reshape(length, heads * dim)

@@ -23,13 +23,12 @@ a sliding-window model, a model with forward hooks, a model attending another wa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
 from viasd.models import fused_layers, short_attention
 from viasd.models.attention import NAME as PACKED
@@ -96,62 +95,33 @@ def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, k
     x = inner.embed_tokens(input_ids)
     positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
     cos, sin = inner.rotary_emb(x, positions)
-    if _kernel_attends(model, x.dtype, cache):
-        if fused_layers.applies(model, x.dtype, cache):  # a low-bit view: all layers in one call
-            fused_layers.run_layers(model, x, cos[0], sin[0], cache)
-            return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
-        return _short_pass_attending_in_c(model, x, cos[0], sin[0], cache, keep)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    # Query m (position past + m) sees keys 0 .. past + m; a single query sees them all (transformers: no mask).
-    causal = None
-    if length > 1:
-        causal = torch.ones(length, past + length, dtype=torch.bool, device=x.device).tril(diagonal=past)
+    cos, sin = cos[0], sin[0]  # [M, dim]
+    plan = fused_layers.plan_for(model, x.dtype, cache)
+    if plan is not None:  # a low-bit bf16 view: all layers in one call
+        fused_layers.run_layers(model, x, cos, sin, cache, plan)
+        return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
+    attend = _attention(model, x.dtype, cos, sin, cache)
     for index, layer in enumerate(inner.layers):
         attention, mlp = layer.self_attn, layer.mlp  # norms and MLPs are called as they are: no plumbing there
-        shape = (1, length, -1, attention.head_dim)
-        h = layer.input_layernorm(x)
-        query = attention.q_proj(h).view(shape).transpose(1, 2)
-        key = attention.k_proj(h).view(shape).transpose(1, 2)
-        value = attention.v_proj(h).view(shape).transpose(1, 2)
-        query = (query * cos) + (rotate_half(query) * sin)
-        key = (key * cos) + (rotate_half(key) * sin)
-        key, value = cache.layers[index].update(key, value)
-        # models/attention.py's packing: the query heads of one key/value head as one block of queries.
-        heads, kv_heads = query.shape[1], key.shape[1]
-        groups = heads // kv_heads
-        packed = query.reshape(1, kv_heads, groups * length, attention.head_dim)
-        mask = None if causal is None else causal.repeat(groups, 1)
-        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=attention.scaling)
-        out = out.reshape(1, heads, length, attention.head_dim).transpose(1, 2).contiguous()
-        x = x + attention.o_proj(out.reshape(1, length, -1).contiguous())
-        x = x + mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
-
-
-def _kernel_attends(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> bool:
-    """Whether the pass's attention goes through models/short_attention.py's kernel (bf16, in-place caches)."""
-    config = model.config  # type: ignore[union-attr]
-    attention = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    return all(type(layer) is GrowingLayer for layer in cache.layers) and short_attention.applies(
-        dtype, heads, kv_heads, attention.head_dim
-    )
-
-
-def _short_pass_attending_in_c(
-    model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache, keep: int
-) -> torch.Tensor:
-    """`short_pass` from the embeddings x [1, M, hidden] on, with each layer's rotary embedding, cache update and
-    attention in one call of the kernel (cos and sin [M, dim]): torch's cache entries, attention to bf16 rounding."""
-    inner = model.model  # type: ignore[union-attr]
-    first = inner.layers[0].self_attn
-    heads = model.config.num_attention_heads  # type: ignore[union-attr]
-    attend = short_attention.PassAttention(cos, sin, heads, first.head_dim, first.scaling)
-    for index, layer in enumerate(inner.layers):
-        attention, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)
         query, key, value = attention.q_proj(h)[0], attention.k_proj(h)[0], attention.v_proj(h)[0]
-        out = attend(query, key, value, cache.layers[index])
-        x = x + attention.o_proj(out[None])
+        x = x + attention.o_proj(attend(query, key, value, cache.layers[index])[None])
         x = x + mlp(layer.post_attention_layernorm(x))
     return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
+
+
+def _attention(
+    model: nn.Module, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicLayer], torch.Tensor]:
+    """A layer's attention for this pass (query [M, heads * dim], key, value, its cache layer -> out [M, heads *
+    dim]): the kernel of models/short_attention.py for bf16 and in-place caches, else torch's operations (its
+    `reference`, the model's own arithmetic)."""
+    config = model.config  # type: ignore[union-attr]
+    first = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
+    heads, dim, scale = config.num_attention_heads, first.head_dim, first.scaling
+    in_place = all(type(layer) is GrowingLayer for layer in cache.layers)
+    if in_place and short_attention.applies(dtype, heads, config.num_key_value_heads, dim):
+        return short_attention.PassAttention(cos, sin, heads, dim, scale)
+    return lambda query, key, value, layer: short_attention.reference(
+        query, key, value, cos, sin, layer, heads, dim, scale
+    )
