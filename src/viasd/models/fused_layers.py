@@ -30,7 +30,7 @@ from viasd.models.quantize import Int4Int8Linear, Int6Int8Linear
 
 SWITCH = "VIASD_FUSED_LAYERS"
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
-LANES = 16  # hidden and intermediate sizes must be multiples of this (the kernel's vectors)
+LANES = short_attention.LANES  # hidden and intermediate sizes: whole vectors of the kernel (bf16_vectors.h)
 
 
 class _Linear(ctypes.Structure):

@@ -2,7 +2,7 @@
 
 In a decoding step of the 1.5B target's 4-bit view, the attention part of the layers (rotary embedding of queries
 and keys, the cache update, packed attention and the reshapes around it) cost 3-5 ms of a 42 ms step in torch
-ops at 256 tokens of context, most of it per-operation overhead. `attend` does all of it in one call of the
+ops at 256 tokens of context, most of it per-operation overhead. `PassAttention` does all of it in one call of the
 kernel in `short_attention.c` (built once per machine, checked against `reference` when loaded). The cache
 entries it writes are torch's bits; the attention is computed per query row in float32 in an order of its own,
 so it agrees with torch to bf16 rounding and gives each row the same bits whatever block the row came in.
@@ -49,7 +49,7 @@ def reference(
     dim: int,
     scale: float,
 ) -> torch.Tensor:
-    """What `attend` computes, in torch operations (the short loop's own; models/attention.py's packing): query
+    """What `PassAttention` computes, in torch operations (the short loop's own; models/attention.py's packing): query
     [M, heads * dim], key and value [M, kv_heads * dim], cos and sin [M, dim]; out [M, heads * dim]."""
     length = query.shape[0]
     shape = (1, length, -1, dim)
@@ -79,7 +79,7 @@ def _switched_off() -> bool:
 
 
 def applies(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
-    """Whether `attend` takes a model of this dtype and attention shape here (and is not switched off)."""
+    """Whether `PassAttention` takes a model of this dtype and attention shape here (and is not switched off)."""
     if _switched_off():
         return False
     shape_fits = dim % LANES == 0 and dim <= MAX_DIM and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
