@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from torch.overrides import TorchFunctionMode
 
-from viasd.models.session import KVSession
+from viasd.passes.session import KVSession
 
 READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"})
 

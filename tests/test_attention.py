@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from tiny import tiny_model
-from viasd.models.attention import NAME, PACK_UP_TO, use_packed_attention
+from viasd.passes.packed_attention import NAME, PACK_UP_TO, use_packed_attention
 
 
 def passes(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:

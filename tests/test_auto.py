@@ -76,9 +76,9 @@ def test_a_probe_is_not_reused_on_another_cpu_or_with_other_kernels(monkeypatch)
     names = auto.candidates(True)
     key = auto.probe_key(model, {}, names)
     assert auto.probe_key(model, {}, names) == key
-    monkeypatch.setattr("viasd.models.cpu.cpu_model", lambda: "Some Other CPU")
+    monkeypatch.setattr("viasd.kernels.cpu.cpu_model", lambda: "Some Other CPU")
     other_cpu = auto.probe_key(model, {}, names)
-    monkeypatch.setattr("viasd.models.w6a8.kernel_status", lambda: "no C compiler found (set CC)")
+    monkeypatch.setattr("viasd.kernels.w6a8.kernel_status", lambda: "no C compiler found (set CC)")
     other_kernels = auto.probe_key(model, {}, names)
     monkeypatch.setenv("VIASD_SHORT_PASSES", "off")
     assert len({key, other_cpu, other_kernels, auto.probe_key(model, {}, names)}) == 4

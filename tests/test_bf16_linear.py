@@ -12,8 +12,8 @@ from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
-from viasd.models import bf16_linear
-from viasd.models.bf16_linear import MAX_ROWS, CpuBf16Linear, use_bf16_kernel
+from viasd.passes import bf16_linear
+from viasd.passes.bf16_linear import MAX_ROWS, CpuBf16Linear, use_bf16_kernel
 
 needs_kernel = pytest.mark.skipif(
     bf16_linear.kernel_status() != "compiled", reason=f"no bf16 kernel here: {bf16_linear.kernel_status()}"

@@ -9,9 +9,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from tiny import tiny_model
-from viasd.models import cache_layer
-from viasd.models.cache_layer import GrowingLayer, growing_cache
-from viasd.models.session import KVSession
+from viasd.passes import cache_layer
+from viasd.passes.cache_layer import GrowingLayer, growing_cache
+from viasd.passes.session import KVSession
 
 
 def states(length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,10 +27,10 @@ from viasd.decode.round import RoundPolicy
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask, decoder_layers
 from viasd.models.loading import LoadedModel
 from viasd.profile import RoutingProfile, load_profile, model_fingerprint, save_profile
 from viasd.verify.gates import Gate
+from viasd.views.layer_skip import LayerMask, decoder_layers
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)

@@ -34,7 +34,7 @@ def test_costs_of_views_and_their_agreement(tmp_path, monkeypatch):
 
 def test_view_agreement_counts_positions_where_a_view_keeps_the_top_token():
     from viasd.calibration.teacher import view_agreement
-    from viasd.models.layer_skip import LayerMask
+    from viasd.views.layer_skip import LayerMask
 
     model = tiny_model("qwen2")
     generator = torch.Generator().manual_seed(0)
@@ -96,8 +96,8 @@ def test_timed_passes_run_the_decoders_work_and_leave_the_cache_as_a_fresh_prefi
     """Each timing (a drafter step, a verification, a slim check) runs the decoder's own calls and puts the cache
     back: after every kind, the session holds exactly the prefix, equal to a fresh forward pass over it."""
     from viasd.calibration.costs import PassTimer
-    from viasd.models.layer_skip import LayerMask
-    from viasd.models.session import KVSession
+    from viasd.passes.session import KVSession
+    from viasd.views.layer_skip import LayerMask
 
     model = tiny_model("qwen2", layers=4, dtype=torch.float32)
     head, tail = list(range(3, 15)), list(range(20, 30))

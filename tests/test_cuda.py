@@ -22,12 +22,12 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
-from viasd.models.layer_skip import LayerMask
-from viasd.models.session import KVSession, upload_ids
+from viasd.passes.session import KVSession, upload_ids
 from viasd.verify.acceptance import residual_rows
 from viasd.verify.gates import Gate
 from viasd.verify.resident import block_outcomes, first_rejection
 from viasd.verify.sampling import SamplingParams, pick, soft_probs, warp_probs
+from viasd.views.layer_skip import LayerMask
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

@@ -14,8 +14,8 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter, lookup_continuation
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
 from viasd.verify.sampling import SamplingParams, warp_probs
+from viasd.views.layer_skip import LayerMask
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
 ALPHA = 1e-4  # false-alarm rate of each statistical test

@@ -20,9 +20,9 @@ from viasd.drafters.hybrid import HybridDrafter, uses_model
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
 from viasd.verify.sampling import SamplingParams
+from viasd.views.layer_skip import LayerMask
 
 PROMPT = [3, 4, 5, 6, 7, 9, 12, 3, 4, 5]  # its tail "3 4 5" occurred earlier: prompt lookup matches at once
 GREEDY = SamplingParams()

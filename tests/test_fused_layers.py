@@ -10,11 +10,12 @@ import torch
 
 from test_gguf_blocks import qwen2_with_gguf
 from tiny import tiny_model
-from viasd.models import fused_layers, short_pass
-from viasd.models.gguf_blocks import GgufWeights
-from viasd.models.quantize import Int6Int8Linear, QuantRecipe, quantize
-from viasd.models.session import KVSession, new_cache
-from viasd.models.views import View, applied
+from viasd.passes import fused as fused_layers
+from viasd.passes import loop as short_pass
+from viasd.passes.session import KVSession, new_cache
+from viasd.views.gguf import GgufWeights
+from viasd.views.quantize import Int6Int8Linear, QuantRecipe, quantize
+from viasd.views.view import View, applied
 
 pytestmark = pytest.mark.skipif(fused_layers.kernel_status() != "compiled", reason="no fused layers on this machine")
 

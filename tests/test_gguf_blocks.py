@@ -19,10 +19,9 @@ from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
-from viasd.models import w4a8, w6a8
-from viasd.models.gguf_blocks import GgufWeights, has_q4k_blocks, q4k_to_int4a8
-from viasd.models.quant_cache import cached_quantize
-from viasd.models.quantize import (
+from viasd.kernels import w4a8, w6a8
+from viasd.views.gguf import GgufWeights, has_q4k_blocks, q4k_to_int4a8
+from viasd.views.quantize import (
     Int4Int8Linear,
     Int6Int8Linear,
     Int8WeightOnlyLinear,
@@ -30,7 +29,8 @@ from viasd.models.quantize import (
     quantizable,
     quantize,
 )
-from viasd.models.views import View
+from viasd.views.store import cached_quantize
+from viasd.views.view import View
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 Q6_K = gguf.GGMLQuantizationType.Q6_K

@@ -7,7 +7,7 @@ import torch
 
 from tiny import ARCHITECTURES, tiny_model
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask, decoder_layers, skipping
+from viasd.views.layer_skip import LayerMask, decoder_layers, skipping
 
 IDS = torch.tensor([[5, 9, 3, 17, 22, 8, 40, 11, 2, 7, 13, 31]])
 

@@ -140,9 +140,9 @@ def test_self_drafting_skips_layers_even_when_the_profile_slims_by_quantization(
     """A profile whose slim view is a quantized copy has a full layer mask; `self` then drafts with a spread mask
     (skipping layers), not with the whole target, and stays exact. A profile mask that skips layers is used."""
     from viasd.models.fingerprint import model_fingerprint
-    from viasd.models.layer_skip import LayerMask
     from viasd.profile import RoutingProfile, save_profile
     from viasd.verify.gates import Gate
+    from viasd.views.layer_skip import LayerMask
 
     tok = tiny_tokenizer(64)
     target = tiny_model("llama", layers=4)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from viasd.models import w6a8
-from viasd.models.cpu import cpu_flags
-from viasd.models.native import load_kernel
+from viasd.kernels import w6a8
+from viasd.kernels.build import load_kernel
+from viasd.kernels.cpu import cpu_flags
 
 
 def test_a_kernel_with_a_header_is_built_once_and_names_its_build(tmp_path, monkeypatch):

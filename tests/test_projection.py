@@ -25,7 +25,7 @@ from viasd.decode.round import Round, RoundPolicy
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
-from viasd.models.session import common_prefix_length
+from viasd.passes.session import common_prefix_length
 from viasd.verify.gates import Gate
 
 # c(n) at n = 1, 2, 4, 8 tokens per pass, linear in between: c_f(3) = 1.15, c_f(6) = 1.35, c_d(6) = 0.135.
@@ -178,9 +178,9 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
     the profile's prompts written as bench questions."""
     from viasd.bench.tasks import load_specbench
     from viasd.models.fingerprint import model_fingerprint
-    from viasd.models.layer_skip import LayerMask
     from viasd.models.loading import load_model
     from viasd.profile import RoutingProfile, save_profile
+    from viasd.views.layer_skip import LayerMask
 
     dirs = save_pair(tmp_path)
     target, drafter = (load_model(str(dirs[n]), device="cpu", dtype="fp32").model for n in ("target", "drafter"))
@@ -281,8 +281,8 @@ def test_the_first_drafter_step_of_a_round_feeds_what_the_replay_charges():
 
 def test_a_profile_names_the_cost_views_of_its_slim_tiers_and_drafter():
     from viasd.calibration.project_command import profile_views
-    from viasd.models.layer_skip import LayerMask
     from viasd.profile import RoutingProfile
+    from viasd.views.layer_skip import LayerMask
 
     def made(masks, quant, drafter):
         thresholds = tuple(0.1 * (i + 1) for i in range(len(masks) + 1))

@@ -16,10 +16,12 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
-from viasd.models import w4a8
-from viasd.models.cpu import cpu_flags
-from viasd.models.layer_skip import LayerMask
-from viasd.models.quantize import (
+from viasd.kernels import w4a8
+from viasd.kernels.cpu import cpu_flags
+from viasd.passes.session import KVSession
+from viasd.verify.gates import Gate
+from viasd.views.layer_skip import LayerMask
+from viasd.views.quantize import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
@@ -27,9 +29,7 @@ from viasd.models.quantize import (
     QuantRecipe,
     quantize,
 )
-from viasd.models.session import KVSession
-from viasd.models.views import View, applied
-from viasd.verify.gates import Gate
+from viasd.views.view import View, applied
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
 
@@ -173,7 +173,7 @@ def test_smoothing_tames_an_outlier_channel():
     x = torch.randn(16, 256)
     x[:, 17] *= 80.0  # one activation channel far larger than the rest, as in the MLP down projections
     ranges = x.abs().amax(dim=0)
-    from viasd.models.quantize import smoothing
+    from viasd.views.quantize import smoothing
 
     plain = Int8DynamicLinear.from_linear(layer)
     smooth = Int8DynamicLinear.from_linear(layer, smoothing(ranges, layer.weight, 0.5))
@@ -284,7 +284,7 @@ def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
     "spec", ["int8", "int8:smooth=0.5:keep=lm_head", "int8wo", "int4:group=32", "int4a8", "int4a8m"]
 )
 def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_path, monkeypatch, spec):
-    from viasd.models import quant_cache
+    from viasd.views import store as quant_cache
 
     model = tiny_model("qwen2", dtype=torch.float32)
     recipe = QuantRecipe.parse(spec)

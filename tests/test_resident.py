@@ -24,12 +24,12 @@ from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
-from viasd.models.session import KVSession
+from viasd.passes.session import KVSession
 from viasd.verify.acceptance import match_width, residual, residual_rows
 from viasd.verify.gates import Gate
 from viasd.verify.resident import STANDS, block_outcomes, first_rejection, host_values
 from viasd.verify.sampling import BAD_TOKEN, SamplingParams, checked_token, draw, pick, soft_probs, warp_probs
+from viasd.views.layer_skip import LayerMask
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
 GREEDY = SamplingParams()

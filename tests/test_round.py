@@ -16,8 +16,8 @@ from viasd.decode.base import GenerationConfig
 from viasd.decode.round import RoundPolicy
 from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
-from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
+from viasd.views.layer_skip import LayerMask
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
 LAYERS = 6

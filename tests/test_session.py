@@ -8,9 +8,9 @@ import torch
 from transformers import DynamicCache
 
 from tiny import ARCHITECTURES, tiny_model
-from viasd.models import cache_layer
-from viasd.models.layer_skip import LayerMask
-from viasd.models.session import KVSession, common_prefix_length
+from viasd.passes import cache_layer
+from viasd.passes.session import KVSession, common_prefix_length
+from viasd.views.layer_skip import LayerMask
 
 
 def fresh_cache(model, tokens, mask=None):

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from viasd.models import short_attention
-from viasd.models.cache_layer import GrowingLayer
-from viasd.models.cpu import cpu_flags
-from viasd.models.native import checked_kernel
+from viasd.kernels import attention as short_attention
+from viasd.kernels.build import checked_kernel
+from viasd.kernels.cpu import cpu_flags
+from viasd.passes.cache_layer import GrowingLayer
 
 # Where it can be built (an x86 CPU with AVX2 and FMA, a C compiler), the kernel must also pass its own check.
 pytestmark = pytest.mark.skipif(
@@ -114,7 +114,7 @@ def test_the_layer_grows_under_the_kernel():
 def test_the_avx2_build_gives_the_avx512_builds_bits():
     argtypes = short_attention._kernel().short_attention.argtypes
     avx2 = checked_kernel(
-        "short_attention.c", short_attention.BUILDS[1:], "attention", "short_attention", argtypes,
+        "attention.c", short_attention.BUILDS[1:], "attention", "short_attention", argtypes,
         short_attention._self_check, ("bf16_vectors.h",),
     )  # fmt: skip
     assert isinstance(avx2, ctypes.CDLL)

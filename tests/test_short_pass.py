@@ -8,12 +8,13 @@ import torch
 from transformers import DynamicCache
 
 from tiny import tiny_model
-from viasd.models import short_attention, short_pass
-from viasd.models.attention import PACK_UP_TO
-from viasd.models.layer_skip import LayerMask
-from viasd.models.quantize import QuantRecipe, quantize
-from viasd.models.session import KVSession, new_cache
-from viasd.models.views import View, applied
+from viasd.kernels import attention as short_attention
+from viasd.passes import loop as short_pass
+from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.session import KVSession, new_cache
+from viasd.views.layer_skip import LayerMask
+from viasd.views.quantize import QuantRecipe, quantize
+from viasd.views.view import View, applied
 
 
 def own_and_short(model, view, seed=0):

@@ -13,8 +13,8 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
-from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
+from viasd.views.layer_skip import LayerMask
 
 WINDOW = 6
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12, 3, 4]  # already longer than the window

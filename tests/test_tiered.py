@@ -15,9 +15,9 @@ from viasd.decode.tiered import SlimViews, TieredDecoder
 from viasd.drafters.base import Proposal
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate, confidence_signal, draft_confidence, kl_signal
 from viasd.verify.sampling import SamplingParams
+from viasd.views.layer_skip import LayerMask
 
 PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
 GREEDY = SamplingParams()

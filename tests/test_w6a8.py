@@ -11,9 +11,9 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from viasd.models import w4a8, w6a8
-from viasd.models.cpu import cpu_flags
-from viasd.models.gguf_blocks import q6k_to_int6a8
+from viasd.kernels import w4a8, w6a8
+from viasd.kernels.cpu import cpu_flags
+from viasd.views.gguf import q6k_to_int6a8
 
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 

@@ -14,7 +14,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from viasd.models.attention import use_packed_attention
+from viasd.passes.packed_attention import use_packed_attention
 
 ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2")
 
@@ -85,7 +85,7 @@ def tiny_model(
     """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform.
 
     sliding_window: the attention window of the sliding layers (Gemma2: every other layer; Mistral: all).
-    packed: attend as loaded CPU models do (`viasd.models.attention`); False: transformers' own sdpa.
+    packed: attend as loaded CPU models do (`viasd.passes.packed_attention`); False: transformers' own sdpa.
     """
     kwargs = dict(
         vocab_size=vocab_size,

@@ -53,7 +53,7 @@ def candidates(drafter_fits: bool | None, quantize: bool = True, int4a8: bool = 
 def int4a8_is_fast(device: torch.device) -> bool:
     """Whether int4a8 views run on viasd's compiled kernel here (a CPU with AVX-512 VNNI), not the slow
     torch reference."""
-    from viasd.models import w4a8
+    from viasd.kernels import w4a8
 
     return device.type == "cpu" and w4a8.kernel_status() == "compiled"
 
@@ -62,9 +62,12 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
-    from viasd.models import fused_layers, short_attention, short_pass, w4a8, w6a8
-    from viasd.models.bf16_linear import CpuBf16Linear
-    from viasd.models.cpu import cpu_model
+    from viasd.kernels import attention as short_attention
+    from viasd.kernels import w4a8, w6a8
+    from viasd.kernels.cpu import cpu_model
+    from viasd.passes import fused as fused_layers
+    from viasd.passes import loop as short_pass
+    from viasd.passes.bf16_linear import CpuBf16Linear
 
     machine = [platform.machine(), cpu_model(), os.cpu_count(), torch.get_num_threads(), str(device)]
     machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
@@ -82,7 +85,7 @@ def _kernel_sources() -> str:
     """A digest of viasd's C kernels as installed."""
     from importlib import resources
 
-    files = sorted(resources.files("viasd.models").iterdir(), key=lambda f: f.name)
+    files = sorted(resources.files("viasd.kernels").iterdir(), key=lambda f: f.name)
     return hashlib.sha256(b"".join(f.read_bytes() for f in files if f.name.endswith((".c", ".h")))).hexdigest()[:12]
 
 

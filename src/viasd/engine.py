@@ -16,11 +16,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
-    from viasd.models.gguf_blocks import GgufWeights
-    from viasd.models.layer_skip import LayerMask
-    from viasd.models.views import View
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
+    from viasd.views.gguf import GgufWeights
+    from viasd.views.layer_skip import LayerMask
+    from viasd.views.view import View
 
 
 @dataclass
@@ -88,16 +88,16 @@ class Engine:
             return None
         key = (id(model.model), recipe)
         if key not in self._views:
-            from viasd.models.quant_cache import SMOOTHING_TEXTS, cached_quantize
-            from viasd.models.quantize import QuantRecipe
-            from viasd.models.views import View
             from viasd.prompting import encode_prompt
+            from viasd.views.quantize import QuantRecipe
+            from viasd.views.store import SMOOTHING_TEXTS, cached_quantize
+            from viasd.views.view import View
 
             def sequences() -> list[list[int]]:
                 return [encode_prompt(model.tokenizer, text) for text in SMOOTHING_TEXTS]
 
             def gguf() -> GgufWeights:
-                from viasd.models.gguf_blocks import GgufWeights, source_gguf
+                from viasd.views.gguf import GgufWeights, source_gguf
 
                 path = source_gguf(model.name, model.path)
                 if path is None:
@@ -154,7 +154,7 @@ class Engine:
     def gguf(self) -> Path:
         """The target's GGUF file: the verified file of a default model (assembled once), or the file it was
         loaded from."""
-        from viasd.models.gguf_blocks import source_gguf
+        from viasd.views.gguf import source_gguf
 
         path = source_gguf(self.spec.target, self.target.path)
         if path is None:
@@ -166,8 +166,8 @@ class Engine:
         spread mask (a profile whose slim view is quantized, not cut, has a full mask: drafting with it would be the
         target's own pass)."""
         from viasd.models.fingerprint import model_fingerprint
-        from viasd.models.layer_skip import num_decoder_layers, spread_mask
         from viasd.profile import load_profile
+        from viasd.views.layer_skip import num_decoder_layers, spread_mask
 
         path = self._profile_path(None)
         if path is not None:

@@ -21,10 +21,10 @@ from viasd.errors import ViasdError
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
     from viasd.drafters.base import Drafter
-    from viasd.models.layer_skip import LayerMask
     from viasd.models.loading import LoadedModel
-    from viasd.models.views import View
     from viasd.profile import RoutingProfile
+    from viasd.views.layer_skip import LayerMask
+    from viasd.views.view import View
 
 MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
 DRAFTERS = ("model", "lookup", "hybrid")  # what the `drafter` option of sd and via may name
@@ -145,7 +145,7 @@ def _path(key: str, text: str) -> str:
 
 def _recipe(key: str, text: str) -> str:
     """A quantization recipe name (`int8`, `int4`, `int8:smooth=0.5`, ...), checked now, kept as written."""
-    from viasd.models.quantize import QuantRecipe  # torch-free to parse, but lives with the kernels
+    from viasd.views.quantize import QuantRecipe  # torch-free to parse, but lives with the kernels
 
     try:
         return QuantRecipe.parse(text).name
@@ -347,7 +347,7 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
 def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
     from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
-    from viasd.models.gguf_blocks import has_q4k_blocks
+    from viasd.views.gguf import has_q4k_blocks
 
     fits = parts.drafter_fits()
     target = parts.target
@@ -372,7 +372,7 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
 
     if parts.quant:
         raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
-    from viasd.models.views import View
+    from viasd.views.view import View
 
     profile = parts.routing_profile(spec.get("profile"))
     policy = profile.policy(

@@ -19,8 +19,8 @@ from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.models.fingerprint import model_fingerprint
-from viasd.models.layer_skip import LayerMask
 from viasd.verify.gates import Gate
+from viasd.views.layer_skip import LayerMask
 
 FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
@@ -127,7 +127,7 @@ def _recipe(value: Any) -> str | None:
     """A slim view's quantization: None, or a recipe name (checked)."""
     if value is None:
         return None
-    from viasd.models.quantize import QuantRecipe
+    from viasd.views.quantize import QuantRecipe
 
     return QuantRecipe.parse(str(value)).name
 

@@ -52,7 +52,7 @@ def machine() -> dict[str, Any]:
     import psutil
     import torch
 
-    from viasd.models.cpu import cpu_model
+    from viasd.kernels.cpu import cpu_model
 
     info: dict[str, Any] = {
         "platform": platform.platform(),

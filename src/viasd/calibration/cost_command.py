@@ -36,8 +36,8 @@ def _list(text: str, kind: type, option: str) -> list[Any]:
 
 def parse_view(text: str, model: Any, quantized: Any, profile_mask: Any) -> Any:
     """A view of `model` from its name (see the module docstring); `quantized(recipe)` makes quantized copies."""
-    from viasd.models.layer_skip import LayerMask, num_decoder_layers, spread_mask
-    from viasd.models.views import View
+    from viasd.views.layer_skip import LayerMask, num_decoder_layers, spread_mask
+    from viasd.views.view import View
 
     if text == "full":
         return None
@@ -238,8 +238,8 @@ def _model_tables(
             if not random_weights:
                 return engine.quantized(loaded, recipe)
             # Random weights: quantize them for the timing, but never cache them on disk.
-            from viasd.models.quantize import QuantRecipe, quantize
-            from viasd.models.views import View
+            from viasd.views.quantize import QuantRecipe, quantize
+            from viasd.views.view import View
 
             return View(linears=quantize(loaded.model, QuantRecipe.parse(recipe)))
 

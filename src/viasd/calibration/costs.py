@@ -24,9 +24,9 @@ from torch import nn
 
 from viasd.drafters.base import Proposal
 from viasd.errors import ViasdError
-from viasd.models.views import ViewLike
 from viasd.verify.gates import Gate
 from viasd.verify.sampling import SamplingParams
+from viasd.views.view import ViewLike
 
 Job = tuple[str, int]  # what to time: a kind (or view name) and the tokens of the pass
 
@@ -360,8 +360,8 @@ def measure_kernels(
     `bf16` (torch's linear), `int8`, `int8wo`, `int4`, `int4a8`, `int6a8` (viasd's quantized modules), `fbgemm`
     (torch's dynamic int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
     """
-    from viasd.models import w6a8
-    from viasd.models.quantize import (
+    from viasd.kernels import w6a8
+    from viasd.views.quantize import (
         Int4Int8Linear,
         Int4WeightOnlyLinear,
         Int6Int8Linear,

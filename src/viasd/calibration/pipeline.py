@@ -49,12 +49,12 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.models.fingerprint import model_fingerprint
-from viasd.models.layer_skip import LayerMask, layers_to_skip, num_decoder_layers, spread_mask
 from viasd.models.loading import LoadedModel
-from viasd.models.quantize import QuantizedLinears
-from viasd.models.views import View, applied
 from viasd.profile import RoutingProfile
 from viasd.prompting import encode_prompt
+from viasd.views.layer_skip import LayerMask, layers_to_skip, num_decoder_layers, spread_mask
+from viasd.views.quantize import QuantizedLinears
+from viasd.views.view import View, applied
 
 Log = Callable[[str], None]
 Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, the target's greedy continuation)
@@ -119,7 +119,7 @@ class CalibrationSettings:
             raise ViasdError("--drafters: no drafter candidate given")
         for name in self.drafters:
             parse_drafter(name)
-        from viasd.models.quantize import QuantRecipe
+        from viasd.views.quantize import QuantRecipe
 
         for recipe in self.slim_quants:
             QuantRecipe.parse(recipe)
@@ -209,7 +209,7 @@ Quantizer = Callable[[LoadedModel, str], QuantizedLinears]
 
 def quantize_plainly(model: LoadedModel, recipe: str) -> QuantizedLinears:
     """Quantized copies made on the spot (no disk cache, no smoothing calibration)."""
-    from viasd.models.quantize import QuantRecipe, quantize
+    from viasd.views.quantize import QuantRecipe, quantize
 
     return quantize(model.model, QuantRecipe.parse(recipe))
 

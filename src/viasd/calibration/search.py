@@ -33,7 +33,7 @@ from torch import nn
 from viasd.calibration.objectives import DEFAULT_MARGIN, OBJECTIVES, Scores, score
 from viasd.calibration.teacher import TeacherSequence, slim_logits
 from viasd.errors import ViasdError
-from viasd.models.layer_skip import LayerMask, random_mask
+from viasd.views.layer_skip import LayerMask, random_mask
 
 Evaluator = Callable[[LayerMask], Scores]
 SAMPLERS = ("tpe", "gp")

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.errors import ViasdError
-from viasd.models.views import ViewLike, applied
+from viasd.views.view import ViewLike, applied
 
 # Attention implementations that take a custom additive 4D mask as is.
 _MASKABLE = ("sdpa", "eager")

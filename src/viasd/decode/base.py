@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from viasd.decode.output import OutputSink, StopConditions
 from viasd.decode.stats import GenerationStats
 from viasd.errors import ViasdError
-from viasd.models.views import View
 from viasd.verify.sampling import SamplingParams
+from viasd.views.view import View
 
 
 @dataclass

@@ -9,10 +9,10 @@ from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.output import OutputSink
 from viasd.decode.round import Round
 from viasd.decode.stats import GenerationStats
-from viasd.models.session import KVSession
-from viasd.models.views import View
+from viasd.passes.session import KVSession
 from viasd.verify.resident import host_values
 from viasd.verify.sampling import SamplingParams, checked_token, pick, sample, warp_probs
+from viasd.views.view import View
 
 
 class PlainDecoder(Decoder):

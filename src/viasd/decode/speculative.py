@@ -12,11 +12,11 @@ from viasd.decode.round import MAX_GAMMA, Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
-from viasd.models.session import KVSession, upload_ids
-from viasd.models.views import View
+from viasd.passes.session import KVSession, upload_ids
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
 from viasd.verify.sampling import SamplingParams, checked_token, sample, warp_probs
+from viasd.views.view import View
 
 
 def verify_with_target(

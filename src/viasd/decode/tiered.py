@@ -30,12 +30,12 @@ from viasd.decode.speculative import verify_with_target
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
-from viasd.models.session import KVSession, upload_ids
-from viasd.models.views import View, ViewLike, as_view
+from viasd.passes.session import KVSession, upload_ids
 from viasd.verify.acceptance import check_token
 from viasd.verify.gates import Gate
 from viasd.verify.resident import STANDS, block_outcomes, host_values
 from viasd.verify.sampling import SamplingParams, checked_token, sample, soft_probs, warp_probs
+from viasd.views.view import View, ViewLike, as_view
 
 
 class TieredDecoder(Decoder):

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from viasd.drafters.base import Proposal, stops_after
-from viasd.models.session import KVSession
-from viasd.models.views import ViewLike
+from viasd.passes.session import KVSession
 from viasd.verify.resident import host_values
 from viasd.verify.sampling import SamplingParams, checked_token, draw, greedy_tokens, sample, soft_probs, warp_probs
+from viasd.views.view import ViewLike
 
 
 class ModelDrafter:

@@ -196,8 +196,8 @@ def load_model(
 
     `device_map` (e.g. "auto") is handed to transformers to spread the model over devices; without it
     the model is moved to `device` (default: CUDA if available, else CPU). A bf16 model on a CPU without bf16
-    matrix instructions computes its passes with viasd's kernel (`viasd.models.bf16_linear`), and a CPU model's
-    short passes attend with the query heads of a group packed together (`viasd.models.attention`).
+    matrix instructions computes its passes with viasd's kernel (`viasd.passes.bf16_linear`), and a CPU model's
+    short passes attend with the query heads of a group packed together (`viasd.passes.packed_attention`).
     """
     target_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, target_device)
@@ -205,8 +205,8 @@ def load_model(
     if device_map is None:
         model = _guarded(spec, lambda: model.to(target_device))
     model.eval()
-    from viasd.models.attention import use_packed_attention
-    from viasd.models.bf16_linear import use_bf16_kernel
+    from viasd.passes.bf16_linear import use_bf16_kernel
+    from viasd.passes.packed_attention import use_packed_attention
 
     use_bf16_kernel(model)  # bf16 on a CPU without bf16 matrix instructions: blocks as cheap as one token
     use_packed_attention(model)  # grouped-query attention of short passes on a CPU: one query block per group

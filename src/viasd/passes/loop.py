@@ -30,10 +30,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from viasd.models import fused_layers, short_attention
-from viasd.models.attention import NAME as PACKED
-from viasd.models.attention import PACK_UP_TO
-from viasd.models.cache_layer import GrowingLayer
+from viasd.kernels import attention as short_attention
+from viasd.passes import fused as fused_layers
+from viasd.passes.cache_layer import GrowingLayer
+from viasd.passes.packed_attention import NAME as PACKED
+from viasd.passes.packed_attention import PACK_UP_TO
 
 SWITCH = "VIASD_SHORT_PASSES"  # off: every pass goes through the model's own forward (to compare)
 

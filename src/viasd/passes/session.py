@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.models import short_pass
-from viasd.models.cache_layer import growing_cache
-from viasd.models.views import View, ViewLike, applied, as_view
+from viasd.passes import loop as short_pass
+from viasd.passes.cache_layer import growing_cache
+from viasd.views.view import View, ViewLike, applied, as_view
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -23,10 +23,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.models import short_attention, w4a8, w6a8
-from viasd.models.cache_layer import GrowingLayer
-from viasd.models.native import load_kernel
-from viasd.models.quantize import Int4Int8Linear, Int6Int8Linear
+from viasd.kernels import attention as short_attention
+from viasd.kernels import w4a8, w6a8
+from viasd.kernels.build import load_kernel
+from viasd.passes.cache_layer import GrowingLayer
+from viasd.views.quantize import Int4Int8Linear, Int6Int8Linear
 
 SWITCH = "VIASD_FUSED_LAYERS"
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan

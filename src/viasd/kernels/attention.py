@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
-from viasd.models.cache_layer import GrowingLayer
-from viasd.models.native import Build, checked_kernel, status
+from viasd.kernels.build import Build, checked_kernel, status
+from viasd.passes.cache_layer import GrowingLayer
 
 SWITCH = "VIASD_ATTENTION_KERNEL"
 MAX_DIM, MAX_GROUP, LANES = 256, 16, 16  # head dims (multiples of LANES) and query heads per key/value head
@@ -131,7 +131,7 @@ def _kernel() -> ctypes.CDLL | str:
     argtypes = [pointer, size, pointer, size, pointer, size, pointer, pointer, pointer, pointer, size, size, size,
                 size, size, size, ctypes.c_float, pointer, ctypes.c_int]  # fmt: skip
     return checked_kernel(
-        "short_attention.c", BUILDS, "attention", "short_attention", argtypes, _self_check, ("bf16_vectors.h",)
+        "attention.c", BUILDS, "attention", "short_attention", argtypes, _self_check, ("bf16_vectors.h",)
     )
 
 

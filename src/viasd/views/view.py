@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from viasd.models.layer_skip import LayerMask, skipping
-from viasd.models.quantize import QuantizedLinears
+from viasd.views.layer_skip import LayerMask, skipping
+from viasd.views.quantize import QuantizedLinears
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import warnings
 
 import torch
 
-from viasd.models import w4a8
-from viasd.models.native import Build, checked_kernel, kernel_input, status
+from viasd.kernels import w4a8
+from viasd.kernels.build import Build, checked_kernel, kernel_input, status
 
 SUB = 16  # inputs per int8 sub-block scale
 SUPER = 256  # inputs per fp16 super-block scale

@@ -20,8 +20,8 @@ import os
 import torch
 from torch import nn
 
-from viasd.models.cpu import cpu_flags
-from viasd.models.native import Build, load_kernel
+from viasd.kernels.build import Build, load_kernel
+from viasd.kernels.cpu import cpu_flags
 
 BUILDS: tuple[Build, ...] = (("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),)
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # torch's own bf16 products are fast where these are

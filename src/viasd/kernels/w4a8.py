@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from viasd.models.native import Build, checked_kernel, kernel_input, status
+from viasd.kernels.build import Build, checked_kernel, kernel_input, status
 
 GROUP = 32  # inputs per scale and minimum (weights) and per step (activations)
 CHUNK = 64  # inputs per 32 packed bytes: two groups, one in each nibble

@@ -46,11 +46,11 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.models import w4a8, w6a8
-from viasd.models.cpu import cpu_flags
+from viasd.kernels import w4a8, w6a8
+from viasd.kernels.cpu import cpu_flags
 
 if TYPE_CHECKING:
-    from viasd.models.gguf_blocks import GgufWeights
+    from viasd.views.gguf import GgufWeights
 
 KINDS = ("int8", "int8wo", "int4", "int4a8")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from viasd.models import w4a8, w6a8
+from viasd.kernels import w4a8, w6a8
 
 _SUPER = 256  # weights per Q4_K or Q6_K block
 _BYTES = 144  # a Q4_K block's size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from viasd.models.cpu import cpu_flags
+from viasd.kernels.cpu import cpu_flags
 from viasd.models.fetch import default_cache_dir
 
 # A build: its name, the CPU flags it needs, the compiler flags it is made with.
@@ -49,7 +49,7 @@ def load_kernel(
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return "no C compiler found (set CC)"
-    files = {file: resources.files("viasd.models").joinpath(file).read_bytes() for file in (source, *headers)}
+    files = {file: resources.files("viasd.kernels").joinpath(file).read_bytes() for file in (source, *headers)}
     command = [*COMMON_FLAGS, *build_flags]
     digest = hashlib.sha256(b"".join(files.values()) + " ".join(command).encode()).hexdigest()[:16]
     library = default_cache_dir().parent / "kernels" / f"{Path(source).stem}-{name}-{digest}.so"

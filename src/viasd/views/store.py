@@ -20,10 +20,10 @@ from safetensors.torch import save as save_bytes
 from torch import nn
 
 from viasd.fileio import write_atomic
-from viasd.models import w6a8
+from viasd.kernels import w6a8
 from viasd.models.fetch import default_cache_dir
 from viasd.models.fingerprint import model_fingerprint
-from viasd.models.quantize import (
+from viasd.views.quantize import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int6Int8Linear,
@@ -37,7 +37,7 @@ from viasd.models.quantize import (
 )
 
 if TYPE_CHECKING:
-    from viasd.models.gguf_blocks import GgufWeights
+    from viasd.views.gguf import GgufWeights
 
 FORMAT = "viasd-quantized/2"  # 2: a gguf recipe's 6-bit layers are the file's own blocks
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
