@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers import Recording
 from laws import ALPHA, exact_joint, pooled_pvalue
 from tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
@@ -27,26 +28,6 @@ from viasd.views.layer_skip import LayerMask
 PROMPT = [3, 4, 5, 6, 7, 9, 12, 3, 4, 5]  # its tail "3 4 5" occurred earlier: prompt lookup matches at once
 GREEDY = SamplingParams()
 GEN = torch.Generator().manual_seed(0)
-
-
-class Recording:
-    """A drafter wrapper that remembers each round's limit k and what was proposed."""
-
-    def __init__(self, drafter):
-        self.drafter, self.name = drafter, drafter.name
-        self.rounds: list[tuple[int, int, str]] = []  # (k, drafted, source)
-
-    @property
-    def forward_passes(self):
-        return self.drafter.forward_passes
-
-    def reset(self, prompt_length=None, budget=None):
-        self.drafter.reset(prompt_length, budget)
-
-    def propose(self, context, k, params, generator, stop=0.0):
-        out = self.drafter.propose(context, k, params, generator, stop)
-        self.rounds.append((k, len(out), out.source))
-        return out
 
 
 def hybrid(drafter_model, match=2, copy=None, budget=0.0):

@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from test_drafts import Recording
+from helpers import Recording
 from tiny import tiny_model, tiny_tokenizer
 from viasd.calibration.records import gate_records
 from viasd.calibration.replay import replay

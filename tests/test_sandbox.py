@@ -22,9 +22,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from viasd.bench.sandbox import check_humaneval, isolation_available, run_program
+from viasd.bench.isolation import find_bubblewrap
+from viasd.bench.sandbox import check_humaneval, run_program
 
-AVAILABLE, WHY_NOT = isolation_available()
+BWRAP, WHY_NOT = find_bubblewrap()
+AVAILABLE = BWRAP is not None
 needs_bwrap = pytest.mark.skipif(
     not AVAILABLE, reason=f"no OS isolation here: {WHY_NOT} (install it: apt-get install bubblewrap)"
 )

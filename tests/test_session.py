@@ -5,33 +5,12 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 
+from helpers import ATOL, assert_cache_equals, fresh_cache
 from tiny import ARCHITECTURES, tiny_model
 from viasd.passes import cache_layer
 from viasd.passes.session import KVSession, common_prefix_length
 from viasd.views.layer_skip import LayerMask
-
-
-def fresh_cache(model, tokens, mask=None):
-    session = KVSession(model, base_view=mask)
-    session.forward(tokens)
-    return session.cache
-
-
-# Gemma2 in transformers computes some steps in float32 even in a float64 model (a long prefill and
-# single steps then differ at about 1e-6, with or without our cache code); the others are exact to 1e-10.
-ATOL = {"gemma2": 1e-5}
-
-
-def assert_cache_equals(cache: DynamicCache, reference: DynamicCache, length: int, layers=None, atol=1e-10):
-    for i, (layer, ref) in enumerate(zip(cache.layers, reference.layers, strict=False)):
-        if layers is not None and i not in layers:
-            continue
-        assert ref.keys.shape[-2] == length
-        assert torch.allclose(layer.keys[..., :length, :], ref.keys, atol=atol), f"layer {i} keys"
-        assert torch.allclose(layer.values[..., :length, :], ref.values, atol=atol), f"layer {i} values"
-        assert layer.keys.shape[-2] >= length
 
 
 @pytest.mark.parametrize("room", [1, cache_layer.MIN_ROOM])  # 1: the in-place stores grow at nearly every pass

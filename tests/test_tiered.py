@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from test_session import ATOL, assert_cache_equals, fresh_cache
+from helpers import ATOL, assert_cache_equals, fresh_cache
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder

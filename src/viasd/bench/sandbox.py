@@ -49,12 +49,6 @@ def humaneval_program(problem: Mapping[str, Any], completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def isolation_available() -> tuple[bool, str]:
-    """Whether programs run under bubblewrap here, and if not, why not."""
-    bwrap, reason = find_bubblewrap()
-    return bwrap is not None, reason
-
-
 def _limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
     """Resource limits for the child, set between fork and exec (bubblewrap and the program inherit them)."""
     import resource

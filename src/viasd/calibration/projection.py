@@ -99,11 +99,6 @@ def prompt_parts(method: str, prompt: int, gamma: int, costs: Costs) -> dict[str
     return {"draft": drafter, "verify": costs.full_pass(prompt - 1)}
 
 
-def prompt_seconds(method: str, prompt: int, gamma: int, costs: Costs) -> float:
-    """What reading the prompt adds to a drafting method's replayed rounds (`prompt_parts` summed)."""
-    return sum(prompt_parts(method, prompt, gamma, costs).values())
-
-
 def project(
     workload: Workload, costs: Costs, sd_policy: RoundPolicy, via_policy: RoundPolicy | None
 ) -> dict[str, MethodProjection]:

@@ -138,11 +138,6 @@ def round_parts(played: Round[Any], costs: Costs, unchecked: int, feed: int = 1)
     }
 
 
-def round_seconds(played: Round[Any], costs: Costs, unchecked: int, feed: int = 1) -> float:
-    """Predicted seconds of one round (`round_parts` summed)."""
-    return sum(round_parts(played, costs, unchecked, feed).values())
-
-
 def first_feed(played: Round[Any]) -> int:
     """Tokens the next round's first drafter step feeds: 2 after a round that kept every draft (its last
     draft and the bonus token), else 1 (the replacement token; the drafter's cache is cut back to the rest)."""

@@ -7,9 +7,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from viasd.calibration.costs import Costs, CostTable
-from viasd.calibration.pipeline import CalibrationSettings
 from viasd.calibration.records import GateRecords
 from viasd.calibration.selection import select_policy
+from viasd.calibration.settings import CalibrationSettings
 from viasd.profile import RoutingProfile
 
 

@@ -60,16 +60,6 @@ class Proposal:
             return min(self.tops) if self.tops else None
         return draft_confidence(self.soft)
 
-    def truncated(self, k: int) -> Proposal:
-        """The first k draft tokens."""
-        return Proposal(
-            self.tokens[:k],
-            None if self.probs is None else self.probs[:k],
-            None if self.soft is None else self.soft[:k],
-            self.source,
-            None if self.tops is None else self.tops[:k],
-        )
-
 
 class Drafter(Protocol):
     """Proposes draft tokens. Implementations keep whatever state they need between calls."""

@@ -1,0 +1,50 @@
+"""The calibration data: the target's greedy continuations of the prompts (kept in the work file, slow to make) and
+the teacher-forced passes over them that the mask search and the gate records read."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from viasd.calibration.progress import steps
+from viasd.calibration.teacher import TeacherSequence, teacher_force
+from viasd.calibration.workfile import WorkFile, work_key
+from viasd.decode.base import GenerationConfig
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.models.fingerprint import model_fingerprint
+from viasd.models.loading import LoadedModel
+from viasd.prompting import encode_prompt
+
+Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, the target's greedy continuation)
+
+
+def continuations(
+    target: LoadedModel,
+    drafter: LoadedModel,
+    texts: Sequence[str],
+    new_tokens: int,
+    work: WorkFile,
+    resume: bool,
+    progress: bool = False,
+) -> Pairs:
+    """(prompt ids, the target's greedy continuation) per prompt, generated with exact SD for speed and kept in
+    the work file (keyed by target, dtype, length and prompts) for `--resume` and `--reselect`."""
+    param = next(target.model.parameters())
+    key = work_key("continuations", model_fingerprint(target.model), str(param.dtype), new_tokens, list(texts))
+    cached = work.get(key) if resume else None
+    if isinstance(cached, list):
+        return [(list(p), list(c)) for p, c in cached]
+    decoder = SpeculativeDecoder(target.model, target.tokenizer, ModelDrafter(drafter.model, name="small"), gamma=4)
+    pairs: Pairs = []
+    for text in steps(texts, "continuations", progress):
+        ids = encode_prompt(target.tokenizer, text)
+        result = decoder.generate(ids, GenerationConfig(max_new_tokens=new_tokens))
+        if len(result.tokens) >= 2:
+            pairs.append((ids, result.tokens))
+    work.put(key, pairs)
+    return pairs
+
+
+def teacher_sequences(target: LoadedModel, pairs: Pairs) -> list[TeacherSequence]:
+    """The target's teacher-forced pass over each (prompt, continuation), scored from the continuation on."""
+    return [teacher_force(target.model, prompt + cont, len(prompt)) for prompt, cont in pairs]

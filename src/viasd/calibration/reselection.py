@@ -1,0 +1,96 @@
+"""Re-selecting a finished profile's round policy under other settings: its masks and measured costs kept, its gate
+records regenerated from its own prompts (or read from the work file), so a shipped profile can be re-derived from the
+repository alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from viasd.calibration.candidate_records import records_for
+from viasd.calibration.candidates import DraftSource, Quantizer, SlimCandidate, drafter_name, quantize_plainly
+from viasd.calibration.continuations import continuations, teacher_sequences
+from viasd.calibration.costs import CostTable
+from viasd.calibration.policy_choice import select_under, with_policy
+from viasd.calibration.progress import Log, silent
+from viasd.calibration.provenance import selection_fields, utc_now
+from viasd.calibration.records import GateRecords
+from viasd.calibration.settings import CalibrationSettings
+from viasd.calibration.workfile import WorkFile
+from viasd.errors import ViasdError
+from viasd.models.loading import LoadedModel
+from viasd.profile import RoutingProfile
+
+
+def profile_prompts(profile: RoutingProfile) -> tuple[list[str], int]:
+    """The calibration prompts a profile recorded and the continuation length it generated for each."""
+    cal = profile.calibration
+    try:
+        return [str(t) for t in cal["prompts"]], int(cal["new_tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ViasdError(f"the profile does not record its calibration prompts: {exc}") from exc
+
+
+def profile_data(
+    profile: RoutingProfile,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    work: WorkFile,
+    log: Log = silent,
+    progress: bool = False,
+    quantized: Quantizer = quantize_plainly,
+) -> tuple[list[GateRecords], list[int]]:
+    """The gate records a profile was selected from, regenerated from its own prompts and settings (or read
+    from the work file, where an earlier run left them), and the prompt length of each sequence."""
+    texts, new_tokens = profile_prompts(profile)
+    log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
+    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
+    sequences = teacher_sequences(target, pairs)
+    chunk = int(profile.search.get("chunk", 8))
+    source = DraftSource.make(drafter_name(profile), target, drafter, quantized)
+    slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized) for i, m in enumerate(profile.masks)]
+    records = records_for(target, source, sequences, slims, chunk, work, True, progress)
+    return records, [len(prompt) for prompt, _ in pairs]
+
+
+def profile_records(
+    profile: RoutingProfile,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    work: WorkFile,
+    log: Log = silent,
+    progress: bool = False,
+    quantized: Quantizer = quantize_plainly,
+) -> list[GateRecords]:
+    """The gate records a profile was selected from (`profile_data` without the prompt lengths)."""
+    return profile_data(profile, target, drafter, work, log, progress, quantized)[0]
+
+
+def reselect(
+    profile: RoutingProfile,
+    source_sha256: str,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    settings: CalibrationSettings,
+    *,
+    work_file: str | os.PathLike[str] | None = None,
+    log: Log = silent,
+    progress: bool = False,
+    quantized: Quantizer = quantize_plainly,
+) -> RoutingProfile:
+    """`profile` with its round policy selected again under `settings` (quality budget, tier shares, gammas, caps,
+    pre-gates, stop thresholds), from its own masks, measured costs and regenerated gate records."""
+    settings.check()
+    profile.check_models(target.model, None if profile.self_drafter else drafter.model)
+    costs = profile.calibration.get("costs", {})
+    table = CostTable.from_dict(costs)
+    index = int(costs.get("slim_mask_index", 0))
+    records = profile_records(profile, target, drafter, WorkFile(work_file), log, progress, quantized)
+    log("replaying rounds to pick gate thresholds, gamma, cap, pre-gate and draft stop threshold")
+    selection = select_under(records, table, index, settings, costs.get("drafter"))
+    calibration = {
+        **profile.calibration,
+        **selection_fields(records, selection, settings),
+        "reselected": {"from_sha256": source_sha256, "date": utc_now()},
+    }
+    return with_policy(dataclasses.replace(profile, calibration=calibration), selection)

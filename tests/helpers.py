@@ -1,0 +1,147 @@
+"""Helpers several test modules share: a prompt, cache comparisons, greedy outputs compared up to a near tie, GGUF
+blocks and a tiny model converted from them, and a drafter that records its rounds. Test modules import them from
+here, never from one another."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+from transformers import DynamicCache
+
+from tiny import tiny_model
+from viasd.drafters.base import Drafter, Proposal
+from viasd.passes.session import KVSession
+from viasd.verify.sampling import SamplingParams
+from viasd.views.quantize import quantizable
+from viasd.views.view import View, ViewLike, applied
+
+PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
+
+# ------------------------------------------------------------------------------------------------- caches
+
+
+def fresh_cache(model: nn.Module, tokens: list[int], mask: ViewLike = None) -> DynamicCache:
+    """The cache of one fresh pass over `tokens` (through `mask`, a view or layer mask)."""
+    session = KVSession(model, base_view=mask)
+    session.forward(tokens)
+    return session.cache
+
+
+# Gemma2 in transformers computes some steps in float32 even in a float64 model (a long prefill and
+# single steps then differ at about 1e-6, with or without our cache code); the others are exact to 1e-10.
+ATOL = {"gemma2": 1e-5}
+
+
+def assert_cache_equals(
+    cache: DynamicCache,
+    reference: DynamicCache,
+    length: int,
+    layers: Collection[int] | None = None,
+    atol: float = 1e-10,
+) -> None:
+    """`cache`'s first `length` entries equal `reference`'s (of that length), in every layer or those of `layers`."""
+    for i, (layer, ref) in enumerate(zip(cache.layers, reference.layers, strict=False)):
+        if layers is not None and i not in layers:
+            continue
+        assert ref.keys.shape[-2] == length
+        assert torch.allclose(layer.keys[..., :length, :], ref.keys, atol=atol), f"layer {i} keys"
+        assert torch.allclose(layer.values[..., :length, :], ref.values, atol=atol), f"layer {i} values"
+        assert layer.keys.shape[-2] >= length
+
+
+# -------------------------------------------------------------------------------------- greedy outputs
+
+
+def assert_same_until_a_near_tie(model: nn.Module, view: View, got: list[int], plain: list[int]) -> None:
+    """`got` equals `plain` (the view's plain greedy output), or first differs where the view's top two logits,
+    read in one pass over the plain output, are within 0.2 of each other (a tie that arithmetic noise breaks)."""
+    parted = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
+    if parted is None:
+        return
+    with torch.inference_mode(), applied(model, view):
+        logits = model(torch.tensor([PROMPT + plain])).logits[0, len(PROMPT) - 1 + parted].float()
+    top = logits.topk(2).values
+    assert float(top[0] - top[1]) < 0.2, f"parted at token {parted}, where the model leads by {top[0] - top[1]:.3f}"
+
+
+# ------------------------------------------------------------------------------------------- GGUF blocks
+
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q6_K = gguf.GGMLQuantizationType.Q6_K
+
+
+def random_q4k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random Q4_K bytes [rows, columns / 256 * 144]: any codes and 6-bit scales make a valid block; d and dmin
+    are kept to the magnitudes real layers have."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(1e-4, 1e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:4] = rng.uniform(1e-4, 2e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, columns // 256 * 144)
+
+
+def random_q6k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random Q6_K bytes [rows, columns / 256 * 210]: any code bytes and int8 scales make a valid block; d is kept
+    to the magnitudes real layers have."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // 256, 210), dtype=np.uint8)
+    blocks[:, 208:210] = rng.uniform(1e-4, 1e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, columns // 256 * 210)
+
+
+def qwen2_with_gguf(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Path, set[str]]:
+    """A tiny Qwen2 whose Linear weights are the dequantized blocks of a GGUF file written beside it: Q4_K, but Q6_K
+    for the value projections (as Q4_K_M keeps some at 6 bits) and float32 for the head. Also returns the names of
+    the layers the file has blocks for."""
+    model = tiny_model("qwen2", hidden=256, layers=2, dtype=dtype)
+    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
+    writer.add_block_count(2)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    in_blocks: set[str] = set()
+    with torch.no_grad():
+        for i, (name, linear) in enumerate(quantizable(model).items()):
+            rows, columns = linear.weight.shape
+            if name == "lm_head" or columns % 256:
+                writer.add_tensor(f"{names.get_name(name)}.weight", linear.weight.float().numpy())
+                continue
+            six = name.endswith("v_proj")
+            kind, raw = (Q6_K, random_q6k(rows, columns, i)) if six else (Q4_K, random_q4k(rows, columns, i))
+            linear.weight.copy_(torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32)))
+            writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=kind)
+            in_blocks.add(name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, tmp_path / "tiny.gguf", in_blocks
+
+
+# ------------------------------------------------------------------------------------------------ drafters
+
+
+class Recording:
+    """A drafter wrapper that remembers each round's limit k and what was proposed."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter, self.name = drafter, drafter.name
+        self.rounds: list[tuple[int, int, str]] = []  # (k, drafted, source)
+
+    @property
+    def forward_passes(self) -> int:
+        return self.drafter.forward_passes
+
+    def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
+        self.drafter.reset(prompt_length, budget)
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
+    ) -> Proposal:
+        out = self.drafter.propose(context, k, params, generator, stop)
+        self.rounds.append((k, len(out), out.source))
+        return out
