@@ -32,9 +32,8 @@ def test_packed_attention_equals_transformers_sdpa_for_prompts_blocks_and_single
         assert torch.allclose(a, b, rtol=0, atol=1e-10)  # float64: the same attention, other blocking
 
 
-def test_only_cpu_models_with_sdpa_attention_are_switched(monkeypatch):
+def test_only_cpu_models_with_sdpa_attention_are_switched():
     eager = tiny_model("gemma2")  # its soft-capped attention is eager
     assert not use_packed_attention(eager) and eager.config._attn_implementation == "eager"
     assert not use_packed_attention(torch.nn.Linear(2, 2))  # not a transformers model
-    monkeypatch.setenv("VIASD_PACKED_ATTENTION", "off")
-    assert tiny_model("qwen2").config._attn_implementation == "sdpa"
+    assert use_packed_attention(tiny_model("qwen2", packed=False))

@@ -29,7 +29,7 @@ def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatc
     rates = record["tokens_per_second"]
     expected = auto.candidates(None, int4a8=auto.int4a8_is_fast(torch.device("cpu")))
     assert set(rates) == set(expected) and record["chosen"] == max(rates, key=rates.get)
-    assert rates[record["chosen"]] >= rates["plain"]
+    assert "plain" in rates  # plain was probed too: the method chosen is never slower than plain in the probe
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     out = first.generate(PROMPT, "auto", config)
     assert out.tokens == first.generate(PROMPT, "plain", config).tokens
@@ -80,5 +80,5 @@ def test_a_probe_is_not_reused_on_another_cpu_or_with_other_kernels(monkeypatch)
     other_cpu = auto.probe_key(model, {}, names)
     monkeypatch.setattr("viasd.kernels.w6a8.kernel_status", lambda: "no C compiler found (set CC)")
     other_kernels = auto.probe_key(model, {}, names)
-    monkeypatch.setenv("VIASD_SHORT_PASSES", "off")
+    monkeypatch.setenv("VIASD_KERNELS", "-attention")
     assert len({key, other_cpu, other_kernels, auto.probe_key(model, {}, names)}) == 4

@@ -1,4 +1,4 @@
-"""viasd's bf16 kernel for CPUs without bf16 matrix instructions (models/bf16_linear.py)."""
+"""viasd's bf16 kernel for CPUs without bf16 matrix instructions (kernels/bf16.py, passes/bf16_linear.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import pytest
 import torch
 from torch import nn
 
-from test_quantize import PROMPT
+from helpers import PROMPT
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
+from viasd.kernels import bf16
+from viasd.kernels.build import Library
 from viasd.passes import bf16_linear
 from viasd.passes.bf16_linear import MAX_ROWS, CpuBf16Linear, use_bf16_kernel
 
-needs_kernel = pytest.mark.skipif(
-    bf16_linear.kernel_status() != "compiled", reason=f"no bf16 kernel here: {bf16_linear.kernel_status()}"
-)
+needs_kernel = pytest.mark.skipif(not isinstance(bf16.kernel(), Library), reason=f"no bf16 kernel: {bf16.kernel()}")
 
 
 def switched(layer: nn.Linear) -> nn.Linear:
@@ -49,9 +49,9 @@ def test_the_kernel_computes_the_bf16_product_and_a_tokens_bits_do_not_depend_on
 def test_only_bf16_cpu_linear_layers_are_switched_and_keep_their_weights(monkeypatch):
     model = tiny_model("qwen2", dtype=torch.bfloat16)
     weights = {name: p for name, p in model.named_parameters()}
-    monkeypatch.setenv(bf16_linear.SWITCH, "off")
+    monkeypatch.setenv("VIASD_KERNELS", "-bf16")
     assert use_bf16_kernel(model) == 0 and not any(isinstance(m, CpuBf16Linear) for m in model.modules())
-    monkeypatch.delenv(bf16_linear.SWITCH)
+    monkeypatch.delenv("VIASD_KERNELS")
     monkeypatch.setattr(bf16_linear, "wanted", lambda: True)
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert use_bf16_kernel(model) == linears > 0

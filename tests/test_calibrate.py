@@ -11,14 +11,18 @@ import torch
 from typer.testing import CliRunner
 
 from tiny import tiny_model, tiny_tokenizer
-from viasd.calibration import pipeline as pipeline_module
+from viasd.calibration import candidates as candidates_module
+from viasd.calibration import continuations as continuations_module
+from viasd.calibration import mask_step
 from viasd.calibration.costs import Costs
 from viasd.calibration.objectives import Scores, kl_target_slim, margin_violation, score, top1_agreement
-from viasd.calibration.pipeline import CalibrationSettings, calibrate_pair, profile_records, reselect
+from viasd.calibration.pipeline import calibrate_pair
 from viasd.calibration.records import GateRecords, gate_records
 from viasd.calibration.replay import replay
+from viasd.calibration.reselection import profile_records, reselect
 from viasd.calibration.search import mask_evaluator, mask_from_scores, random_baseline, scores_for, search_mask
 from viasd.calibration.selection import NO_ACCEPT, NO_FULL, select_policy
+from viasd.calibration.settings import CalibrationSettings
 from viasd.calibration.teacher import slim_logits, teacher_force
 from viasd.calibration.workfile import WorkFile
 from viasd.cli import app
@@ -31,6 +35,7 @@ from viasd.models.loading import LoadedModel
 from viasd.profile import RoutingProfile, load_profile, model_fingerprint, save_profile
 from viasd.verify.gates import Gate
 from viasd.views.layer_skip import LayerMask, decoder_layers
+from viasd.views.recipe import QuantRecipe
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -398,8 +403,12 @@ def test_calibration_end_to_end_writes_a_profile_that_round_trips(tmp_path, monk
     # A resumed calibration reuses the continuations, the layer scores, the records and the finished searches.
     fail = lambda *a, **k: pytest.fail("computed again")  # noqa: E731
     with monkeypatch.context() as patch:
-        for name in ("SpeculativeDecoder", "layer_preference", "model_logits"):
-            patch.setattr(pipeline_module, name, fail)
+        for module, name in (
+            (continuations_module, "SpeculativeDecoder"),
+            (mask_step, "layer_preference"),
+            (candidates_module, "model_logits"),
+        ):
+            patch.setattr(module, name, fail)
         resumed = calibrate_pair(
             target, drafter, settings, storage=tmp_path / "p.json.search.db", work_file=work, resume=True
         )
@@ -555,7 +564,8 @@ def test_calibration_chooses_among_quantized_slim_views_and_drafters(tmp_path):
     target = loaded(tiny_model("qwen2", layers=6, dtype=torch.float32), "tiny-target")
     drafter = loaded(tiny_model("qwen2", layers=2, seed=1, dtype=torch.float32), "tiny-drafter")
     settings = CalibrationSettings(
-        skip_ratios=(0.34,), slim_quants=("int8",), drafters=("model", "model:int4", "self:int8"), iterations=3,
+        skip_ratios=(0.34,), slim_quants=(QuantRecipe.parse("int8"),), drafters=("model", "model:int4", "self:int8"),
+        iterations=3,
         gammas=(2, 3), caps=(8,), prompts=2, search_prompts=1, held_out=0, new_tokens=12, cost_repeats=1,
         random_masks=1, pregates=(0.0,),
     )  # fmt: skip

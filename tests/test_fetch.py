@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
+from viasd.cache import CACHE_ENV_VAR, cache_folder
 from viasd.errors import ViasdError
 from viasd.models import fetch
 from viasd.models.catalog import (
@@ -279,11 +280,13 @@ def test_lock_held_elsewhere_makes_the_call_wait(registry: FakeRegistry, tmp_pat
 
 
 def test_cache_dir_env_override(registry: FakeRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fetch.CACHE_ENV_VAR, str(tmp_path / "elsewhere"))
-    assert fetch.default_cache_dir() == tmp_path / "elsewhere"
+    """VIASD_CACHE_DIR names viasd's cache folder: the models, and everything else viasd caches, go inside it."""
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "elsewhere"))
+    assert fetch.default_cache_dir() == tmp_path / "elsewhere" / "models"
     path = _ensure(registry, None, FakeConverter())  # type: ignore[arg-type]
-    assert path == tmp_path / "elsewhere" / registry.entry.name
-    monkeypatch.delenv(fetch.CACHE_ENV_VAR)
+    assert path == tmp_path / "elsewhere" / "models" / registry.entry.name
+    assert cache_folder("kernels").parent == cache_folder("quantized").parent == tmp_path / "elsewhere"
+    monkeypatch.delenv(CACHE_ENV_VAR)
     assert fetch.default_cache_dir().parts[-2:] == ("viasd", "models")
 
 
@@ -364,8 +367,8 @@ def _fake_smollm2_entry(cache: Path, model_dir: Path, manifest: bool) -> Path:
 
 def test_viasd_models_reports_damage_in_one_line_with_the_repair_command(tiny_dir: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    path = _fake_smollm2_entry(cache, tiny_dir, manifest=True)
-    env = {**os.environ, fetch.CACHE_ENV_VAR: str(cache), "COLUMNS": "200"}
+    path = _fake_smollm2_entry(cache / "models", tiny_dir, manifest=True)
+    env = {**os.environ, CACHE_ENV_VAR: str(cache), "COLUMNS": "200"}
 
     def models(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "viasd", "models", *args]

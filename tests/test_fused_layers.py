@@ -8,16 +8,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_gguf_blocks import qwen2_with_gguf
+from helpers import qwen2_with_gguf
 from tiny import tiny_model
+from viasd.kernels import fused_layers as fused_kernel
+from viasd.kernels.build import Library
 from viasd.passes import fused as fused_layers
 from viasd.passes import loop as short_pass
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.gguf import GgufWeights
-from viasd.views.quantize import Int6Int8Linear, QuantRecipe, quantize
+from viasd.views.linears import Int6Int8Linear
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
-pytestmark = pytest.mark.skipif(fused_layers.kernel_status() != "compiled", reason="no fused layers on this machine")
+pytestmark = pytest.mark.skipif(not isinstance(fused_kernel.kernel(), Library), reason="no fused layers here")
+OFF = ("VIASD_KERNELS", "-fused")  # the per-layer loop, with the same product and attention kernels
+
+
+def applies(model, dtype, cache) -> bool:
+    return fused_layers.plan_for(model, dtype, cache) is not None
 
 
 def passes(model, view, blocks, seed=0):
@@ -30,7 +39,7 @@ def passes(model, view, blocks, seed=0):
         model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
         at = 20
         for size in blocks:
-            assert fused_layers.applies(model, torch.bfloat16, cache) == (fused_layers.kernel_status() == "compiled")
+            assert applies(model, torch.bfloat16, cache) == isinstance(fused_kernel.kernel(), Library)
             out.append(short_pass.short_pass(model, torch.tensor([ids[at : at + size]]), cache, size))
             at += size
     return torch.cat(out, dim=1), cache
@@ -52,9 +61,9 @@ def gguf_view(tmp_path):
 
 def close_to_the_loop(model, view, monkeypatch, blocks=(1, 4, 1, 7, 2)):
     fused, fused_cache = passes(model, view, blocks)
-    monkeypatch.setenv(fused_layers.SWITCH, "off")
+    monkeypatch.setenv(*OFF)
     loop, loop_cache = passes(model, view, blocks)
-    monkeypatch.delenv(fused_layers.SWITCH)
+    monkeypatch.delenv(OFF[0])
     # The same products and attention; norms and SiLU may differ from torch's in a last bit now and then.
     assert (fused.float() - loop.float()).abs().max() <= 0.02 * loop.float().abs().max()
     assert (fused.argmax(-1) == loop.argmax(-1)).float().mean() >= 0.9
@@ -92,10 +101,10 @@ def test_a_plan_follows_the_view_in_place(monkeypatch):
             if hasattr(layer, "scale"):
                 layer.scale.mul_(1.5)
     results = {}
-    for mode in ("on", "off"):
-        monkeypatch.setenv(fused_layers.SWITCH, mode)
+    for mode in ("on", "-fused"):
+        monkeypatch.setenv("VIASD_KERNELS", mode)
         results[mode] = [passes(model, view, (2,))[0] for view in (first, second, first)]
-    for fused, loop in zip(results["on"], results["off"], strict=True):
+    for fused, loop in zip(results["on"], results["-fused"], strict=True):
         assert (fused.float() - loop.float()).abs().max() <= 0.02 * loop.float().abs().max()
     assert not torch.equal(results["on"][0], results["on"][1]) and torch.equal(results["on"][0], results["on"][2])
 
@@ -103,16 +112,18 @@ def test_a_plan_follows_the_view_in_place(monkeypatch):
 def test_only_low_bit_bf16_views_run_fused(monkeypatch):
     model, view = int4a8_view("qwen2")
     cache = new_cache(model)
-    assert not fused_layers.applies(model, torch.bfloat16, cache)  # the model's own bf16 layers
+    assert not applies(model, torch.bfloat16, cache)  # the model's own bf16 layers
     with applied(model, view):
-        assert fused_layers.applies(model, torch.bfloat16, cache)
-        assert not fused_layers.applies(model, torch.float32, cache)
-        monkeypatch.setenv(fused_layers.SWITCH, "off")
-        assert not fused_layers.applies(model, torch.bfloat16, cache) and fused_layers.kernel_status() == "off"
+        assert applies(model, torch.bfloat16, cache)
+        assert not applies(model, torch.float32, cache)
+        for switch in ("-fused", "-w4a8", "off"):  # off, or a kernel it calls off
+            monkeypatch.setenv("VIASD_KERNELS", switch)
+            assert not applies(model, torch.bfloat16, cache)
+            assert fused_kernel.kernel_status() == "switched off (VIASD_KERNELS)"
     float_model = tiny_model("qwen2", dtype=torch.float32)
     float_view = View(linears=quantize(float_model, QuantRecipe.parse("int4a8")))
     calls = []
-    monkeypatch.delenv(fused_layers.SWITCH)
+    monkeypatch.delenv("VIASD_KERNELS")
     real = fused_layers.run_layers
     monkeypatch.setattr(fused_layers, "run_layers", lambda *args: calls.append(args[1].shape[1]) or real(*args))
     for each, each_view in ((model, view), (float_model, float_view)):

@@ -11,8 +11,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from test_quantize import PROMPT, assert_same_until_a_near_tie
-from test_w6a8 import random_q6k
+from helpers import PROMPT, assert_same_until_a_near_tie, qwen2_with_gguf, random_q4k
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -21,29 +20,14 @@ from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8, w6a8
 from viasd.views.gguf import GgufWeights, has_q4k_blocks, q4k_to_int4a8
-from viasd.views.quantize import (
-    Int4Int8Linear,
-    Int6Int8Linear,
-    Int8WeightOnlyLinear,
-    QuantRecipe,
-    quantizable,
-    quantize,
-)
+from viasd.views.linears import Int4Int8Linear, Int6Int8Linear, Int8WeightOnlyLinear
+from viasd.views.quantize import quantizable, quantize
+from viasd.views.recipe import QuantRecipe
 from viasd.views.store import cached_quantize
 from viasd.views.view import View
 
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 Q6_K = gguf.GGMLQuantizationType.Q6_K
-
-
-def random_q4k(rows: int, columns: int, seed: int) -> np.ndarray:
-    """Random Q4_K bytes [rows, columns / 256 * 144]: any codes and 6-bit scales make a valid block; d and dmin
-    are kept to the magnitudes real layers have."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * columns // 256, 144), dtype=np.uint8)
-    blocks[:, 0:2] = rng.uniform(1e-4, 1e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
-    blocks[:, 2:4] = rng.uniform(1e-4, 2e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, columns // 256 * 144)
 
 
 def test_q4k_blocks_are_the_weights_the_gguf_library_reads_from_them():
@@ -57,33 +41,6 @@ def test_q4k_blocks_are_the_weights_the_gguf_library_reads_from_them():
     x = torch.randn(3, 768)
     exact = x @ want.T
     assert (w4a8.product(x, packed, scale, low) - exact).norm() / exact.norm() < 0.02  # int8 activations
-
-
-def qwen2_with_gguf(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Path, set[str]]:
-    """A tiny Qwen2 whose Linear weights are the dequantized blocks of a GGUF file written beside it: Q4_K, but Q6_K
-    for the value projections (as Q4_K_M keeps some at 6 bits) and float32 for the head. Also returns the names of
-    the layers the file has blocks for."""
-    model = tiny_model("qwen2", hidden=256, layers=2, dtype=dtype)
-    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
-    writer.add_block_count(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
-    in_blocks: set[str] = set()
-    with torch.no_grad():
-        for i, (name, linear) in enumerate(quantizable(model).items()):
-            rows, columns = linear.weight.shape
-            if name == "lm_head" or columns % 256:
-                writer.add_tensor(f"{names.get_name(name)}.weight", linear.weight.float().numpy())
-                continue
-            six = name.endswith("v_proj")
-            kind, raw = (Q6_K, random_q6k(rows, columns, i)) if six else (Q4_K, random_q4k(rows, columns, i))
-            linear.weight.copy_(torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32)))
-            writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=kind)
-            in_blocks.add(name)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return model, tmp_path / "tiny.gguf", in_blocks
 
 
 def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path: Path):

@@ -1,36 +1,144 @@
-"""viasd's C kernels are compiled once per machine and source (models/native.py): the build named, the library
-reused, a failed compile said in one line."""
+"""viasd's kernel library (kernels/build.py): built once per machine, compiler and sources, kept in a private cache
+folder, checked by content before every load; every fault (no compiler, a bad CC, a compiler that hangs or fails,
+a damaged or foreign library, an unusable cache folder) ends in one line, never in a crash."""
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 import pytest
 
-from viasd.kernels import w6a8
-from viasd.kernels.build import load_kernel
+from viasd.errors import ViasdError
+from viasd.kernels import build
+from viasd.kernels.build import Build, Library
 from viasd.kernels.cpu import cpu_flags
+from viasd.kernels.switch import KERNELS, parse
+
+CHOSEN = build.choose_build(build.BUILDS, cpu_flags())
+needs_build = pytest.mark.skipif(isinstance(CHOSEN, str) or build.compiler() is None, reason="no kernels here")
 
 
-def test_a_kernel_with_a_header_is_built_once_and_names_its_build(tmp_path, monkeypatch):
-    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "models"))
-    loaded = load_kernel("w6a8.c", w6a8.BUILDS, "6-bit x int8", ("lowbit.h",))
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "kernels"
+
+
+def counting_compiler(tmp_path: Path, body: str = 'exec cc "$@"') -> Path:
+    """A compiler that records each run in `runs` beside it, then does `body`."""
+    script = tmp_path / "counting-cc"
+    script.write_text(f'#!/bin/sh\necho run >> "{tmp_path}/runs"\n{body}\n')
+    script.chmod(0o755)
+    return script
+
+
+def runs(tmp_path: Path) -> int:
+    return len((tmp_path / "runs").read_text().splitlines()) if (tmp_path / "runs").exists() else 0
+
+
+def test_the_header_is_the_interface_every_function_it_declares_is_in_the_library():
+    sizes = build.sizes()
+    assert sizes["VIASD_GROUP"] == 32 and sizes["VIASD_SUPER"] == 256  # the GGUF blocks' sizes
+    loaded = build.library()
     if isinstance(loaded, str):
-        pytest.skip(loaded)  # another CPU, or no compiler
-    _, name = loaded
-    assert name in [build[0] for build in w6a8.BUILDS]
-    libraries = list((tmp_path / "kernels").glob("w6a8-*.so"))
-    assert len(libraries) == 1 and f"-{name}-" in libraries[0].name
-    assert load_kernel("w6a8.c", w6a8.BUILDS, "6-bit x int8", ("lowbit.h",))[1] == name
-    assert list((tmp_path / "kernels").glob("w6a8-*.so")) == libraries  # the same file, not built again
+        pytest.skip(loaded)
+    for function in ("w4a8_linear", "w6a8_linear", "bf16_linear", "short_attention", "fused_layers"):
+        assert callable(getattr(loaded.lib, function))
 
 
-def test_a_failed_compile_names_the_build_and_leaves_no_library(tmp_path, monkeypatch):
-    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "models"))
+@needs_build
+def test_built_once_into_a_private_folder_with_its_digest_then_reused(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(counting_compiler(tmp_path)))
+    first = build.load(CHOSEN)
+    assert isinstance(first, Library) and first.build == CHOSEN.name
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    libraries, digests = list(cache.glob("*.so")), list(cache.glob("*.sha256"))
+    assert len(libraries) == 1 and len(digests) == 1 and f"-{CHOSEN.name}-" in libraries[0].name
+    again = build.load(CHOSEN)
+    assert isinstance(again, Library) and runs(tmp_path) == 1  # loaded from the cache, not built again
+
+
+@needs_build
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_damaged_or_foreign_library_is_built_again_not_loaded(cache, tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("CC", str(counting_compiler(tmp_path)))
+    assert isinstance(build.load(CHOSEN), Library)
+    (library,) = cache.glob("*.so")
+    if damage == "truncated":  # loading this would kill the process with SIGBUS
+        library.write_bytes(library.read_bytes()[:4096])
+    else:  # a library planted under the expected name: its code must never run
+        library.write_bytes(b"\x7fELF" + os.urandom(2000))
+    again = build.load(CHOSEN)
+    assert isinstance(again, Library) and runs(tmp_path) == 2
+    assert build._sha256(library) == next(cache.glob("*.sha256")).read_text().strip()
+
+
+def test_no_compiler_and_a_bad_cc_say_so_in_one_line(cache, monkeypatch):
+    if isinstance(CHOSEN, str):
+        pytest.skip(CHOSEN)
+    monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    why = build.load(CHOSEN)
+    assert why == "the C compiler CC='no-such-compiler-anywhere' is not found"
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", "")
+    assert build.load(CHOSEN) == "no C compiler found (install gcc or set CC)"
+
+
+def test_a_failed_build_says_why_leaves_nothing_and_is_not_retried_until_the_compiler_changes(cache, tmp_path,
+                                                                                              monkeypatch):  # fmt: skip
     flag = next(iter(cpu_flags()), None)
-    if flag is None:
-        pytest.skip("the CPU's flags cannot be read here")
-    broken = (("broken", (flag,), ("-mno-such-option",)),)
-    why = load_kernel("w6a8.c", broken, "6-bit x int8", ("lowbit.h",))
-    if why == "no C compiler found (set CC)" or "x86" in str(why):
-        pytest.skip(str(why))
-    assert isinstance(why, str) and why.startswith("compiling the 6-bit x int8 kernel (broken) failed:")
-    assert "\n" not in why and not list((tmp_path / "kernels").glob("*.so"))
+    if flag is None or build.compiler() is None:
+        pytest.skip("no CPU flags or no compiler here")
+    broken = Build("broken", (flag,), ("-mno-such-option",))
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("CC", str(counting_compiler(tmp_path)))
+    why = build.load(broken)
+    assert isinstance(why, str) and why.startswith("compiling viasd's kernels (broken) failed:") and "\n" not in why
+    assert not list(cache.glob("*.so")) and runs(tmp_path) == 1
+    assert build.load(broken) == why and runs(tmp_path) == 1  # remembered: not compiled again at every start
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("CC", str(counting_compiler(other)))  # another compiler: tried again
+    assert isinstance(build.load(broken), str) and runs(other) == 1
+
+
+def test_a_compiler_that_hangs_is_stopped(cache, tmp_path, monkeypatch):
+    if isinstance(CHOSEN, str):
+        pytest.skip(CHOSEN)
+    monkeypatch.setenv("CC", str(counting_compiler(tmp_path, "sleep 30")))
+    monkeypatch.setattr(build, "BUILD_SECONDS", 1)
+    why = build.load(CHOSEN)
+    assert why == f"compiling viasd's kernels ({CHOSEN.name}) took over 1 s; stopped"
+
+
+@needs_build
+@pytest.mark.parametrize("fault", ["not a directory", "others may write", "read-only"])
+def test_an_unusable_cache_folder_builds_for_this_process_with_one_line(cache, capsys, fault):
+    cache.parent.mkdir(parents=True)
+    if fault == "not a directory":
+        cache.write_text("not a folder")
+    elif fault == "others may write":
+        cache.mkdir(mode=0o777)
+        cache.chmod(0o777)
+    else:
+        cache.parent.chmod(0o500)
+    try:
+        if fault == "read-only" and os.access(cache.parent, os.W_OK):
+            pytest.skip("running as a user whom permissions do not stop (root)")
+        loaded = build.load(CHOSEN)
+    finally:
+        cache.parent.chmod(0o700)
+    assert isinstance(loaded, Library) and not list(cache.parent.rglob("*.so"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("viasd: cannot use") and "built for this process only" in err[0]
+
+
+def test_viasd_kernels_takes_on_off_or_kernels_to_leave_out():
+    assert parse("") == parse("on") == frozenset()
+    assert parse("off") == frozenset(KERNELS)
+    assert parse("-fused, -attention") == {"fused", "attention"}
+    for bad in ("fused", "-nothing", "maybe"):
+        with pytest.raises(ViasdError, match="VIASD_KERNELS"):
+            parse(bad)

@@ -1,5 +1,7 @@
-"""Short passes: the lean loop gives the model's own logits and cache entries bit for bit, for the architectures it
-mirrors, in full precision, bf16 and quantized views, and sessions take it only where it applies."""
+"""viasd's forward (passes/loop.py) beside the model's own: with the kernels off (VIASD_KERNELS=off) every pass is the
+model's own arithmetic, bit for bit, in every dtype and in quantized views; with them on, float32 passes still are,
+and bf16 passes keep the kernels' contracts (within bf16 noise, each token the same in any block). A model the loop
+does not cover runs its own forward and says so once; sessions take the loop only where it applies."""
 
 import random
 
@@ -9,11 +11,14 @@ from transformers import DynamicCache
 
 from tiny import tiny_model
 from viasd.kernels import attention as short_attention
+from viasd.kernels import notice
+from viasd.kernels.build import Library
 from viasd.passes import loop as short_pass
 from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.layer_skip import LayerMask
-from viasd.views.quantize import QuantRecipe, quantize
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
 
@@ -41,28 +46,31 @@ def own_and_short(model, view, seed=0):
     return pairs, own, short
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_short_passes_give_the_models_own_logits_and_cache(arch, dtype, monkeypatch):
-    monkeypatch.setenv(short_attention.SWITCH, "off")  # bf16 attention in torch's ops (the kernel's: below)
+def test_with_the_kernels_off_the_loop_is_the_models_own_arithmetic(arch, dtype, monkeypatch):
+    monkeypatch.setenv("VIASD_KERNELS", "off")  # every operation its torch reference
     model = tiny_model(arch, dtype=dtype)
-    assert short_pass.supports(model)
-    pairs, own, short = own_and_short(model, None)
-    for want, got in pairs:
-        assert torch.equal(got, want)
-    for a, b in zip(own.layers, short.layers, strict=True):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert short_pass.covers(model)
+    for view in (None, View(linears=quantize(model, QuantRecipe.parse("int4a8")))):
+        pairs, own, short = own_and_short(model, view)
+        for want, got in pairs:
+            assert torch.equal(got, want)
+        for a, b in zip(own.layers, short.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_short_passes_of_a_quantized_view_give_its_own_logits():
+@pytest.mark.parametrize("recipe", [None, "int4a8", "int8"])
+def test_in_float32_the_loop_is_the_models_own_arithmetic_with_the_kernels_on(recipe):
+    """float32 attention is torch's (the kernel is bf16's); a view's products are the same modules in both paths."""
     model = tiny_model("qwen2", dtype=torch.float32)
-    view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+    view = None if recipe is None else View(linears=quantize(model, QuantRecipe.parse(recipe)))
     pairs, _, _ = own_and_short(model, view, seed=1)
     for want, got in pairs:
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not short_attention.applies(torch.bfloat16, 4, 2, 16), reason="no attention kernel here")
+@pytest.mark.skipif(not isinstance(short_attention.kernel(), Library), reason="no attention kernel here")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselves(arch):
     """With the attention kernel a bf16 pass is no longer the model's own bits, but within bf16 noise of them, and
@@ -86,15 +94,22 @@ def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselv
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-def test_what_the_loop_does_not_mirror_is_left_to_the_model(monkeypatch):
-    for arch in ("gemma", "gemma2"):
-        assert not short_pass.supports(tiny_model(arch))
-    assert not short_pass.supports(tiny_model("llama", packed=False))  # transformers' own attention
-    for switch in ("VIASD_SHORT_PASSES", "VIASD_PACKED_ATTENTION"):
-        monkeypatch.setenv(switch, "off")
-        assert not short_pass.supports(tiny_model("llama"))
-        monkeypatch.delenv(switch)
-    assert short_pass.supports(tiny_model("llama"))
+def test_what_the_loop_does_not_cover_runs_the_models_own_forward_and_says_so_once(capsys):
+    notice.warn_once.cache_clear()
+    for arch in ("gemma", "gemma2", "gemma"):
+        assert not short_pass.covers(tiny_model(arch))
+    assert "not gemma" in short_pass.why_not(tiny_model("gemma"))
+    windowed = tiny_model("qwen2")
+    windowed.config.layer_types = ["sliding_attention"] * len(windowed.model.layers)
+    assert "sliding windows" in short_pass.why_not(windowed)
+    assert not short_pass.covers(tiny_model("llama", packed=False))  # transformers' own attention
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3  # gemma's, once; gemma2's; transformers' own attention
+    assert all(line.startswith("viasd: viasd's short passes do not run this model") for line in lines)
+    renamed = tiny_model("llama")  # a release that renames a class: the loop no longer mirrors it
+    renamed.model.layers[0].mlp.__class__ = type("LlamaFeedForward", (type(renamed.model.layers[0].mlp),), {})
+    assert "LlamaFeedForward" in short_pass.why_not(renamed) and not short_pass.covers(renamed)
+    assert short_pass.covers(tiny_model("llama"))
 
 
 def test_only_short_blocks_on_plain_cache_layers_are_usable():

@@ -1,13 +1,12 @@
 """Quantized views: the kernels compute what the quantized weights say, smoothing earns its place, views swap in
 and out without touching the model's own weights, and exact methods stay exact with quantized models."""
 
-import ctypes
 
 import pytest
 import torch
 from torch import nn
 
-from test_session import assert_cache_equals, fresh_cache
+from helpers import PROMPT, assert_cache_equals, assert_same_until_a_near_tie, fresh_cache
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -17,21 +16,15 @@ from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8
+from viasd.kernels.build import BUILDS, Library, load
 from viasd.kernels.cpu import cpu_flags
 from viasd.passes.session import KVSession
 from viasd.verify.gates import Gate
 from viasd.views.layer_skip import LayerMask
-from viasd.views.quantize import (
-    Int4Int8Linear,
-    Int4WeightOnlyLinear,
-    Int8DynamicLinear,
-    Int8WeightOnlyLinear,
-    QuantRecipe,
-    quantize,
-)
+from viasd.views.linears import Int4Int8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
-
-PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12]
 
 
 def linear(inp=256, out=96, seed=0, dtype=torch.bfloat16):
@@ -97,7 +90,7 @@ def test_int4a8_computes_its_codes_times_per_token_int8_activations():
     got = w4a8.reference(x, packed, scale, low)
     assert rel_error(got, want) < 1e-5
     fast = w4a8.product(x, packed, scale, low)
-    if w4a8.kernel_status() != "compiled":
+    if not isinstance(w4a8.kernel(), Library):
         pytest.skip(f"no compiled int4a8 kernel here: {w4a8.kernel_status()}")
     assert rel_error(fast, got) < 1e-5
     # The kernel multiplies a group's codes with up to four rows at once: a row's result is the same bits
@@ -113,16 +106,17 @@ def test_int4a8_computes_its_codes_times_per_token_int8_activations():
 
 
 @pytest.mark.parametrize(
-    "build", [b for b in w4a8.BUILDS if all(f in cpu_flags() for f in b[1])] or [None], ids=lambda b: b and b[0]
+    "build", [b for b in BUILDS if all(f in cpu_flags() for f in b.needs)] or [None], ids=lambda b: b and b.name
 )
 def test_every_int4a8_build_this_cpu_runs_agrees_with_the_reference(build):
     """Each build the CPU can run (an AVX-512 machine runs the AVX2 one too) passes the load-time check and gives
     the reference's numbers, a row the same bits in any block."""
     if build is None:
         pytest.skip("this CPU runs no build of the int4a8 kernel")
-    kernel = w4a8.build((build,))
-    if not isinstance(kernel, ctypes.CDLL):
+    kernel = load(build)
+    if not isinstance(kernel, Library):
         pytest.skip(kernel)
+    assert w4a8._self_check(kernel) is None
     packed, scale, low = w4a8.pack(linear(inp=832, out=96, dtype=torch.float32).weight)
     x = torch.randn(7, 832) * torch.linspace(0.1, 4.0, 832)
     block = w4a8._run(kernel, x, packed, scale, low, 2)
@@ -132,16 +126,20 @@ def test_every_int4a8_build_this_cpu_runs_agrees_with_the_reference(build):
                            block[start : start + size])  # fmt: skip
 
 
-def test_int4a8_without_its_kernel_says_so_and_computes_the_same(monkeypatch):
+def test_int4a8_without_its_kernel_says_so_once_and_computes_the_same(monkeypatch, capsys):
     """On a machine with no compiled kernel (another CPU, no C compiler) the view still works, on torch ops, and
-    says why it is slow."""
+    says why it is slow, once; switched off (VIASD_KERNELS) it says nothing."""
     layer = linear(dtype=torch.float32)
     packed, scale, low = w4a8.pack(layer.weight)
     x = torch.randn(3, 256)
-    monkeypatch.setattr(w4a8, "_kernel", lambda: "this CPU lacks avx512_vnni")
-    with pytest.warns(RuntimeWarning, match="lacks avx512_vnni"):
-        got = w4a8.product(x, packed, scale, low)
-    assert torch.equal(got, w4a8.reference(x, packed, scale, low))
+    monkeypatch.setattr(w4a8, "kernel", lambda: "this CPU lacks avx512_vnni")
+    got = [w4a8.product(x, packed, scale, low) for _ in range(2)]
+    said = "viasd: int4 x int8 products run on torch ops, slowly: this CPU lacks avx512_vnni\n"
+    assert capsys.readouterr().err == said
+    assert torch.equal(got[0], w4a8.reference(x, packed, scale, low))
+    monkeypatch.undo()
+    monkeypatch.setenv("VIASD_KERNELS", "off")
+    assert torch.equal(w4a8.product(x, packed, scale, low), got[0]) and capsys.readouterr().err == ""
 
 
 def test_a_mixed_recipe_quantizes_the_named_layers_to_int8():
@@ -158,7 +156,7 @@ def test_a_mixed_recipe_quantizes_the_named_layers_to_int8():
         QuantRecipe.parse("int8:int8=lm_head")
     from viasd.methods import parse_method
 
-    assert QuantRecipe.parse(parse_method("plain:quant=int4a8m").options["quant"]) == recipe
+    assert parse_method("plain:quant=int4a8m").options["quant"] == recipe  # parsed once, into the recipe
 
 
 def test_int4a8_refuses_layers_it_cannot_group():
@@ -252,18 +250,6 @@ def test_exact_methods_stay_exact_with_a_quantized_drafter_and_a_quantized_targe
     assert_same_until_a_near_tie(target, four, sd.tokens, fast.tokens)
 
 
-def assert_same_until_a_near_tie(model: nn.Module, view: View, got: list[int], plain: list[int]) -> None:
-    """`got` equals `plain` (the view's plain greedy output), or first differs where the view's top two logits,
-    read in one pass over the plain output, are within 0.2 of each other (a tie that arithmetic noise breaks)."""
-    parted = next((i for i, (a, b) in enumerate(zip(got, plain, strict=True)) if a != b), None)
-    if parted is None:
-        return
-    with torch.inference_mode(), applied(model, view):
-        logits = model(torch.tensor([PROMPT + plain])).logits[0, len(PROMPT) - 1 + parted].float()
-    top = logits.topk(2).values
-    assert float(top[0] - top[1]) < 0.2, f"parted at token {parted}, where the model leads by {top[0] - top[1]:.3f}"
-
-
 def test_a_quantized_slim_view_keeps_the_target_cache_equal_to_a_fresh_pass():
     """VIA-SD with the target's int8 view as its slim verifier: pending entries written by the quantized view
     never leak into the target's committed cache (docs/design.md, "Caches")."""
@@ -340,8 +326,8 @@ def test_a_long_pass_of_a_weight_only_view_reads_the_prompt_with_the_models_own_
     model still agree token for token, and the cache is what those two passes write."""
     target = tiny_model("qwen2", dtype=torch.float32)
     int4 = View(linears=quantize(target, QuantRecipe("int4")))
-    start = QuantRecipe("int4").own_weights_from(torch.device("cpu"))
-    assert start is not None and QuantRecipe("int4").own_weights_from(torch.device("cuda")) is None
+    start = QuantRecipe("int4").own_weights_from("cpu")
+    assert start is not None and QuantRecipe("int4").own_weights_from("cuda") is None
     prompt = (PROMPT * 8)[: start + 6]
     session = KVSession(target, int4)
     logits = session.forward(prompt, keep=1)

@@ -1,7 +1,6 @@
 """The attention kernel of short bf16 passes: torch's cache entries bit for bit, attention as exact as bf16 allows
 (closer to the float64 truth than torch's own), each query row the same in every block, both CPU builds alike."""
 
-import ctypes
 import platform
 import shutil
 
@@ -9,9 +8,11 @@ import pytest
 import torch
 
 from viasd.kernels import attention as short_attention
-from viasd.kernels.build import checked_kernel
+from viasd.kernels import build
+from viasd.kernels.build import Library
 from viasd.kernels.cpu import cpu_flags
 from viasd.passes.cache_layer import GrowingLayer
+from viasd.passes.loop import LayerAttention
 
 # Where it can be built (an x86 CPU with AVX2 and FMA, a C compiler), the kernel must also pass its own check.
 pytestmark = pytest.mark.skipif(
@@ -21,7 +22,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_the_kernel_is_built_and_passes_its_check():
-    assert isinstance(short_attention._kernel(), ctypes.CDLL), short_attention._kernel()
+    assert isinstance(short_attention.compiled(), Library), short_attention.compiled()
+
+
+def kernel_pass(cos, sin, heads, scale, library=None):
+    """A layer's attention in a pass by the kernel (the checked library, or `library`)."""
+    return LayerAttention(cos, sin, heads, scale, library or short_attention.compiled())
+
+
+def torch_pass(cos, sin, heads, scale):
+    """The same by the kernel's torch reference (the model's own arithmetic)."""
+    return LayerAttention(cos, sin, heads, scale, None)
 
 
 def case(heads, kv_heads, dim, past, rows, seed=0):
@@ -72,8 +83,8 @@ SHAPES = [  # heads, kv heads, dim, cached positions, rows: the real pair's, a t
 def test_kernel_writes_torchs_cache_entries_and_attends_as_exactly_as_bf16_allows(heads, kv_heads, dim, past, rows):
     query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, past, rows)
     torch_layer, kernel_layer = layer_with(prefix), layer_with(prefix)
-    want = short_attention.reference(query, key, value, cos, sin, torch_layer, heads, dim, dim**-0.5)
-    got = short_attention.PassAttention(cos, sin, heads, dim, dim**-0.5)(query, key, value, kernel_layer)
+    want = torch_pass(cos, sin, heads, dim**-0.5)(query, key, value, torch_layer)
+    got = kernel_pass(cos, sin, heads, dim**-0.5)(query, key, value, kernel_layer)
     assert torch.equal(kernel_layer.keys, torch_layer.keys) and torch.equal(kernel_layer.values, torch_layer.values)
     exact = truth(query, cos, sin, kernel_layer, heads, dim)
     # Within one bf16 rounding of the truth (half a unit in the last place, plus float32 noise), and on average
@@ -86,11 +97,11 @@ def test_each_query_row_gets_the_same_bits_in_every_block():
     heads, kv_heads, dim = 12, 2, 128
     query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, 50, 9, seed=1)
     blocked = layer_with(prefix)
-    whole = short_attention.PassAttention(cos, sin, heads, dim, dim**-0.5)(query, key, value, blocked)
+    whole = kernel_pass(cos, sin, heads, dim**-0.5)(query, key, value, blocked)
     stepped, parts, at = layer_with(prefix), [], 0
     for size in (1, 3, 1, 4):  # the same rows in other blocks, after the same cache
         rows = slice(at, at + size)
-        attention = short_attention.PassAttention(cos[rows], sin[rows], heads, dim, dim**-0.5)
+        attention = kernel_pass(cos[rows], sin[rows], heads, dim**-0.5)
         parts.append(attention(query[rows], key[rows], value[rows], stepped))
         at += size
     assert torch.equal(torch.cat(parts), whole)
@@ -104,42 +115,39 @@ def test_the_layer_grows_under_the_kernel():
     for step in range(300):  # past MIN_ROOM: the store doubles while the kernel writes into it
         if step == 120:
             kernel_layer.crop(-20), torch_layer.crop(-20)
-        short_attention.PassAttention(cos, sin, heads, dim, 0.25)(query, key, value, kernel_layer)
-        short_attention.reference(query, key, value, cos, sin, torch_layer, heads, dim, 0.25)
+        kernel_pass(cos, sin, heads, 0.25)(query, key, value, kernel_layer)
+        torch_pass(cos, sin, heads, 0.25)(query, key, value, torch_layer)
     assert kernel_layer.get_seq_length() == 280 and kernel_layer.stores()[0].shape[-2] == 512
     assert torch.equal(kernel_layer.keys, torch_layer.keys) and torch.equal(kernel_layer.values, torch_layer.values)
 
 
 @pytest.mark.skipif("avx512f" not in cpu_flags(), reason="compares the AVX-512 build with the AVX2 one")
 def test_the_avx2_build_gives_the_avx512_builds_bits():
-    argtypes = short_attention._kernel().short_attention.argtypes
-    avx2 = checked_kernel(
-        "attention.c", short_attention.BUILDS[1:], "attention", "short_attention", argtypes,
-        short_attention._self_check, ("bf16_vectors.h",),
-    )  # fmt: skip
-    assert isinstance(avx2, ctypes.CDLL)
+    avx2 = build.load(build.BUILDS[-1])
+    assert isinstance(avx2, Library) and avx2.build == "avx2" and short_attention._self_check(avx2) is None
     heads, kv_heads, dim = 12, 2, 128
     query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, 70, 4, seed=2)
     outputs = [
-        short_attention.PassAttention(cos, sin, heads, dim, dim**-0.5, kernel)(query, key, value, layer_with(prefix))
-        for kernel in (short_attention._kernel(), avx2)
+        kernel_pass(cos, sin, heads, dim**-0.5, library)(query, key, value, layer_with(prefix))
+        for library in (short_attention.compiled(), avx2)
     ]
     assert torch.equal(*outputs)
 
 
 def test_what_the_kernel_does_not_take(monkeypatch):
-    assert short_attention.applies(torch.bfloat16, 12, 2, 128) and short_attention.kernel_status() == "compiled"
-    assert not short_attention.applies(torch.float32, 12, 2, 128)  # float32 and float64 models: torch's ops
-    assert not short_attention.applies(torch.bfloat16, 12, 2, 72)  # a head dim that is not whole vectors
-    assert not short_attention.applies(torch.bfloat16, 34, 2, 64)  # more query heads per group than it holds
-    monkeypatch.setenv(short_attention.SWITCH, "off")
-    assert not short_attention.applies(torch.bfloat16, 12, 2, 128) and short_attention.kernel_status() == "off"
+    assert short_attention.takes(torch.bfloat16, 12, 2, 128) and isinstance(short_attention.kernel(), Library)
+    assert not short_attention.takes(torch.float32, 12, 2, 128)  # float32 and float64 models: torch's ops
+    assert not short_attention.takes(torch.bfloat16, 12, 2, 72)  # a head dim that is not whole vectors
+    assert not short_attention.takes(torch.bfloat16, 34, 2, 64)  # more query heads per group than it holds
+    monkeypatch.setenv("VIASD_KERNELS", "-attention")
+    assert short_attention.kernel_status() == "switched off (VIASD_KERNELS)"
+    monkeypatch.delenv("VIASD_KERNELS")
     query, key, value, cos, sin, prefix = case(4, 2, 16, 5, 2)
-    attention = short_attention.PassAttention(cos, sin, 4, 16, 0.25)
+    attention = kernel_pass(cos, sin, 4, 0.25)
     with pytest.raises(ValueError, match="side by side"):
         attention(query, key.t().contiguous().t(), value, layer_with(prefix))
     query, key, value, cos, sin, prefix = case(34, 2, 16, 5, 2)  # 17 query heads per group: more than it holds
     layer = layer_with(prefix)
     with pytest.raises(ValueError, match="does not take 34 heads"):
-        short_attention.PassAttention(cos, sin, 34, 16, 0.25)(query, key, value, layer)
+        kernel_pass(cos, sin, 34, 0.25)(query, key, value, layer)
     assert layer.get_seq_length() == 5  # nothing half-written kept

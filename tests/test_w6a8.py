@@ -3,28 +3,19 @@ compiled builds, and the file's blocks read as the gguf library reads them."""
 
 from __future__ import annotations
 
-import ctypes
-
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
+from helpers import random_q6k
 from viasd.kernels import w4a8, w6a8
+from viasd.kernels.build import BUILDS, Build, Library, load
 from viasd.kernels.cpu import cpu_flags
 from viasd.views.gguf import q6k_to_int6a8
 
 Q6_K = gguf.GGMLQuantizationType.Q6_K
-
-
-def random_q6k(rows: int, columns: int, seed: int) -> np.ndarray:
-    """Random Q6_K bytes [rows, columns / 256 * 210]: any code bytes and int8 scales make a valid block; d is kept
-    to the magnitudes real layers have."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * columns // 256, 210), dtype=np.uint8)
-    blocks[:, 208:210] = rng.uniform(1e-4, 1e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
-    return blocks.reshape(rows, columns // 256 * 210)
 
 
 def exact_product(x: torch.Tensor, weights: w6a8.SixBitWeights) -> torch.Tensor:
@@ -64,17 +55,18 @@ def test_the_reference_computes_codes_times_per_group_int8_activations():
     assert ((got.double() - dense).norm() / dense.norm()) < 0.02  # int8 activations cost about 1%
 
 
-def runnable_builds() -> list[tuple]:
-    return [build for build in w6a8.BUILDS if all(flag in cpu_flags() for flag in build[1])]
+def runnable_builds() -> list[Build]:
+    return [build for build in BUILDS if all(flag in cpu_flags() for flag in build.needs)]
 
 
-@pytest.mark.parametrize("build", runnable_builds() or [None], ids=lambda b: b[0] if b else "none")
+@pytest.mark.parametrize("build", runnable_builds() or [None], ids=lambda b: b.name if b else "none")
 def test_every_build_this_cpu_runs_agrees_with_the_reference_and_with_itself_in_any_block(build):
     if build is None:
         pytest.skip("this CPU runs no build of the 6-bit kernel")
-    kernel = w6a8.build((build,))
-    if not isinstance(kernel, ctypes.CDLL):
+    kernel = load(build)
+    if not isinstance(kernel, Library):
         pytest.skip(kernel)  # no compiler here
+    assert w6a8._self_check(kernel) is None
     weights = q6k_to_int6a8(random_q6k(48, 1280, seed=2), 48, 1280)  # five super-blocks: an odd pair count
     x = torch.randn(11, 1280) * torch.linspace(0.1, 4.0, 1280)
     block = w6a8._run(kernel, x, weights, 2)
@@ -87,13 +79,13 @@ def test_every_build_this_cpu_runs_agrees_with_the_reference_and_with_itself_in_
     assert torch.equal(w6a8._run(kernel, x, weights, 1), block)  # and whatever the threads
 
 
-def test_without_its_kernel_the_product_says_so_and_computes_the_same(monkeypatch):
+def test_without_its_kernel_the_product_says_so_once_and_computes_the_same(monkeypatch, capsys):
     weights = q6k_to_int6a8(random_q6k(8, 256, seed=3), 8, 256)
     x = torch.randn(3, 256)
-    monkeypatch.setattr(w6a8, "_kernel", lambda: "this CPU lacks avx2")
-    with pytest.warns(RuntimeWarning, match="lacks avx2"):
-        got = w6a8.product(x, weights)
-    assert torch.equal(got, w6a8.reference(x, weights))
+    monkeypatch.setattr(w6a8, "kernel", lambda: "this CPU lacks avx2")
+    got = [w6a8.product(x, weights) for _ in range(2)]
+    assert capsys.readouterr().err == "viasd: 6-bit x int8 products run on torch ops, slowly: this CPU lacks avx2\n"
+    assert torch.equal(got[0], w6a8.reference(x, weights))
 
 
 @pytest.mark.parametrize("six_bit", [True, False], ids=["w6a8", "w4a8"])

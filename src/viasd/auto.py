@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from viasd.cache import cache_folder
 from viasd.decode.base import Decoder, GenerationConfig
 from viasd.decode.output import OutputSink
 from viasd.decode.stats import GenerationStats
 from viasd.fileio import write_atomic
-from viasd.models.fetch import default_cache_dir
 from viasd.models.fingerprint import model_fingerprint
 from viasd.prompting import encode_prompt
 from viasd.verify.sampling import SamplingParams
@@ -51,30 +51,28 @@ def candidates(drafter_fits: bool | None, quantize: bool = True, int4a8: bool = 
 
 
 def int4a8_is_fast(device: torch.device) -> bool:
-    """Whether int4a8 views run on viasd's compiled kernel here (a CPU with AVX-512 VNNI), not the slow
-    torch reference."""
+    """Whether int4a8 views run on viasd's compiled kernel here (an x86 CPU with AVX-512 VNNI or AVX2), not the
+    slow torch reference."""
     from viasd.kernels import w4a8
+    from viasd.kernels.build import Library
 
-    return device.type == "cpu" and w4a8.kernel_status() == "compiled"
+    return device.type == "cpu" and isinstance(w4a8.kernel(), Library)
 
 
 def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence[str]) -> str:
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
-    from viasd.kernels import attention as short_attention
-    from viasd.kernels import w4a8, w6a8
     from viasd.kernels.cpu import cpu_model
-    from viasd.passes import fused as fused_layers
-    from viasd.passes import loop as short_pass
+    from viasd.kernels.state import kernel_states
+    from viasd.passes import loop
     from viasd.passes.bf16_linear import CpuBf16Linear
 
     machine = [platform.machine(), cpu_model(), os.cpu_count(), torch.get_num_threads(), str(device)]
     machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
-    machine.append(short_pass.supports(target))  # steps and blocks run the leaner loop: other costs
+    machine.append(loop.covers(target))  # steps and blocks run viasd's loop: other costs
     if device.type == "cpu":  # which of viasd's kernels run here, and their sources (a changed kernel: probe again)
-        machine += [w4a8.kernel_status(), w6a8.kernel_status(), short_attention.kernel_status()]
-        machine += [fused_layers.kernel_status(), _kernel_sources()]
+        machine += [kernel_states(), _kernel_sources()]
     if device.type == "cuda":
         machine.append(torch.cuda.get_device_name(device))
     parts = [machine, torch.__version__, model_fingerprint(target), str(parameter.dtype), settings, list(names)]
@@ -120,7 +118,7 @@ def choose(
     log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
     """The fastest of `names` by the cached probe for `key`, probing first when there is none."""
-    path = (cache or default_cache_dir().parent / "auto") / f"{key}.json"
+    path = (cache or cache_folder("auto")) / f"{key}.json"
     try:
         record = json.loads(path.read_text())
         if record.get("candidates") == list(names) and record.get("chosen") in names:

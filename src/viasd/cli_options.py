@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from viasd.engine import EngineSpec
+from viasd.spec import EngineSpec
 
 TargetOpt = Annotated[
     str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")

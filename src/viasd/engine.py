@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from viasd.errors import ViasdError
 from viasd.methods import parse_method
-from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
+from viasd.spec import EngineSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -18,30 +17,9 @@ if TYPE_CHECKING:
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
-    from viasd.views.gguf import GgufWeights
     from viasd.views.layer_skip import LayerMask
+    from viasd.views.recipe import QuantRecipe
     from viasd.views.view import View
-
-
-@dataclass
-class EngineSpec:
-    """Which models to load and how, and the settings every method shares."""
-
-    target: str = DEFAULT_TARGET
-    drafter: str = DEFAULT_DRAFTER
-    device: str | None = None
-    dtype: str = "auto"
-    device_map: str | None = None
-    gamma: int | None = None  # draft tokens per round; None: the method's default (the profile's for via)
-    self_skip_ratio: float = 0.25
-    profile: str | None = None
-    quant: str | None = None  # run the target as its quantized view (a recipe name, e.g. int8): another model
-    drafter_quant: str | None = None  # run the drafter as its quantized view
-
-    def __post_init__(self) -> None:
-        # 0 must not silently mean "the default" (the decoders read a falsy gamma as unset).
-        if self.gamma is not None and self.gamma < 1:
-            raise ViasdError(f"--gamma must be >= 1 (draft tokens per round), got {self.gamma}")
 
 
 class Engine:
@@ -57,10 +35,14 @@ class Engine:
         self._drafter_checked = False
         self._decoders: dict[str, Decoder] = {}
         self._profiles: dict[str, RoutingProfile] = {}
-        self._views: dict[tuple[int, str], View] = {}
+        self._views: dict[tuple[int, QuantRecipe], View] = {}
 
     def _load(self, name: str) -> LoadedModel:
-        return load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
+        from viasd.passes.prepare import prepare
+
+        loaded = load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
+        prepare(loaded.model)
+        return loaded
 
     @property
     def spec(self) -> EngineSpec:
@@ -70,45 +52,15 @@ class Engine:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.target.tokenizer
 
-    @property
-    def gamma(self) -> int | None:
-        return self.spec.gamma
-
-    @property
-    def quant(self) -> str | None:
-        return self.spec.quant
-
-    @property
-    def drafter_quant(self) -> str | None:
-        return self.spec.drafter_quant
-
-    def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
-        """`model`'s quantized view by recipe name (None: none), made once (cached on disk) and shared."""
+    def quantized(self, model: LoadedModel, recipe: QuantRecipe | None) -> View | None:
+        """`model`'s quantized view by `recipe` (None: none), made once (cached on disk) and shared."""
         if recipe is None:
             return None
         key = (id(model.model), recipe)
         if key not in self._views:
-            from viasd.prompting import encode_prompt
-            from viasd.views.quantize import QuantRecipe
-            from viasd.views.store import SMOOTHING_TEXTS, cached_quantize
-            from viasd.views.view import View
+            from viasd.views.make import quantized_view
 
-            def sequences() -> list[list[int]]:
-                return [encode_prompt(model.tokenizer, text) for text in SMOOTHING_TEXTS]
-
-            def gguf() -> GgufWeights:
-                from viasd.views.gguf import GgufWeights, source_gguf
-
-                path = source_gguf(model.name, model.path)
-                if path is None:
-                    raise ViasdError(
-                        f"quantization {recipe} takes the blocks of the GGUF file a model came from; "
-                        f"{model.name} was not loaded from one (use int4a8, which quantizes it here)"
-                    )
-                return GgufWeights(path)
-
-            linears = cached_quantize(model.model, QuantRecipe.parse(recipe), sequences, gguf=gguf)
-            self._views[key] = View(linears=linears)
+            self._views[key] = quantized_view(model, recipe)
         return self._views[key]
 
     @property
@@ -145,11 +97,16 @@ class Engine:
         return path or self.spec.profile or self.default_profile()
 
     def default_profile(self) -> Path | None:
-        """The shipped profile for the default pair that suits where the target runs (`default_profile_path`)."""
-        from viasd.auto import int4a8_is_fast
+        """The shipped profile for the default pair that suits where the target runs (`default_profile_path`): the
+        int4a8 one on a CPU that viasd's kernels are built for, whether or not a compiler is there to build them
+        (without one its views run on torch ops, slowly, and say so), so that what `via` writes depends on the CPU
+        only."""
+        from viasd.kernels.build import BUILDS, Build, choose_build
+        from viasd.kernels.cpu import cpu_flags
         from viasd.profile import default_profile_path
 
-        return default_profile_path(int4a8_is_fast(next(self.target.model.parameters()).device))
+        on_cpu = next(self.target.model.parameters()).device.type == "cpu"
+        return default_profile_path(on_cpu and isinstance(choose_build(BUILDS, cpu_flags()), Build))
 
     def gguf(self) -> Path:
         """The target's GGUF file: the verified file of a default model (assembled once), or the file it was

@@ -16,17 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from viasd.decode import MAX_GAMMA
 from viasd.errors import ViasdError
+from viasd.views.recipe import QuantRecipe
 
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
     from viasd.drafters.base import Drafter
     from viasd.models.loading import LoadedModel
     from viasd.profile import RoutingProfile
+    from viasd.spec import EngineSpec
     from viasd.views.layer_skip import LayerMask
     from viasd.views.view import View
-
-MAX_GAMMA = 64  # as decode.round.MAX_GAMMA (kept here so that parsing stays free of torch)
 DRAFTERS = ("model", "lookup", "hybrid")  # what the `drafter` option of sd and via may name
 # sd's draft stop threshold, chosen from counts on the development prompts (BENCHMARKS.md, "Drafts that adapt"):
 # it cuts the drafts that no verifier looks at from 21.5% to 7.3% and is estimated 1.11x faster in decoding.
@@ -46,15 +47,15 @@ class Parts(Protocol):
     """What a method builds its decoder from; the Engine provides it."""
 
     @property
+    def spec(self) -> EngineSpec:
+        """The engine's settings: models, and what every method shares (--gamma, --quant, --drafter-quant)."""
+        ...
+
+    @property
     def target(self) -> LoadedModel: ...
 
     @property
     def drafter(self) -> LoadedModel: ...
-
-    @property
-    def gamma(self) -> int | None:
-        """The engine-wide draft length (--gamma), if one was given."""
-        ...
 
     def routing_profile(self, path: str | None = None) -> RoutingProfile: ...
 
@@ -72,24 +73,15 @@ class Parts(Protocol):
         """Whether the drafter shares the target's tokenizer (None: unknown without loading it)."""
         ...
 
-    @property
-    def spec(self) -> Any:
-        """The engine's settings (EngineSpec)."""
+    def quantized(self, model: LoadedModel, recipe: QuantRecipe | None) -> View | None:
+        """The quantized view of `model` by `recipe` (None: no view), made once and cached."""
         ...
 
-    def quantized(self, model: LoadedModel, recipe: str | None) -> View | None:
-        """The quantized view of `model` by a recipe name (None: no view), made once and cached."""
-        ...
 
-    @property
-    def quant(self) -> str | None:
-        """The engine-wide quantization of the target (--quant), if any."""
-        ...
-
-    @property
-    def drafter_quant(self) -> str | None:
-        """The engine-wide quantization of the drafter (--drafter-quant), if any."""
-        ...
+def first_set(*values: Any) -> Any:
+    """The first of `values` that is set (not None): a variant's option, then the engine's, then a default. (Not
+    `or`: 0 and 0.0 are settings.)"""
+    return next((value for value in values if value is not None), None)
 
 
 # ------------------------------------------------------------------------------------------ options
@@ -143,12 +135,10 @@ def _path(key: str, text: str) -> str:
     return text
 
 
-def _recipe(key: str, text: str) -> str:
-    """A quantization recipe name (`int8`, `int4`, `int8:smooth=0.5`, ...), checked now, kept as written."""
-    from viasd.views.quantize import QuantRecipe  # torch-free to parse, but lives with the kernels
-
+def _recipe(key: str, text: str) -> QuantRecipe:
+    """A quantization recipe (`int8`, `int4`, `int8:smooth=0.5`, `gguf`, ...), parsed here, once."""
     try:
-        return QuantRecipe.parse(text).name
+        return QuantRecipe.parse(text)
     except ViasdError as error:
         raise ViasdError(f"method option {key}: {error}") from None
 
@@ -246,21 +236,24 @@ class Method:
 
 
 def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
-    return spec.get("gamma") or parts.gamma or default
+    return first_set(spec.get("gamma"), parts.spec.gamma, default)
+
+
+def _target_recipe(parts: Parts, spec: MethodSpec) -> QuantRecipe | None:
+    return first_set(spec.get("quant"), parts.spec.quant)
 
 
 def _target_view(parts: Parts, spec: MethodSpec) -> View | None:
     """The target's view for a method: its quantized view when the variant or --quant asks for one."""
-    return parts.quantized(parts.target, spec.get("quant") or parts.quant)
+    return parts.quantized(parts.target, _target_recipe(parts, spec))
 
 
-def _drafter_recipe(parts: Parts, spec: MethodSpec) -> str | None:
-    return spec.get("drafter_quant") or parts.drafter_quant
+def _drafter_recipe(parts: Parts, spec: MethodSpec) -> QuantRecipe | None:
+    return first_set(spec.get("drafter_quant"), parts.spec.drafter_quant)
 
 
 def _stop(spec: MethodSpec, default: float) -> float:
-    stop = spec.get("stop")
-    return default if stop is None else float(stop)
+    return first_set(spec.get("stop"), default)
 
 
 def _lookup_drafter(spec: MethodSpec, match: int) -> Drafter:
@@ -270,7 +263,7 @@ def _lookup_drafter(spec: MethodSpec, match: int) -> Drafter:
     return PromptLookupDrafter(max_ngram=max(3, shortest), min_ngram=shortest, copy=spec.get("copy"))
 
 
-def _drafter(parts: Parts, spec: MethodSpec, recipe: str | None = None) -> Drafter:
+def _drafter(parts: Parts, spec: MethodSpec, recipe: QuantRecipe | None = None) -> Drafter:
     """The drafter a variant names: the small model (default; as its quantized view by `recipe`), prompt lookup,
     or the hybrid of both."""
     from viasd.drafters.hybrid import HybridDrafter
@@ -280,7 +273,8 @@ def _drafter(parts: Parts, spec: MethodSpec, recipe: str | None = None) -> Draft
     if kind == "lookup":
         return _lookup_drafter(spec, LOOKUP_MATCH)
     small = parts.drafter
-    model = ModelDrafter(small.model, parts.quantized(small, recipe or _drafter_recipe(parts, spec)), name="model")
+    view = parts.quantized(small, first_set(recipe, _drafter_recipe(parts, spec)))
+    model = ModelDrafter(small.model, view, name="model")
     if kind == "model":
         return model
     budget = spec.get("budget")
@@ -321,10 +315,10 @@ def _self(parts: Parts, spec: MethodSpec) -> Decoder:
 def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.hf_assisted import HFAssistedDecoder
 
-    if parts.quant or parts.drafter_quant:
+    if parts.spec.quant or parts.spec.drafter_quant:
         raise ViasdError("hf-assisted runs transformers' own models: it takes no quantized view (--quant)")
     target = parts.target
-    gamma = spec.get("gamma") or parts.gamma  # None keeps transformers' own draft policy
+    gamma = first_set(spec.get("gamma"), parts.spec.gamma)  # None keeps transformers' own draft policy
     return HFAssistedDecoder(target.model, target.tokenizer, parts.drafter.model, gamma, spec.name)
 
 
@@ -335,7 +329,7 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.base import context_limit
     from viasd.decode.llama_cpp import LlamaCppDecoder, load_llama
 
-    if parts.quant or parts.drafter_quant:
+    if parts.spec.quant or parts.spec.drafter_quant:
         raise ViasdError("llama.cpp runs the GGUF file's own quantization: it takes no --quant")
     target, lookup = parts.target, spec.get("lookup") or 0
     # With lookup, llama-cpp-python keeps context x vocabulary float logits (2.5 GB for Qwen2.5 at 4096 tokens).
@@ -360,7 +354,8 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
             file=sys.stderr,
         )
     engine = parts.spec
-    settings = {"drafter": engine.drafter, "quant": engine.quant, "gamma": engine.gamma, "profile": engine.profile}
+    quant = engine.quant.name if engine.quant else None
+    settings = {"drafter": engine.drafter, "quant": quant, "gamma": engine.gamma, "profile": engine.profile}
     record = choose(parts.decoder, names, parts.target.tokenizer, probe_key(parts.target.model, settings, names))
     return AutoDecoder(parts.decoder(record["chosen"]), record, spec.name)
 
@@ -370,13 +365,14 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.tiered import TieredDecoder
     from viasd.verify.gates import Gate
 
-    if parts.quant:
+    if parts.spec.quant:
         raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
     from viasd.views.view import View
 
     profile = parts.routing_profile(spec.get("profile"))
     policy = profile.policy(
-        gamma=spec.get("gamma") or parts.gamma, cap=spec.get("cap"), pregate=spec.get("pregate"), stop=spec.get("stop")
+        gamma=first_set(spec.get("gamma"), parts.spec.gamma), cap=spec.get("cap"), pregate=spec.get("pregate"),
+        stop=spec.get("stop"),
     )
     if spec.base == "via-exact":
         policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop)
@@ -385,7 +381,7 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     for tier, mask in enumerate(profile.masks):  # each slim view: its layer mask, and quantized copies if any
         quantized = parts.quantized(target, profile.slim_quant(tier))
         slims.append(View(mask=mask, linears=quantized.linears if quantized else None))
-    recipe = _drafter_recipe(parts, spec) or (profile.drafter or {}).get("quant")
+    recipe = first_set(_drafter_recipe(parts, spec), profile.drafter_quant)
     if profile.self_drafter:  # the profile's drafter is the target's own view
         from viasd.drafters.model_drafter import ModelDrafter
 

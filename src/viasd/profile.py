@@ -21,6 +21,7 @@ from viasd.fileio import write_atomic
 from viasd.models.fingerprint import model_fingerprint
 from viasd.verify.gates import Gate
 from viasd.views.layer_skip import LayerMask
+from viasd.views.recipe import QuantRecipe
 
 FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
@@ -35,8 +36,9 @@ class RoutingProfile:
     target: dict[str, str]  # {"name", "fingerprint"}
     drafter: dict[str, str] | None  # None: the profile works with any drafter of the target
     masks: list[LayerMask]  # the slim views' layer masks, cheapest first
-    # Per slim view, the quantization of its Linear layers (a recipe name, e.g. int8), or None: bf16. Empty: none.
-    quant: list[str | None] = field(default_factory=list)
+    # Per slim view, the quantization of its Linear layers, or None: bf16. Empty: none. (Recipe names, as in the
+    # file, are parsed once, when the profile is made.)
+    quant: list[QuantRecipe | None] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
     gamma: int = 4
     cap: int = 32  # max tokens committed without the full target before a full pass is forced
@@ -48,6 +50,7 @@ class RoutingProfile:
     format: str = FORMAT
 
     def __post_init__(self) -> None:
+        self.quant = [_recipe(q) for q in self.quant]
         self.policy()  # refuses a bad gamma, cap, pre-gate or stop threshold with one line
         if not self.gate.always_full and len(self.gate.thresholds) != len(self.masks) + 1:
             raise ViasdError(
@@ -57,9 +60,14 @@ class RoutingProfile:
         if self.quant and len(self.quant) != len(self.masks):
             raise ViasdError(f"routing profile: {len(self.masks)} slim view(s) but {len(self.quant)} quantizations")
 
-    def slim_quant(self, tier: int) -> str | None:
+    def slim_quant(self, tier: int) -> QuantRecipe | None:
         """The quantization recipe of slim view `tier` (0-based), or None."""
         return self.quant[tier] if self.quant else None
+
+    @property
+    def drafter_quant(self) -> QuantRecipe | None:
+        """The quantization of the drafter's view the profile was calibrated with, or None."""
+        return _recipe((self.drafter or {}).get("quant"))
 
     @property
     def self_drafter(self) -> bool:
@@ -77,6 +85,7 @@ class RoutingProfile:
         data = asdict(self)
         data["masks"] = [m.to_dict() for m in self.masks]
         data["gate"] = {"signal": self.gate.signal, "thresholds": list(self.gate.thresholds)}
+        data["quant"] = [None if q is None else q.name for q in self.quant]
         return data
 
     @classmethod
@@ -89,7 +98,7 @@ class RoutingProfile:
                 target=dict(data["target"]),
                 drafter=dict(data["drafter"]) if data.get("drafter") else None,
                 masks=[LayerMask.from_dict(m) for m in data["masks"]],
-                quant=[_recipe(q) for q in data.get("quant", [])],
+                quant=list(data.get("quant", [])),
                 gate=Gate(gate.get("signal", "kl"), tuple(float(t) for t in gate.get("thresholds", (0.05, 1.0)))),
                 gamma=_integer(data.get("gamma", 4), "gamma"),
                 cap=_integer(data.get("cap", 32), "cap"),
@@ -123,13 +132,13 @@ class RoutingProfile:
             )
 
 
-def _recipe(value: Any) -> str | None:
-    """A slim view's quantization: None, or a recipe name (checked)."""
-    if value is None:
-        return None
-    from viasd.views.quantize import QuantRecipe
-
-    return QuantRecipe.parse(str(value)).name
+def _recipe(value: Any) -> QuantRecipe | None:
+    """A view's quantization as a profile holds it: None, a recipe, or a recipe name (parsed here, once)."""
+    if value is None or isinstance(value, QuantRecipe):
+        return value
+    if not isinstance(value, str):
+        raise ViasdError(f"routing profile: a quantization must be a recipe name like int4a8, got {value!r}")
+    return QuantRecipe.parse(value)
 
 
 def _integer(value: Any, name: str) -> int:

@@ -16,6 +16,7 @@ import typer
 from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, TargetOpt, engine_spec
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+from viasd.views.recipe import QuantRecipe
 
 
 def _numbers(text: str, kind: type, option: str) -> tuple[Any, ...]:
@@ -122,7 +123,7 @@ def calibrate(
     """Find the slim verifier's layer mask and calibrate the gate, gamma, stop, cap and pre-gate for a model pair."""
     from rich.console import Console
 
-    from viasd.calibration.pipeline import CalibrationSettings
+    from viasd.calibration.settings import CalibrationSettings
 
     err = Console(stderr=True)
     if sampler not in ("tpe", "gp"):
@@ -152,7 +153,7 @@ def calibrate(
     settings = CalibrationSettings(
         objective=objective,
         skip_ratios=() if skip_ratio.strip() == "none" else _numbers(skip_ratio, float, "--skip-ratio"),
-        slim_quants=tuple(part.strip() for part in (slim_quants or "").split(",") if part.strip()),
+        slim_quants=tuple(QuantRecipe.parse(part) for part in (slim_quants or "").split(",") if part.strip()),
         drafters=tuple(part.strip() for part in drafters.split(",") if part.strip()),
         iterations=iterations,
         time_budget=time_budget,
@@ -176,7 +177,7 @@ def calibrate(
         engine = Engine(engine_spec(target, drafter, device=device, dtype=dtype))
         pair = (engine.target, engine.drafter)
 
-    def quantized(loaded: Any, recipe: str) -> Any:  # made once per model and recipe, cached on disk
+    def quantized(loaded: Any, recipe: QuantRecipe) -> Any:  # made once per model and recipe, cached on disk
         view = engine.quantized(loaded, recipe)
         assert view is not None and view.linears is not None
         return view.linears
@@ -208,9 +209,9 @@ def calibrate(
 
 def _describe(profile: Any) -> str:
     predicted = profile.calibration["predicted"]
-    quant = f" + {profile.slim_quant(0)}" if profile.slim_quant(0) else ""
-    drafter = (profile.drafter or {}).get("quant")
-    drafter_text = f"drafter {'self' if profile.self_drafter else 'model'}{':' + drafter if drafter else ''}, "
+    quant = f" + {profile.slim_quant(0).name}" if profile.slim_quant(0) else ""
+    drafter = profile.drafter_quant
+    drafter_text = f"drafter {'self' if profile.self_drafter else 'model'}{':' + drafter.name if drafter else ''}, "
     return (
         f"{profile.masks[0].describe()}{quant}, {drafter_text}"
         f"gate {profile.gate.signal} {list(profile.gate.thresholds)}, "
@@ -233,7 +234,7 @@ def _reselect(
     quantized: Any,
 ) -> None:
     """`--reselect`: the profile's round policy selected again, or (`--what-if`) the scenario table."""
-    from viasd.calibration.pipeline import profile_records, reselect
+    from viasd.calibration.reselection import profile_records, reselect
     from viasd.calibration.workfile import WorkFile
     from viasd.fileio import file_sha256
     from viasd.profile import load_profile, save_profile

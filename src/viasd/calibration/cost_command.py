@@ -22,6 +22,7 @@ import typer
 from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, ProfileOpt, TargetOpt, engine_spec
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+from viasd.views.recipe import QuantRecipe
 
 
 def _list(text: str, kind: type, option: str) -> list[Any]:
@@ -236,9 +237,9 @@ def _model_tables(
 
         def quantized(recipe: str) -> Any:
             if not random_weights:
-                return engine.quantized(loaded, recipe)
+                return engine.quantized(loaded, QuantRecipe.parse(recipe))
             # Random weights: quantize them for the timing, but never cache them on disk.
-            from viasd.views.quantize import QuantRecipe, quantize
+            from viasd.views.quantize import quantize
             from viasd.views.view import View
 
             return View(linears=quantize(loaded.model, QuantRecipe.parse(recipe)))

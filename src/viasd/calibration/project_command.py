@@ -148,7 +148,7 @@ def project(
     # A bad costs file fails before any model loads.
     cost_model, used = costs_from_record(record, slims, context, drafter=drafter_view or "full")
     if routing is not None:
-        from viasd.calibration.pipeline import profile_data
+        from viasd.calibration.reselection import profile_data
         from viasd.calibration.workfile import WorkFile
         from viasd.engine import Engine
 
@@ -197,9 +197,11 @@ def profile_views(routing: Any) -> tuple[str, str | None]:
     (None for the target's own view drafting: that table is the target's, not a drafter's)."""
     slims = []
     for tier, mask in enumerate(routing.masks):
-        parts = ([] if mask.is_full else ["profile"]) + [recipe for recipe in [routing.slim_quant(tier)] if recipe]
+        recipe = routing.slim_quant(tier)
+        parts = ([] if mask.is_full else ["profile"]) + ([recipe.name] if recipe else [])
         slims.append("+".join(parts) or "full")
-    drafter = None if routing.self_drafter else (routing.drafter or {}).get("quant") or "full"
+    quant = routing.drafter_quant
+    drafter = None if routing.self_drafter else quant.name if quant else "full"
     return ",".join(slims), drafter
 
 
@@ -224,7 +226,7 @@ def _read_json(path: Path, what: str, kind: type = dict, missing: str | None = N
 
 def _write_questions(profile: Path, path: Path) -> None:
     """The profile's calibration prompts as Spec-Bench questions, one category, in the profile's order."""
-    from viasd.calibration.pipeline import profile_prompts
+    from viasd.calibration.reselection import profile_prompts
     from viasd.fileio import write_atomic
     from viasd.profile import load_profile
 
@@ -252,11 +254,6 @@ def _bench_rows(run: Path, sd: str | None = None) -> dict[str, dict[str, Any]]:
     if chosen is not None:
         out["sd"] = found[chosen]
     return out
-
-
-def _bench_speedups(run: Path, sd: str | None = None) -> dict[str, float]:
-    """Each method's overall speedup over plain in a bench run (`_bench_rows`)."""
-    return {name: float(row["speedup"]) for name, row in _bench_rows(run, sd).items()}
 
 
 # The bench's cost split (`bench.metrics.COST_PARTS`) under the projection's part names.

@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from viasd.decode import MAX_GAMMA
 from viasd.errors import ViasdError
 from viasd.verify.gates import Gate
 
 T = TypeVar("T")
-MAX_GAMMA = 64  # draft tokens per round: far beyond any useful block, small enough to refuse a typo
 
 
 def draft_length(gamma: int, remaining: int, context_len: int = 0, context_limit: int | None = None) -> int:

@@ -6,9 +6,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from viasd.decode import MAX_GAMMA
 from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.output import OutputSink
-from viasd.decode.round import MAX_GAMMA, Round, check_stop, draft_length
+from viasd.decode.round import Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError

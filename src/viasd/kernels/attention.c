@@ -22,9 +22,10 @@
 #include <string.h>
 
 #include "bf16_vectors.h"
+#include "viasd_kernels.h"
 
-#define MAX_DIM 256  /* head dims up to this, multiples of LANES */
-#define MAX_GROUP 16 /* query heads per key/value head */
+#define MAX_DIM VIASD_MAX_HEAD_DIM /* head dims up to this, multiples of LANES */
+#define MAX_GROUP VIASD_MAX_GROUP  /* query heads per key/value head */
 #define TILE_HEADS 4  /* query heads x ... */
 #define TILE_CHUNKS 4 /* ... chunks of LANES values whose weighted sums are made together (16 registers) */
 

@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "viasd_kernels.h"
+
 #define BLOCK 4
 
 static inline float sum8(__m256 v) {
@@ -46,7 +48,7 @@ static inline __attribute__((always_inline)) void rows_output(const uint16_t *w,
     }
 }
 
-void bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {
+int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t j = 0; j < n; j++) {
         const uint16_t *wj = w + j * k;
@@ -60,4 +62,5 @@ void bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int
         }
 #undef ROWS
     }
+    return 0;
 }

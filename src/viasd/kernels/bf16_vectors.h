@@ -8,7 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 16
+#include "viasd_kernels.h"
+
+#define LANES VIASD_LANES
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));

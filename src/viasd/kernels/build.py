@@ -1,8 +1,20 @@
-"""viasd's own C kernels: compiled once per machine with the system's C compiler, cached, loaded with ctypes."""
+"""Building and loading viasd's kernel library: compiled once per machine with the system's C compiler, kept in a
+private folder of viasd's cache, checked by content before it is loaded, bound through cffi to the declarations
+of `viasd_kernels.h`.
+
+All of viasd's C sources go into one library, in the widest build this CPU runs (`BUILDS`). Nothing here raises:
+every way a build can fail (no compiler, a bad `CC`, a compiler that hangs, an unwritable cache, a damaged or
+foreign library under the expected name) comes back as a one-line reason, and the callers use torch instead.
+
+The cache holds, per key (sources, headers, compiler flags, and the compiler itself): the library, a record of its
+SHA-256 written when it was built and checked before every load (a truncated library would kill the process with
+SIGBUS; a planted one would run its code in it), or a record of why the build failed, so a failed build is not
+tried again at every start, but is as soon as the sources or the compiler change.
+"""
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -10,94 +22,209 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
-import torch
-
+from viasd.cache import private_folder
+from viasd.errors import ViasdError
+from viasd.fileio import write_atomic
 from viasd.kernels.cpu import cpu_flags
-from viasd.models.fetch import default_cache_dir
+from viasd.kernels.notice import warn_once
+from viasd.kernels.switch import OFF, switched_off
 
-# A build: its name, the CPU flags it needs, the compiler flags it is made with.
-Build = tuple[str, tuple[str, ...], Sequence[str]]
-COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+HEADER = "viasd_kernels.h"  # the interface: what cffi reads
+SOURCES = ("w4a8.c", "w6a8.c", "bf16.c", "attention.c", "fused_layers.c")
+HEADERS = (HEADER, "lowbit.h", "bf16_vectors.h")
+COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-Wno-psabi")
+BUILD_SECONDS = 180  # a compiler that takes longer is stuck (the build takes a few seconds)
+
+
+@dataclass(frozen=True)
+class Build:
+    """One way to compile the kernels: its name, the CPU flags it needs, the compiler flags it is made with."""
+
+    name: str
+    needs: tuple[str, ...]
+    flags: tuple[str, ...]
+
+
+# Widest first. The wide build's int8 dot products are AVX-512 VNNI's; the other's are AVX2's (the same numbers).
+BUILDS = (
+    Build("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
+          ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")),
+    Build("avx2", ("avx2", "f16c", "fma"), ("-mavx2", "-mf16c", "-mfma")),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Library:
+    """A loaded kernel library: cffi's handle on it, the build it is, and where it was loaded from."""
+
+    lib: Any
+    build: str
+    path: Path
+
+
+@functools.cache
+def ffi() -> Any:
+    """cffi's FFI with the declarations of `viasd_kernels.h` (preprocessor lines left out: cffi takes none)."""
+    import cffi
+
+    text = resources.files("viasd.kernels").joinpath(HEADER).read_text()
+    declarations = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    interface = cffi.FFI()
+    interface.cdef(declarations)
+    return interface
+
+
+def sizes() -> dict[str, int]:
+    """The interface's size constants (`enum viasd_sizes`) by name, e.g. VIASD_GROUP: 32."""
+    return dict(ffi().typeof("enum viasd_sizes").relements)
 
 
 def choose_build(builds: Sequence[Build], flags: frozenset[str]) -> Build | str:
     """The first (widest) of `builds` that a CPU with `flags` runs, or why none does."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"viasd's kernels are for x86 CPUs, this is {platform.machine()}"
     if not flags:
         return "cannot read the CPU's flags (/proc/cpuinfo)"
     for build in builds:
-        if all(flag in flags for flag in build[1]):
+        if all(flag in flags for flag in build.needs):
             return build
-    return "this CPU has none of " + ", ".join("+".join(needed) for _, needed, _ in builds)
+    return "this CPU has none of " + ", ".join("+".join(build.needs) for build in builds)
 
 
-def load_kernel(
-    source: str, builds: Sequence[Build], what: str, headers: Sequence[str] = ()
-) -> tuple[ctypes.CDLL, str] | str:
-    """`viasd/models/<source>` (which may include `headers`, beside it) compiled for the widest build this CPU runs
-    and loaded: (library, build name), or why not (a sentence naming `what`). The library is kept in viasd's cache
-    under a name that digests the source, headers and flags, and written atomically, so processes never load a
-    half-written file."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the {what} kernel is for x86 CPUs, this is {platform.machine()}"
-    build = choose_build(builds, cpu_flags())
-    if isinstance(build, str):
-        return build
-    name, _, build_flags = build
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        return "no C compiler found (set CC)"
-    files = {file: resources.files("viasd.kernels").joinpath(file).read_bytes() for file in (source, *headers)}
-    command = [*COMMON_FLAGS, *build_flags]
-    digest = hashlib.sha256(b"".join(files.values()) + " ".join(command).encode()).hexdigest()[:16]
-    library = default_cache_dir().parent / "kernels" / f"{Path(source).stem}-{name}-{digest}.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as work:
-            for file, text in files.items():
-                (Path(work) / file).write_bytes(text)
-            built = Path(work) / "kernel.so"
-            result = subprocess.run([compiler, *command, source, "-o", built.name], cwd=work,
-                                    capture_output=True, text=True)  # fmt: skip
-            if result.returncode != 0:
-                last = (result.stderr.strip().splitlines() or ["no message"])[-1]
-                return f"compiling the {what} kernel ({name}) failed: {last}"
-            os.replace(built, library)  # atomic: other processes see no half-written library
+def compiler() -> str | None:
+    """The C compiler's path: `$CC` (a name on PATH or a path), else cc or gcc; None where there is none."""
+    named = os.environ.get("CC", "").strip()
+    if named:
+        return shutil.which(named.split()[0])
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _compiler_identity(path: str) -> str:
+    """What a rebuild should follow: the compiler's resolved path, size and modification time (an upgrade changes
+    them), without running it."""
+    real = os.path.realpath(path)
     try:
-        return ctypes.CDLL(str(library)), name
+        info = os.stat(real)
+    except OSError:
+        return real
+    return f"{real}:{info.st_size}:{info.st_mtime_ns}"
+
+
+def _key(build: Build, cc: str) -> str:
+    files = b"".join(resources.files("viasd.kernels").joinpath(f).read_bytes() for f in (*SOURCES, *HEADERS))
+    command = " ".join([*COMMON_FLAGS, *build.flags, _compiler_identity(cc)])
+    return hashlib.sha256(files + command.encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _compile(cc: str, build: Build, into: Path) -> str | None:
+    """Compile the library to `into` (a fresh path); None, or why it failed (one line)."""
+    with tempfile.TemporaryDirectory(dir=into.parent) as work:
+        for name in (*SOURCES, *HEADERS):
+            (Path(work) / name).write_bytes(resources.files("viasd.kernels").joinpath(name).read_bytes())
+        command = [cc, *COMMON_FLAGS, *build.flags, *SOURCES, "-o", "kernels.so"]
+        try:
+            result = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=BUILD_SECONDS)
+        except subprocess.TimeoutExpired:
+            return f"compiling viasd's kernels ({build.name}) took over {BUILD_SECONDS} s; stopped"
+        except OSError as error:
+            return f"cannot run the C compiler {cc}: {error.strerror or error}"
+        if result.returncode != 0:
+            lines = [line for line in result.stderr.strip().splitlines() if "error" in line.lower()]
+            last = (lines or result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+            return f"compiling viasd's kernels ({build.name}) failed: {last.strip()}"
+        os.replace(Path(work) / "kernels.so", into)
+    return None
+
+
+def _open(path: Path, build: Build) -> Library | str:
+    try:
+        return Library(ffi().dlopen(str(path)), build.name, path)
     except OSError as error:
-        return f"the compiled {what} kernel does not load: {error}"
+        return f"the compiled kernels ({build.name}) do not load: {error}"
 
 
-def checked_kernel(
-    source: str,
-    builds: Sequence[Build],
-    what: str,
-    function: str,
-    argtypes: Sequence[type],
-    check: Callable[[ctypes.CDLL], str | None],
-    headers: Sequence[str] = (),
-) -> ctypes.CDLL | str:
-    """`load_kernel`, then `function`'s signature (returning an int status) declared and the library held to
-    `check` (None: it computes what it should): the library, or why it is not used (a sentence)."""
-    loaded = load_kernel(source, builds, what, headers)
-    if isinstance(loaded, str):
-        return loaded
-    kernel, name = loaded
-    getattr(kernel, function).argtypes = list(argtypes)
-    getattr(kernel, function).restype = ctypes.c_int
-    problem = check(kernel)
-    return f"the compiled {what} kernel ({name}) {problem}; using torch ops" if problem else kernel
+def load(build: Build) -> Library | str:
+    """The kernel library in `build`, from the cache when a sound copy is there, else compiled (and cached where
+    the cache is usable); or why not (one line)."""
+    cc = compiler()
+    if cc is None:
+        named = os.environ.get("CC", "").strip()
+        return f"the C compiler CC={named!r} is not found" if named else "no C compiler found (install gcc or set CC)"
+    key = _key(build, cc)
+    stem = f"kernels-{build.name}-{key}"
+    try:
+        folder = private_folder("kernels")
+    except ViasdError as error:
+        return _load_uncached(cc, build, f"{error}; the kernels are built for this process only")
+    library, digest, failure = folder / f"{stem}.so", folder / f"{stem}.sha256", folder / f"{stem}.failed"
+    if failure.is_file():  # this build failed before, with this compiler and these sources
+        return failure.read_text(errors="replace").strip() or "an earlier build failed"
+    if library.is_file():
+        try:
+            sound = digest.read_text().strip() == _sha256(library)
+        except OSError:
+            sound = False
+        if sound:
+            return _open(library, build)
+        library.unlink(missing_ok=True)  # damaged, or not ours: built again below
+    try:
+        problem = _compile(cc, build, library)
+        if problem is not None:
+            write_atomic(failure, problem + "\n")
+            return problem
+        write_atomic(digest, _sha256(library) + "\n")
+    except OSError as error:
+        return _load_uncached(cc, build, f"cannot write to {folder}: {error.strerror or error}")
+    return _open(library, build)
 
 
-def status(kernel: ctypes.CDLL | str) -> str:
-    """`compiled` for a kernel in use, else why there is none."""
-    return "compiled" if isinstance(kernel, ctypes.CDLL) else kernel
+def _load_uncached(cc: str, build: Build, why: str) -> Library | str:
+    """Compile into a private temporary folder and load from there (the file is removed once loaded)."""
+    warn_once(why)
+    work = Path(tempfile.mkdtemp(prefix="viasd-kernels-"))
+    try:
+        problem = _compile(cc, build, work / "kernels.so")
+        return problem or _open(work / "kernels.so", build)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
-def kernel_input(x: torch.Tensor) -> torch.Tensor:
-    """x as viasd's low-bit kernels take it: contiguous float32 or bf16 (a bf16 model's activations as they come);
-    other dtypes as float32. Their output has the same dtype."""
-    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+@functools.cache
+def library() -> Library | str:
+    """The kernel library in the widest build this CPU runs, loaded once per process; or why there is none."""
+    build = choose_build(BUILDS, cpu_flags())
+    return build if isinstance(build, str) else load(build)
+
+
+def checked(kernel: str, check: Callable[[Library], str | None]) -> Library | str:
+    """The library for `kernel` when it passes `check` (None: it computes what its torch reference does), else
+    why it is not used (one line)."""
+    found = library()
+    if isinstance(found, str):
+        return found
+    problem = check(found)
+    return f"viasd's {kernel} kernel ({found.build}) {problem}" if problem else found
+
+
+def usable(kernel: str, checked_library: Callable[[], Library | str]) -> Library | str:
+    """`checked_library()` (a kernel's cached `checked`), or OFF where VIASD_KERNELS leaves the kernel out."""
+    return OFF if switched_off(kernel) else checked_library()
+
+
+def status(found: Library | str) -> str:
+    """`compiled (BUILD)` for a library in use, else why there is none."""
+    return f"compiled ({found.build})" if isinstance(found, Library) else found
+
+
+def address(tensor: Any) -> Any:
+    """A tensor's memory as a C pointer for cffi (None stays NULL)."""
+    return ffi().NULL if tensor is None else ffi().cast("void *", tensor.data_ptr())

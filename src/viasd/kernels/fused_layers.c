@@ -3,9 +3,8 @@
  * (rotary embedding and cache write included), the output product and residual, RMSNorm, the gate/up products,
  * SiLU gating, the down product and residual.
  *
- * The products and the attention are viasd's own kernels (w4a8.c, w6a8.c, short_attention.c, each built and
- * checked on its own), called through the function pointers the caller hands over; this file only strings them
- * together with the few elementwise steps between them, so a pass costs one call instead of a dozen torch
+ * The products and the attention are viasd's own kernels (w4a8.c, w6a8.c, attention.c, built into the same
+ * library and each checked on its own at load); this file only strings them together with the few elementwise steps between them, so a pass costs one call instead of a dozen torch
  * operations and module calls per layer (some 4 ms of a 40 ms decoding step of the 1.5B target's 4-bit view).
  * Every step rounds to bf16 where torch's bf16 operations round (after the norm's scaling and its weight, after
  * SiLU, after the gating product, after each residual sum), so the results are torch's to within its own
@@ -18,58 +17,26 @@
 #include <string.h>
 
 #include "bf16_vectors.h"
+#include "viasd_kernels.h"
 
-typedef int (*w4a8_fn)(const void *x, int bf16, int64_t rows, int64_t k, const void *packed, const void *scale,
-                       const void *low, int64_t n, const float *bias, void *out, int threads);
-typedef int (*w6a8_fn)(const void *x, int bf16, int64_t rows, int64_t k, const void *low, const void *high,
-                       const void *sub, const void *d, int64_t n, const float *bias, void *out, int threads);
-typedef int (*attention_fn)(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                            const uint16_t *v, int64_t v_stride, const uint16_t *cos, const uint16_t *sin,
-                            uint16_t *key_store, uint16_t *value_store, int64_t capacity, int64_t past, int64_t rows,
-                            int64_t heads, int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int threads);
-
-struct kernels {
-    w4a8_fn w4a8;
-    w6a8_fn w6a8;
-    attention_fn attention;
-};
-
-/* One product y[rows][n] = x[rows][k] @ W^T + bias: kind 4 (w4a8: packed, scale, low) or 6 (w6a8: low, high,
- * sub, d); bias float32 or NULL. */
-struct linear {
-    int64_t kind, k, n;
-    const void *t0, *t1, *t2, *t3;
-    const float *bias;
-};
-
-/* One decoder layer. `inputs` products make the q|k|v columns (1: all three fused; 3: q, k, v), `mlp_inputs`
- * the gate|up ones (1 or 2). */
-struct layer {
-    const uint16_t *norm1, *norm2; /* RMSNorm weights [hidden] */
-    float eps1, eps2;
-    int64_t inputs, mlp_inputs;
-    struct linear qkv[3], o, gate_up[2], down;
-};
-
-static int product(const struct kernels *kernels, const struct linear *l, const uint16_t *x, int64_t rows, uint16_t *out,
-                   int threads) {
+static int product(const viasd_linear *l, const uint16_t *x, int64_t rows, uint16_t *out, int threads) {
     if (l->kind == 4)
-        return kernels->w4a8(x, 1, rows, l->k, l->t0, l->t1, l->t2, l->n, l->bias, out, threads);
+        return w4a8_linear(x, 1, rows, l->k, l->t0, l->t1, l->t2, l->n, l->bias, out, threads);
     if (l->kind == 6)
-        return kernels->w6a8(x, 1, rows, l->k, l->t0, l->t1, l->t2, l->t3, l->n, l->bias, out, threads);
+        return w6a8_linear(x, 1, rows, l->k, l->t0, l->t1, l->t2, l->t3, l->n, l->bias, out, threads);
     return -2;
 }
 
 /* Products of the same input side by side: out[rows][sum of n], through `scratch` when there are several. */
-static int products(const struct kernels *kernels, const struct linear *ls, int64_t count, const uint16_t *x,
-                    int64_t rows, uint16_t *out, uint16_t *scratch, int threads) {
+static int products(const viasd_linear *ls, int64_t count, const uint16_t *x, int64_t rows, uint16_t *out,
+                    uint16_t *scratch, int threads) {
     if (count == 1)
-        return product(kernels, ls, x, rows, out, threads);
+        return product(ls, x, rows, out, threads);
     int64_t width = 0, at = 0;
     for (int64_t i = 0; i < count; i++)
         width += ls[i].n;
     for (int64_t i = 0; i < count; i++) {
-        const int status = product(kernels, ls + i, x, rows, scratch, threads);
+        const int status = product(ls + i, x, rows, scratch, threads);
         if (status)
             return status;
         for (int64_t m = 0; m < rows; m++)
@@ -119,10 +86,10 @@ static void gate(const uint16_t *gate_up, int64_t rows, int64_t inner, uint16_t 
 /* Runs `count` layers on x [rows][hidden] (bf16, updated in place). Per layer i: its cache stores
  * [kv_heads][capacity[i]][dim], positions 0 .. past[i] - 1 filled (the pass's go after them). Returns 0, -1 when
  * memory could not be had, another negative number when a kernel refused its shapes. */
-int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const struct layer *layers,
-                 const struct kernels *kernels, const uint16_t *cos, const uint16_t *sin, uint16_t *const *key_stores,
-                 uint16_t *const *value_stores, const int64_t *capacity, const int64_t *past, int64_t heads,
-                 int64_t kv_heads, int64_t dim, float scale, int64_t inner, int threads) {
+int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const viasd_layer *layers,
+                 const uint16_t *cos, const uint16_t *sin, uint16_t *const *key_stores, uint16_t *const *value_stores,
+                 const int64_t *capacity, const int64_t *past, int64_t heads, int64_t kv_heads, int64_t dim,
+                 float scale, int64_t inner, int threads) {
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     const int64_t widest = 2 * inner > qkv_width ? 2 * inner : qkv_width;
     uint16_t *h = malloc((size_t)(rows * hidden) * sizeof(uint16_t));
@@ -131,23 +98,23 @@ int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const
     uint16_t *attended = malloc((size_t)(rows * (q_width > inner ? q_width : inner)) * sizeof(uint16_t));
     int status = (!h || !wide || !scratch || !attended) ? -1 : 0;
     for (int64_t i = 0; i < count && !status; i++) {
-        const struct layer *l = layers + i;
+        const viasd_layer *l = layers + i;
         rms_norm(x, l->norm1, l->eps1, rows, hidden, h);
-        status = products(kernels, l->qkv, l->inputs, h, rows, wide, scratch, threads);
+        status = products(l->qkv, l->inputs, h, rows, wide, scratch, threads);
         if (status)
             break;
-        status = kernels->attention(wide, qkv_width, wide + q_width, qkv_width, wide + q_width + kv_width, qkv_width,
+        status = short_attention(wide, qkv_width, wide + q_width, qkv_width, wide + q_width + kv_width, qkv_width,
                                     cos, sin, key_stores[i], value_stores[i], capacity[i], past[i], rows, heads,
                                     kv_heads, dim, scale, attended, threads);
-        if (status || (status = product(kernels, &l->o, attended, rows, h, threads)))
+        if (status || (status = product(&l->o, attended, rows, h, threads)))
             break;
         add(x, h, rows * hidden);
         rms_norm(x, l->norm2, l->eps2, rows, hidden, h);
-        status = products(kernels, l->gate_up, l->mlp_inputs, h, rows, wide, scratch, threads);
+        status = products(l->gate_up, l->mlp_inputs, h, rows, wide, scratch, threads);
         if (status)
             break;
         gate(wide, rows, inner, attended);
-        if ((status = product(kernels, &l->down, attended, rows, h, threads)))
+        if ((status = product(&l->down, attended, rows, h, threads)))
             break;
         add(x, h, rows * hidden);
     }

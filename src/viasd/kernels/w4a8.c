@@ -25,9 +25,10 @@
 #include <stdlib.h>
 
 #include "lowbit.h"
+#include "viasd_kernels.h"
 
-#define GROUP 32 /* inputs per scale and minimum (weights) and per step (activations) */
-#define CHUNK 64 /* inputs per 32 packed bytes: two groups, one in each nibble */
+#define GROUP VIASD_GROUP
+#define CHUNK VIASD_CHUNK
 #define BLOCK 4  /* tokens per weight read (R <= BLOCK); more spill registers and run slower */
 
 #ifdef LOWBIT_WIDE

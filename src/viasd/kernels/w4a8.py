@@ -1,30 +1,24 @@
 """int4 weights x int8 activations: the packing, the product, and the CPU kernel that makes it fast.
 
 The layout and the maths are in `w4a8.c`. On an x86 CPU with AVX-512 VNNI or AVX2 the product is that C
-kernel, built for the wider of the two, compiled once per machine with the system's C compiler into viasd's cache
-(atomically), loaded with ctypes and checked against `reference` before first use; everywhere else (no compiler,
-another CPU, CUDA) `reference` computes the same numbers with torch ops, more slowly. Both give every row (token)
+kernel (in viasd's kernel library, kernels/build.py), checked against `reference` before first use; everywhere
+else (no compiler, another CPU, CUDA, `VIASD_KERNELS=off`) `reference` computes the same numbers with torch ops,
+more slowly. Both give every row (token)
 a result that does not depend on the other rows of its block.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import warnings
 
 import torch
 
-from viasd.kernels.build import Build, checked_kernel, kernel_input, status
+from viasd.kernels.build import Library, address, checked, sizes, status, usable
+from viasd.kernels.notice import warn_once
+from viasd.kernels.switch import OFF
 
-GROUP = 32  # inputs per scale and minimum (weights) and per step (activations)
-CHUNK = 64  # inputs per 32 packed bytes: two groups, one in each nibble
-# The kernel's builds, widest first: the CPU flags each needs and the compiler flags it is built with.
-BUILDS: tuple[Build, ...] = (
-    ("avx512-vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
-     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")),
-    ("avx2", ("avx2", "f16c", "fma"), ("-mavx2", "-mf16c", "-mfma")),
-)  # fmt: skip
+GROUP = sizes()["VIASD_GROUP"]  # inputs per scale and minimum (weights) and per step (activations)
+CHUNK = sizes()["VIASD_CHUNK"]  # inputs per 32 packed bytes: two groups, one in each nibble
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -89,31 +83,35 @@ def _reference_rows(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
 
 
 @functools.cache
-def _kernel() -> ctypes.CDLL | str:
-    """The compiled kernel, checked, or why there is none (a sentence); built once per machine and source."""
-    return build(BUILDS)
+def compiled() -> Library | str:
+    """The compiled kernel, checked once per process (whatever VIASD_KERNELS says), or why there is none."""
+    return checked("int4 x int8", _self_check)
 
 
-def build(builds: tuple[Build, ...]) -> ctypes.CDLL | str:
-    """The widest of `builds` this CPU runs, compiled, loaded and checked, or why not (a sentence)."""
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    argtypes = [pointer, ctypes.c_int, size, size, pointer, pointer, pointer, size, pointer, pointer, ctypes.c_int]
-    return checked_kernel("w4a8.c", builds, "int4 x int8", "w4a8_linear", argtypes, _self_check, ("lowbit.h",))
+def kernel() -> Library | str:
+    """The compiled kernel, checked once per process, or why it is not used (a sentence)."""
+    return usable("w4a8", compiled)
 
 
-def _run(kernel: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """x as viasd's low-bit kernels take it: contiguous float32 or bf16 (a bf16 model's activations as they come);
+    other dtypes as float32. Their output has the same dtype."""
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+
+
+def _run(library: Library, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
          threads: int, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
     out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
-    status = kernel.w4a8_linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], packed.data_ptr(),
-                                scale.data_ptr(), low.data_ptr(), packed.shape[0],
-                                None if bias is None else bias.data_ptr(), out.data_ptr(), threads)  # fmt: skip
+    status = library.lib.w4a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], address(packed),
+                                     address(scale), address(low), packed.shape[0], address(bias), address(out),
+                                     threads)  # fmt: skip
     if status != 0:
         raise MemoryError("the int4 x int8 kernel could not allocate its scratch memory")
     return out
 
 
-def _self_check(kernel: ctypes.CDLL) -> str | None:
+def _self_check(library: Library) -> str | None:
     """Why the kernel cannot be trusted on this machine, or None: a small product (whole 8-chunk blocks and a
     tail, blocks of 1 to 6 tokens) must match `reference` and give each token the same bits in every block."""
     generator = torch.Generator().manual_seed(0)
@@ -121,18 +119,18 @@ def _self_check(kernel: ctypes.CDLL) -> str | None:
     x = torch.randn(6, 832, generator=generator) * torch.linspace(0.1, 4.0, 832)
     packed, scale, low = pack(weight)
     want = reference(x, packed, scale, low)
-    got = _run(kernel, x, packed, scale, low, 2)
+    got = _run(library, x, packed, scale, low, 2)
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
         return "disagrees with the reference product"
     for rows in range(1, 6):
-        if not torch.equal(_run(kernel, x[:rows].contiguous(), packed, scale, low, 2), got[:rows]):
+        if not torch.equal(_run(library, x[:rows].contiguous(), packed, scale, low, 2), got[:rows]):
             return "gives a token other bits in another block"
     return None
 
 
 def kernel_status() -> str:
-    """`compiled` when the fast CPU kernel is in use, else why not."""
-    return status(_kernel())
+    """`compiled (BUILD)` when the fast CPU kernel is in use, else why not."""
+    return status(kernel())
 
 
 def product(
@@ -141,10 +139,11 @@ def product(
     """x [rows, in] @ W^T + bias [rows, out] in x's dtype, computed in float32 and rounded once: the C kernel on a
     capable CPU, else `reference`."""
     if x.device.type == "cpu":
-        kernel = _kernel()
-        if isinstance(kernel, ctypes.CDLL):
+        found = kernel()
+        if isinstance(found, Library):
             b = None if bias is None else bias.float().contiguous()
-            return _run(kernel, kernel_input(x), packed, scale, low, torch.get_num_threads(), b).to(x.dtype)
-        warnings.warn(f"int4a8 runs on torch ops, slowly: {kernel}", RuntimeWarning, stacklevel=2)
+            return _run(found, kernel_input(x), packed, scale, low, torch.get_num_threads(), b).to(x.dtype)
+        if found != OFF:
+            warn_once(f"int4 x int8 products run on torch ops, slowly: {found}")
     out = reference(x.float(), packed, scale, low)
     return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -22,10 +22,11 @@
 #include <stdlib.h>
 
 #include "lowbit.h"
+#include "viasd_kernels.h"
 
-#define GROUP 32  /* inputs per activation step */
-#define CHUNK 64  /* inputs per 32 bytes of low nibbles */
-#define SUPER 256 /* inputs per super-block: sixteen sub-blocks of 16, eight groups, four chunks, two pairs */
+#define GROUP VIASD_GROUP
+#define CHUNK VIASD_CHUNK
+#define SUPER VIASD_SUPER /* sixteen sub-blocks of 16, eight groups, four chunks, two pairs */
 #define BLOCK 4   /* tokens per weight read */
 
 /* d * s_j for the sixteen sub-blocks of one super-block, as two vectors of eight. */

@@ -4,25 +4,24 @@ Q4_K_M files store their most sensitive tensors (the output head, some value and
 `gguf` view computes on those numbers as they are, as it does on the file's 4-bit blocks (models/w4a8.py),
 instead of an int8 copy of their dequantized weights: 6.56 bits per weight to read instead of 8, and int8 dot
 products instead of a bf16 one. The layout and the arithmetic are in `w6a8.c`; on x86 with AVX-512 VNNI or AVX2
-the product is that C kernel (compiled once per machine, checked against `reference` when loaded), elsewhere
+the product is that C kernel (in viasd's kernel library, checked against `reference` when loaded), elsewhere
 `reference` computes the same numbers with torch ops, more slowly. Each row (token) of a block gets a result that
 does not depend on the other rows.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import warnings
 
 import torch
 
 from viasd.kernels import w4a8
-from viasd.kernels.build import Build, checked_kernel, kernel_input, status
+from viasd.kernels.build import Library, address, checked, sizes, status, usable
+from viasd.kernels.notice import warn_once
+from viasd.kernels.switch import OFF
 
-SUB = 16  # inputs per int8 sub-block scale
-SUPER = 256  # inputs per fp16 super-block scale
-BUILDS: tuple[Build, ...] = w4a8.BUILDS
+SUB = sizes()["VIASD_SUB"]  # inputs per int8 sub-block scale
+SUPER = sizes()["VIASD_SUPER"]  # inputs per fp16 super-block scale
 
 
 class SixBitWeights:
@@ -92,27 +91,24 @@ def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
 
 
 @functools.cache
-def _kernel() -> ctypes.CDLL | str:
-    """The compiled kernel, checked, or why there is none (a sentence); built once per machine and source."""
-    return build(BUILDS)
+def compiled() -> Library | str:
+    """The compiled kernel, checked once per process (whatever VIASD_KERNELS says), or why there is none."""
+    return checked("6-bit x int8", _self_check)
 
 
-def build(builds: tuple[Build, ...]) -> ctypes.CDLL | str:
-    """The widest of `builds` this CPU runs, compiled, loaded and checked, or why not (a sentence)."""
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    argtypes = [pointer, ctypes.c_int, size, size, *[pointer] * 4, size, pointer, pointer, ctypes.c_int]
-    return checked_kernel("w6a8.c", builds, "6-bit x int8", "w6a8_linear", argtypes, _self_check, ("lowbit.h",))
+def kernel() -> Library | str:
+    """The compiled kernel, checked once per process, or why it is not used (a sentence)."""
+    return usable("w6a8", compiled)
 
 
 def _run(
-    kernel: ctypes.CDLL, x: torch.Tensor, weights: SixBitWeights, threads: int, bias: torch.Tensor | None = None
+    library: Library, x: torch.Tensor, weights: SixBitWeights, threads: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
     out = torch.empty(x.shape[0], weights.low.shape[0], dtype=x.dtype)
-    pointers = [t.data_ptr() for t in weights.tensors()]
-    status = kernel.w6a8_linear(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
-                                weights.low.shape[0], None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                threads)  # fmt: skip
+    pointers = [address(t) for t in weights.tensors()]
+    status = library.lib.w6a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
+                                     weights.low.shape[0], address(bias), address(out), threads)  # fmt: skip
     if status != 0:
         raise MemoryError("the 6-bit x int8 kernel could not allocate its scratch memory")
     return out
@@ -126,35 +122,36 @@ def random_weights(rows: int, columns: int, generator: torch.Generator) -> SixBi
     return pack(codes, sub, d)
 
 
-def _self_check(kernel: ctypes.CDLL) -> str | None:
+def _self_check(library: Library) -> str | None:
     """Why the kernel cannot be trusted here, or None: a small product (blocks of 1 to 6 tokens) must match
     `reference` and give each token the same bits in every block."""
     generator = torch.Generator().manual_seed(0)
     weights = random_weights(24, 768, generator)
     x = torch.randn(6, 768, generator=generator) * torch.linspace(0.1, 4.0, 768)
     want = reference(x, weights)
-    got = _run(kernel, x, weights, 2)
+    got = _run(library, x, weights, 2)
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
         return "disagrees with the reference product"
     for rows in range(1, 6):
-        if not torch.equal(_run(kernel, x[:rows].contiguous(), weights, 2), got[:rows]):
+        if not torch.equal(_run(library, x[:rows].contiguous(), weights, 2), got[:rows]):
             return "gives a token other bits in another block"
     return None
 
 
 def kernel_status() -> str:
-    """`compiled` when the fast CPU kernel is in use, else why not."""
-    return status(_kernel())
+    """`compiled (BUILD)` when the fast CPU kernel is in use, else why not."""
+    return status(kernel())
 
 
 def product(x: torch.Tensor, weights: SixBitWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ W^T + bias [rows, out] in x's dtype, computed in float32 and rounded once: the C kernel on a
     capable CPU, else `reference`."""
     if x.device.type == "cpu":
-        kernel = _kernel()
-        if isinstance(kernel, ctypes.CDLL):
+        found = kernel()
+        if isinstance(found, Library):
             b = None if bias is None else bias.float().contiguous()
-            return _run(kernel, kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
-        warnings.warn(f"6-bit x int8 runs on torch ops, slowly: {kernel}", RuntimeWarning, stacklevel=2)
+            return _run(found, w4a8.kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
+        if found != OFF:
+            warn_once(f"6-bit x int8 products run on torch ops, slowly: {found}")
     out = reference(x.float(), weights)
     return (out if bias is None else out + bias.float()).to(x.dtype)

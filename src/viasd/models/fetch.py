@@ -31,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from viasd.cache import cache_folder
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_MODELS, DefaultModel, WheelPart
 from viasd.models.manifest import ManifestError, problems, read_manifest, write_manifest
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-CACHE_ENV_VAR = "VIASD_CACHE_DIR"
 SOURCE_FILE = "viasd-source.json"
 CHUNK_BYTES = 8 * 1024 * 1024
 
@@ -76,13 +76,9 @@ def repair_command(name: str) -> str:
 
 
 def default_cache_dir() -> Path:
-    """The models cache: `$VIASD_CACHE_DIR` if set, else the user cache dir's `viasd/models`."""
-    override = os.environ.get(CACHE_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("viasd")) / "models"
+    """The models cache: `models` in viasd's cache folder (viasd/cache.py: `$VIASD_CACHE_DIR`, else the user cache
+    dir's `viasd`)."""
+    return cache_folder("models")
 
 
 def _resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:

@@ -195,9 +195,8 @@ def load_model(
     """Load a model and tokenizer in eval mode from a default model name, directory, .gguf file or hub id.
 
     `device_map` (e.g. "auto") is handed to transformers to spread the model over devices; without it
-    the model is moved to `device` (default: CUDA if available, else CPU). A bf16 model on a CPU without bf16
-    matrix instructions computes its passes with viasd's kernel (`viasd.passes.bf16_linear`), and a CPU model's
-    short passes attend with the query heads of a group packed together (`viasd.passes.packed_attention`).
+    the model is moved to `device` (default: CUDA if available, else CPU). The model is as transformers made it:
+    `viasd.passes.prepare` readies it for viasd's passes (the engine does).
     """
     target_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, target_device)

@@ -8,12 +8,10 @@ decoding step of the 1.5B target at 1024 tokens of context takes 154 ms instead 
 BENCHMARKS.md). `packed_sdpa` stacks them for passes of up to PACK_UP_TO tokens (decoding, verification) and
 leaves longer ones (a prompt) to transformers, whose causal flash path is the fast one there. Each query row
 attends as before, to the same keys under the same mask, so what changes is only how torch blocks the arithmetic.
-`VIASD_PACKED_ATTENTION=off` leaves models as they are.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -21,7 +19,6 @@ from torch import nn
 
 NAME = "viasd_packed_sdpa"
 PACK_UP_TO = 16  # tokens per pass up to which the groups are packed
-SWITCH = "VIASD_PACKED_ATTENTION"
 
 
 def packed_sdpa(
@@ -66,8 +63,6 @@ def use_packed_attention(model: nn.Module) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if os.environ.get(SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
-        return False
     config = getattr(model, "config", None)
     parameter = next(model.parameters(), None)
     if config is None or parameter is None or parameter.device.type != "cpu":

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.passes import loop as short_pass
+from viasd.passes import loop
 from viasd.passes.cache_layer import growing_cache
 from viasd.views.view import View, ViewLike, applied, as_view
 
@@ -85,7 +85,7 @@ class KVSession:
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
-        self.short_passes = short_pass.supports(model)  # a leaner loop for passes of a few tokens
+        self.short_passes = loop.covers(model)  # viasd's forward for passes of a few tokens (passes/loop.py)
 
     def _stacks(self, view: View) -> bool:
         """Whether a pass of `view` may go on top of pending entries (it runs every mask-size layer)."""
@@ -155,7 +155,7 @@ class KVSession:
         head = len(ids) - keep
         linears = view.linears if view is not None and (view.mask is None or view.mask.is_full) else None
         if linears is not None and head > 0:
-            start = linears.recipe.own_weights_from(self.device)
+            start = linears.recipe.own_weights_from(self.device.type)
             if start is not None and head >= start:
                 self._pass(ids[:head], None, 1)
                 self.forward_passes -= 1  # one pass, run in two parts
@@ -169,11 +169,11 @@ class KVSession:
         short = (
             self.short_passes
             and (view is None or view.mask is None or view.mask.is_full)  # no skipped layers
-            and short_pass.usable(self.model, self.cache, input_ids.shape[1])
+            and loop.usable(self.model, self.cache, input_ids.shape[1])
         )
         with torch.inference_mode(), applied(self.model, view):
-            if short:  # the same logits as the model's own forward, with less plumbing (models/short_pass.py)
-                logits = short_pass.short_pass(self.model, input_ids, self.cache, keep)
+            if short:  # viasd's forward (passes/loop.py)
+                logits = loop.short_pass(self.model, input_ids, self.cache, keep)
             else:
                 logits = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
         self.forward_passes += 1

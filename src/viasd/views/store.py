@@ -19,22 +19,20 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_bytes
 from torch import nn
 
+from viasd.cache import cache_folder
 from viasd.fileio import write_atomic
 from viasd.kernels import w6a8
-from viasd.models.fetch import default_cache_dir
 from viasd.models.fingerprint import model_fingerprint
-from viasd.views.quantize import (
+from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int6Int8Linear,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
-    QuantizedLinears,
-    QuantRecipe,
     join_siblings,
-    quantizable,
-    quantize,
 )
+from viasd.views.quantize import QuantizedLinears, quantizable, quantize
+from viasd.views.recipe import QuantRecipe
 
 if TYPE_CHECKING:
     from viasd.views.gguf import GgufWeights
@@ -62,7 +60,7 @@ class DamagedCache(Exception):
 
 def cache_path(model: nn.Module, recipe: QuantRecipe, root: Path | None = None) -> Path:
     """Where the copies of `model` by `recipe` are kept: `<cache>/quantized/<fingerprint>/<recipe>.safetensors`."""
-    base = root if root is not None else default_cache_dir().parent / "quantized"
+    base = root if root is not None else cache_folder("quantized")
     stem = re.sub(r"[^A-Za-z0-9._=,-]+", "_", recipe.name)
     return base / model_fingerprint(model) / f"{stem}.safetensors"
 

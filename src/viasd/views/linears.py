@@ -1,0 +1,292 @@
+"""The quantized Linear layers a view swaps in for a model's own: int8 with int8 activations (torch's fbgemm, or
+`torch._int_mm`), int8 and int4 weight-only (torch's kernels), int4 x int8 and 6-bit x int8 (viasd's kernels,
+kernels/w4a8.py and kernels/w6a8.py), and `Siblings`, layers that take the same input computed as one product.
+
+The modules are new ones with their own (smaller) tensors; the model's own weights are never changed or copied
+whole: one Linear at a time is read while its quantized copy is made (views/quantize.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from viasd.errors import ViasdError
+from viasd.kernels import w4a8, w6a8
+from viasd.kernels.cpu import cpu_flags
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+_ANCHORS = torch.tensor([[1.0, -1.0]])  # the two columns that pin every row's range to [-1, 1]
+
+
+def _fbgemm() -> bool:
+    """Whether torch has its x86 int8 kernels (fbgemm), the fast int8 path on CPUs."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _fbgemm_reduce_range() -> bool:
+    """Whether fbgemm must quantize activations to 7 bits here. Without AVX-512 VNNI its products are AVX2's
+    maddubs, which adds two byte products in 16 bits: 255 * 127 * 2 saturates them, 127 * 127 * 2 does not."""
+    return "avx512_vnni" not in cpu_flags()
+
+
+class Int8DynamicLinear(nn.Module):
+    """y = x @ W^T + b with W in int8 (per output channel) and x quantized per token (row) at run time."""
+
+    def __init__(
+        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None
+    ):
+        super().__init__()
+        self.register_buffer("weight_t", weight.t().contiguous())  # [in, out] int8: the layout _int_mm takes
+        self.register_buffer("scale", scale.float())  # [out]
+        self.register_buffer("bias", bias)
+        self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth))  # [in], x is divided by s
+        self._packed: Any = None  # fbgemm's packed copy of the weight, made at the first CPU pass
+        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_t.shape[1]
+
+    @classmethod
+    def stacked(cls, members: Sequence[Int8DynamicLinear]) -> Int8DynamicLinear:
+        """One layer whose outputs are the members' outputs side by side (a copy of their weights)."""
+        weights = torch.cat([m.weight_t for m in members], dim=1).t()
+        return cls(weights, torch.cat([m.scale for m in members]), stacked_bias(members), None)
+
+    def _fbgemm_packed(self) -> Any:
+        if self._packed is None:
+            weight = self.weight_t.t()
+            anchors = torch.zeros(weight.shape[0], 2, dtype=torch.int8)  # zero weights for the +1/-1 columns
+            weight = torch.cat([weight, anchors], dim=1).contiguous()
+            zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; 2.13 still has them
+                warnings.simplefilter("ignore", UserWarning)
+                quantized = torch._make_per_channel_quantized_tensor(weight, self.scale.double(), zeros, 0)
+                self._packed = torch.ops.quantized.linear_prepack(quantized, None)
+        return self._packed
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, smooth: torch.Tensor | None = None) -> Int8DynamicLinear:
+        weight = linear.weight.detach().float()
+        if smooth is not None:
+            weight = weight * smooth[None, :]
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale, bias, None if smooth is None else smooth.to(linear.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None:
+            return self.siblings.output(x, self)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b for this layer alone."""
+        rows = flat(x).float()
+        if self.inv_smooth is not None:
+            rows = rows * self.inv_smooth
+        amax = rows.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+        if rows.device.type == "cpu" and _fbgemm():
+            pinned = torch.cat([rows / amax, _ANCHORS.expand(rows.shape[0], 2)], dim=1)
+            out = torch.ops.quantized.linear_dynamic(pinned, self._fbgemm_packed(), _fbgemm_reduce_range()) * amax
+        else:
+            step = amax / 127.0
+            q = torch.round(rows / step).to(torch.int8)
+            out = torch._int_mm(q, self.weight_t).float() * step * self.scale
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# Layers of one block that read the same input, by the names Llama-style decoders give them.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class Siblings:
+    """Quantized layers that take the same input (a block's q, k and v projections; its gate and up projections),
+    computed as one product: the input is quantized once and the weights are read in one pass. The first
+    sibling called with an input computes every sibling's output; the others take their columns of it."""
+
+    def __init__(self, members: Sequence[Int8DynamicLinear | Int4Int8Linear]) -> None:
+        self.fused = type(members[0]).stacked(members)
+        edges = torch.tensor([0, *(m.out_features for m in members)]).cumsum(0).tolist()
+        self.columns = {id(m): (edges[i], edges[i + 1]) for i, m in enumerate(members)}
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor, member: nn.Module) -> torch.Tensor:
+        if x is not self._input:  # holding the input keeps its identity from being reused by another tensor
+            self._output = self.fused.product(x)
+            self._input = x
+        assert self._output is not None
+        start, stop = self.columns[id(member)]
+        return self._output[..., start:stop]
+
+
+def stacked_bias(members: Sequence[nn.Module]) -> torch.Tensor | None:
+    """The members' biases side by side in float32 (zeros for a member without one); None where none has one."""
+    if all(m.bias is None for m in members):
+        return None
+    return torch.cat([torch.zeros(m.out_features) if m.bias is None else m.bias.float() for m in members])
+
+
+def join_siblings(modules: Mapping[str, nn.Module]) -> None:
+    """Compute sibling int8 or int4a8 layers together (see `Siblings`); layers with smoothing keep their own."""
+    for names in SIBLINGS:
+        parents = {name.rpartition(".")[0] for name in modules if name.rpartition(".")[2] == names[0]}
+        for parent in parents:
+            members = [modules.get(f"{parent}.{child}" if parent else child) for child in names]
+            kind = type(members[0])
+            if kind in (Int8DynamicLinear, Int4Int8Linear) and all(
+                type(m) is kind and getattr(m, "inv_smooth", None) is None for m in members
+            ):
+                group = Siblings(members)  # type: ignore[arg-type]
+                for member in members:
+                    member.siblings = group  # type: ignore[union-attr]
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x @ W^T + b with W in int8 (per output channel), x as it comes (bf16)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # [out, in] int8
+        self.register_buffer("scale", scale)  # [out], the activations' dtype
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scale.to(linear.weight.dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = flat(x)
+        out = torch.ops.aten._weight_int8pack_mm(rows.to(self.scale.dtype), self.weight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ W^T + b with W in int4 groups along the input (a scale and a zero per group), x in bf16."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed)  # torch's CPU int4 layout
+        self.register_buffer("scales_zeros", scales_zeros)  # [in / group, out, 2] bf16
+        self.register_buffer("bias", bias)
+        self.group_size = group_size
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4WeightOnlyLinear:
+        out_features, in_features = linear.weight.shape
+        if in_features % group_size:
+            raise ViasdError(f"int4: {in_features} input features are not a multiple of the group size {group_size}")
+        groups = linear.weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15.0).clamp_min(1e-12)
+        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        # torch's kernel dequantises (q - 8) * scale + zero, so zero = low + 8 * scale.
+        scales_zeros = torch.cat([scale, low + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, scales_zeros.to(torch.bfloat16), group_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = flat(x).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class Int4Int8Linear(nn.Module):
+    """y = x @ W^T + b with W in int4 groups of 32 and x quantized per token and group to int8 (models/w4a8.py)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed)  # [out, in / 2] uint8, two codes per byte
+        self.register_buffer("scale", scale)  # [out, in / 32] fp16
+        self.register_buffer("low", low)  # [out, in / 32] fp16, each group's minimum
+        self.register_buffer("bias", bias)
+        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @classmethod
+    def stacked(cls, members: Sequence[Int4Int8Linear]) -> Int4Int8Linear:
+        """One layer whose outputs are the members' outputs side by side. The members' tensors become row slices of
+        the stacked ones, so stacking costs no memory."""
+        tensors = (torch.cat([getattr(m, key) for m in members]) for key in ("packed", "scale", "low"))
+        fused = cls(*tensors, stacked_bias(members))
+        start = 0
+        for member in members:
+            stop = start + member.out_features
+            for key in ("packed", "scale", "low"):
+                setattr(member, key, getattr(fused, key)[start:stop])
+            start = stop
+        return fused
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> Int4Int8Linear:
+        """The layer's copy: `blocks` (packed codes, scales, minimums of the same weight, e.g. a GGUF file's own)
+        when given, else its weight quantized here."""
+        if linear.in_features % w4a8.CHUNK:
+            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.CHUNK}")
+        packed, scale, low = blocks if blocks is not None else w4a8.pack(linear.weight)
+        device = linear.weight.device
+        packed, scale, low = packed.to(device), scale.to(device), low.to(device)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        w4a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
+        return cls(packed, scale, low, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.siblings is not None:
+            return self.siblings.output(x, self)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b for this layer alone."""
+        out = w4a8.product(flat(x), self.packed, self.scale, self.low, self.bias)
+        return out.reshape(*x.shape[:-1], -1)
+
+
+class Int6Int8Linear(nn.Module):
+    """y = x @ W^T + b with W a GGUF file's 6-bit (Q6_K) weights and x quantized per token and group to int8
+    (models/w6a8.py). Made only from a file's blocks: there is no 6-bit recipe of dense weights."""
+
+    def __init__(self, weights: w6a8.SixBitWeights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("low", weights.low)  # [out, in / 2] uint8, the codes' low nibbles
+        self.register_buffer("high", weights.high)  # [out, in / 4] uint8, their top two bits
+        self.register_buffer("sub", weights.sub)  # [out, in / 16] int8, a scale per 16 inputs
+        self.register_buffer("d", weights.d)  # [out, in / 256] fp16, a scale per 256 inputs
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weights: w6a8.SixBitWeights) -> Int6Int8Linear:
+        device = linear.weight.device
+        moved = w6a8.SixBitWeights(*(t.to(device) for t in weights.tensors()))
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        w6a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
+        return cls(moved, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = w6a8.SixBitWeights(self.low, self.high, self.sub, self.d)
+        return w6a8.product(flat(x), weights, self.bias).reshape(*x.shape[:-1], -1)
