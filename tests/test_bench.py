@@ -465,6 +465,11 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     assert len((out / "results.jsonl").read_text().splitlines()) == 8
     env = json.loads((out / "environment.json").read_text())
     assert env["settings"]["max_new_tokens"] == 5 and env["models"]["dtype"] == "float64" and env["rows"] == 8
+    # What each method ran as: its views, drafter and kernels, for whoever reads the run later.
+    assert set(env["setup"]) == {"plain", "sd", "lookup", "sd:gamma=2"}
+    assert env["setup"]["sd:gamma=2"]["gamma"] == 2 and env["setup"]["sd"]["drafter"].startswith("model (as loaded)")
+    assert env["setup"]["lookup"]["drafter"].startswith("prompt lookup") and env["setup"]["plain"]["exact"]
+    assert set(env["setup"]["plain"]["kernels"]) == {"w4a8", "w6a8", "bf16", "attention", "fused"}
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not any(r.get("error") for r in rows)
     assert [len(r["turns"]) for r in rows if r["key"] == "specbench/2"] == [2, 2, 2, 2]

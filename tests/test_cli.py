@@ -123,6 +123,8 @@ def test_generate_json_and_streaming_on_a_real_model():
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["stats"]["new_tokens"] == len(data["tokens"]) > 0
+    assert data["setup"]["method"] == "lookup" and data["setup"]["drafter"].startswith("prompt lookup")
+    assert data["setup"]["target_view"] == "as loaded" and data["exact"] and "w4a8" in data["setup"]["kernels"]
     # fp32: in bf16 the model's second token is a tie to one bf16 step ("!" 15.5 against " there" 15.44), which
     # the last-bit noise of two processes' matrix products can break either way.
     model = ("--target", "smollm2-135m", "--dtype", "fp32", "--method", "plain", "-n", "12")

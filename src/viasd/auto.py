@@ -151,6 +151,9 @@ class AutoDecoder(Decoder):
         if method:
             self.method = method
 
+    def describe(self) -> dict[str, Any]:
+        return {"chosen": self.choice["chosen"], **self.chosen.describe()}
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         stats.choice = {
             "method": self.choice["chosen"],

@@ -127,11 +127,13 @@ def generate(
 
     result = decoder.generate(ids, config, on_text=None if as_json else stream)
     if as_json:
+        setup = engine.describe(method)  # what ran: views, drafter, profile, kernels
         out = {
             "method": method,
-            "exact": method_spec.exact and spec.quant is None,  # a quantized target is another model
+            "exact": setup["exact"],  # a quantized target is another model
             "target": target,
-            "target_view": method_spec.get("quant") or spec.quant,
+            "target_view": setup["target_view"],
+            "setup": setup,
             "text": result.text,
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,

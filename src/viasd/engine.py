@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from viasd.errors import ViasdError
 from viasd.methods import parse_method
@@ -156,6 +156,19 @@ class Engine:
         if spec.name not in self._decoders:
             self._decoders[spec.name] = spec.method.build(self, spec)
         return self._decoders[spec.name]
+
+    def describe(self, method: str) -> dict[str, Any]:
+        """What a method runs here, as built: whether it is exact, the target's view, the drafter, slim views and
+        routing profile it uses, and which of viasd's kernels run (CPU) or why not."""
+        spec = parse_method(method)
+        decoder = self.decoder(method)
+        described: dict[str, Any] = {"method": spec.name, "exact": spec.exact and self.spec.quant is None}
+        described.update(decoder.describe())
+        if next(self.target.model.parameters()).device.type == "cpu":
+            from viasd.kernels.state import kernel_states
+
+            described["kernels"] = kernel_states()
+        return described
 
     def encode(self, messages: Sequence[Message], chat: bool = True) -> list[int]:
         from viasd.prompting import encode_messages

@@ -388,7 +388,7 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
         drafter: Drafter = ModelDrafter(target.model, parts.quantized(target, recipe), name="self")
     else:
         drafter = _drafter(parts, spec, recipe)
-    return TieredDecoder(target.model, target.tokenizer, drafter, slims, policy, spec.name)
+    return TieredDecoder(target.model, target.tokenizer, drafter, slims, policy, spec.name, profile.source)
 
 
 METHODS: dict[str, Method] = {

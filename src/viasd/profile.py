@@ -48,6 +48,7 @@ class RoutingProfile:
     calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
     created: str = ""
     format: str = FORMAT
+    source: str | None = field(default=None, compare=False)  # the file it was read from (not written to one)
 
     def __post_init__(self) -> None:
         self.quant = [_recipe(q) for q in self.quant]
@@ -83,6 +84,7 @@ class RoutingProfile:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["source"]
         data["masks"] = [m.to_dict() for m in self.masks]
         data["gate"] = {"signal": self.gate.signal, "thresholds": list(self.gate.thresholds)}
         data["quant"] = [None if q is None else q.name for q in self.quant]
@@ -167,7 +169,9 @@ def load_profile(path: str | os.PathLike[str]) -> RoutingProfile:
         raise ViasdError(f"cannot read routing profile {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ViasdError(f"cannot read routing profile {path}: not a JSON object")
-    return RoutingProfile.from_dict(data)
+    profile = RoutingProfile.from_dict(data)
+    profile.source = shipped_place(path) or str(path)
+    return profile
 
 
 def shipped_place(path: str | Path) -> str | None:

@@ -203,8 +203,8 @@ def bench(
         "top_k": top_k,
         "seed": seed,
         "gamma": gamma,
-        "quant": spec.quant,
-        "drafter_quant": spec.drafter_quant,
+        "quant": spec.quant.name if spec.quant else None,
+        "drafter_quant": spec.drafter_quant.name if spec.drafter_quant else None,
         "chat": chat,
         "questions": str(questions_file),
         "questions_sha256": file_sha256(questions_file) if count else None,
@@ -270,6 +270,8 @@ def bench(
     env["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     env["load_average_at_finish"] = load_average()
     env["rows"] = len(rows)
+    # What each method ran as (views, drafter, profile, kernels), now that every decoder has been built.
+    env["setup"] = {method: engine.describe(method) for method in method_list}
     write_atomic(env_path, json.dumps(env, indent=2) + "\n")
     if rows:
         paths = write_report(out_dir, rows, env, baseline="plain")

@@ -6,6 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -112,6 +113,11 @@ class Decoder(ABC):
         stats.new_tokens = len(sink.tokens)
         stats.finish_reason = sink.finish_reason or "length"
         return GenerationResult(list(sink.tokens), sink.text, stats)
+
+    def describe(self) -> dict[str, Any]:
+        """What runs: the target's view (and, in subclasses, the drafter, slim views, profile), for statistics and
+        run records."""
+        return {"target_view": self.view.describe() if self.view is not None else "as loaded"}
 
     @abstractmethod
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:

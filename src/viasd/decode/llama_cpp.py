@@ -69,6 +69,9 @@ class LlamaCppDecoder(Decoder):
         if method:
             self.method = method
 
+    def describe(self) -> dict[str, Any]:
+        return {"target_view": "llama.cpp on the GGUF file", "lookup": self.lookup}
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         if len(prompt) + sink.remaining > self.llama.n_ctx():
             raise ViasdError(f"llama.cpp was loaded with a context of {self.llama.n_ctx()} tokens; this needs more")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -70,6 +72,9 @@ class SpeculativeDecoder(Decoder):
         self.session = KVSession(target, view)
         if method:
             self.method = method
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "drafter": self.drafter.describe(), "gamma": self.gamma, "stop": self.stop}
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)

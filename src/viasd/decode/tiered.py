@@ -18,6 +18,7 @@ entries only beyond F, as `pending` entries of their kept layers. Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,8 +52,10 @@ class TieredDecoder(Decoder):
         slims: Sequence[ViewLike],
         policy: RoundPolicy,
         method: str | None = None,
+        profile: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer)
+        self.profile = profile  # where the routing profile came from, for the record
         views = [as_view(s) for s in slims]
         if not policy.gate.always_full:
             if not views or any(v is None for v in views):
@@ -68,6 +71,17 @@ class TieredDecoder(Decoder):
         self.session = KVSession(target)
         if method:
             self.method = method
+
+    def describe(self) -> dict[str, Any]:
+        policy = self.policy
+        return {
+            **super().describe(),
+            "drafter": self.drafter.describe(),
+            "slim_views": [view.describe() for view in self.slims],
+            "profile": self.profile,
+            "gamma": policy.gamma,
+            "cap": policy.cap,
+        }
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)

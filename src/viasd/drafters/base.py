@@ -70,6 +70,10 @@ class Drafter(Protocol):
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Start a new generation of at most `budget` tokens after a prompt of `prompt_length` (None: unknown)."""
 
+    def describe(self) -> str:
+        """What drafts, in a few words (statistics and run records name it so)."""
+        ...
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
     ) -> Proposal:

@@ -59,6 +59,9 @@ class HybridDrafter:
     def forward_passes(self) -> int:
         return self.model.forward_passes
 
+    def describe(self) -> str:
+        return f"hybrid: {self.lookup.describe()}, else {self.model.describe()}"
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.lookup.reset()
         self.model.reset()

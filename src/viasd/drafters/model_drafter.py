@@ -30,6 +30,10 @@ class ModelDrafter:
         self.name = name
         self.session = KVSession(model, base_view=view)
 
+    def describe(self) -> str:
+        view = self.session.base_view
+        return f"{self.name} ({view.describe() if view is not None else 'as loaded'})"
+
     @property
     def forward_passes(self) -> int:
         return self.session.forward_passes

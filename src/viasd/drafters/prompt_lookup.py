@@ -47,6 +47,9 @@ class PromptLookupDrafter:
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Stateless between rounds."""
 
+    def describe(self) -> str:
+        return f"prompt lookup ({self.min_ngram}-{self.max_ngram}-grams)"
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
     ) -> Proposal:
