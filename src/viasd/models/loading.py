@@ -204,11 +204,6 @@ def load_model(
     if device_map is None:
         model = _guarded(spec, lambda: model.to(target_device))
     model.eval()
-    from viasd.passes.bf16_linear import use_bf16_kernel
-    from viasd.passes.packed_attention import use_packed_attention
-
-    use_bf16_kernel(model)  # bf16 on a CPU without bf16 matrix instructions: blocks as cheap as one token
-    use_packed_attention(model)  # grouped-query attention of short passes on a CPU: one query block per group
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, path=str(path) if path else spec)
 
 
