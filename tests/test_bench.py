@@ -135,11 +135,25 @@ def test_speedup_statistics():
 
 def _row(key, method, tps, tokens=(1, 2), category="qa", **stats):
     seconds = len(tokens) / tps
-    base = {"new_tokens": len(tokens), "total_seconds": seconds, "tokens_per_second": tps, "target_calls": 1,
-            "evaluated": 0, "accepted": 0, "tiers": {}, "unchecked_tokens": 0}
+    base = {
+        "new_tokens": len(tokens),
+        "total_seconds": seconds,
+        "tokens_per_second": tps,
+        "target_calls": 1,
+        "evaluated": 0,
+        "accepted": 0,
+        "tiers": {},
+        "unchecked_tokens": 0,
+    }
     base.update(stats)
-    return {"key": key, "method": method, "category": category, "stats": base,
-            "turns": [{"text": " ".join(map(str, tokens)), "tokens": list(tokens)}], "peak_rss_bytes": 100}
+    return {
+        "key": key,
+        "method": method,
+        "category": category,
+        "stats": base,
+        "turns": [{"text": " ".join(map(str, tokens)), "tokens": list(tokens)}],
+        "peak_rss_bytes": 100,
+    }
 
 
 def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
@@ -148,8 +162,15 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
         _row("b", "plain", 20.0, target_calls=2),
         _row("a", "sd", 20.0, evaluated=4, accepted=3),
         _row("b", "sd", 80.0, tokens=(9, 9), evaluated=4, accepted=1),
-        _row("a", "via", 30.0, category="qa", evaluated=10, accepted=8,
-             tiers={"accept": {"decided": 5}, "slim": {"decided": 3}, "full": {"decided": 2}}),
+        _row(
+            "a",
+            "via",
+            30.0,
+            category="qa",
+            evaluated=10,
+            accepted=8,
+            tiers={"accept": {"decided": 5}, "slim": {"decided": 3}, "full": {"decided": 2}},
+        ),
         {"key": "b", "method": "via", "category": "qa", "error": "boom", "stats": {}},
     ]
     by = {(s.method, s.category): s for s in metrics.summarize(rows)}
@@ -168,10 +189,32 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
 
 def test_cost_split_per_token():
     rows = [
-        _row("a", "via", 4.0, tokens=(1, 2, 3, 4), drafted=12, evaluated=6, slim_calls=2, rounds=3,
-             draft_seconds=0.5, slim_seconds=0.2, verify_seconds=0.2),
-        _row("b", "via", 4.0, tokens=(5, 6, 7, 8), drafted=4, evaluated=4, slim_calls=0, rounds=1,
-             draft_seconds=0.3, slim_seconds=0.0, verify_seconds=0.6),
+        _row(
+            "a",
+            "via",
+            4.0,
+            tokens=(1, 2, 3, 4),
+            drafted=12,
+            evaluated=6,
+            slim_calls=2,
+            rounds=3,
+            draft_seconds=0.5,
+            slim_seconds=0.2,
+            verify_seconds=0.2,
+        ),
+        _row(
+            "b",
+            "via",
+            4.0,
+            tokens=(5, 6, 7, 8),
+            drafted=4,
+            evaluated=4,
+            slim_calls=0,
+            rounds=1,
+            draft_seconds=0.3,
+            slim_seconds=0.0,
+            verify_seconds=0.6,
+        ),
     ]
     via = metrics.summarize(rows, baseline="plain")[0]
     assert via.cost_per_token == pytest.approx(
@@ -199,7 +242,7 @@ def test_combine_stats_sums_turns():
 
 
 HE_PROBLEM = {
-    "prompt": "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n",
+    "prompt": 'def add(a, b):\n    """Sum of a and b."""\n',
     "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
     "entry_point": "add",
 }
@@ -410,8 +453,12 @@ def _copy(model):
 def test_markdown_lists_quality_and_errors():
     sentence = "the cat sat on the mat"
     rows = [
-        {**_row("a", "plain", 10.0, category="translation"), "quality": {"metric": "bleu", "scores": [100.0]},
-         "references": [sentence], "turns": [{"text": sentence, "tokens": [1]}]},
+        {
+            **_row("a", "plain", 10.0, category="translation"),
+            "quality": {"metric": "bleu", "scores": [100.0]},
+            "references": [sentence],
+            "turns": [{"text": sentence, "tokens": [1]}],
+        },
         {"key": "b", "method": "plain", "category": "qa", "error": "too long", "stats": {}},
     ]
     text = markdown(metrics.summarize(rows), {"settings": {}, "models": {}}, rows)
@@ -454,9 +501,28 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     ]
     questions.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "run"
-    args = ["bench", "--target", "tiny-target", "--drafter", "tiny-drafter",
-            "--dtype", "fp32", "--device", "cpu", "--questions", str(questions),
-            "--methods", "plain,sd,lookup,sd:gamma=2", "--count", "1", "-n", "5", "--out", str(out), "--no-warmup"]
+    args = [
+        "bench",
+        "--target",
+        "tiny-target",
+        "--drafter",
+        "tiny-drafter",
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "--questions",
+        str(questions),
+        "--methods",
+        "plain,sd,lookup,sd:gamma=2",
+        "--count",
+        "1",
+        "-n",
+        "5",
+        "--out",
+        str(out),
+        "--no-warmup",
+    ]
     runner = CliRunner()
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output

@@ -576,7 +576,7 @@ def test_calibration_chooses_among_quantized_slim_views_and_drafters(tmp_path):
     } and len(candidates) == 3 * 3  # the mask, int8 alone, int8 on the mask; three drafters
     best = max(candidates, key=lambda c: c["predicted_via_tokens_per_second"])
     assert profile.calibration["predicted"]["via"]["tokens_per_second"] == best["predicted_via_tokens_per_second"]
-    assert profile.quant == ([best["slim"]["quant"]] if best["slim"].get("quant") else [])
+    assert [q.name for q in profile.quant] == ([best["slim"]["quant"]] if best["slim"].get("quant") else [])
     assert profile.self_drafter == best["drafter"].startswith("self")
     path = tmp_path / "p.json"
     save_profile(profile, path)

@@ -1,5 +1,5 @@
-"""A GGUF file's own blocks (Q4_K as int4a8, Q6_K as 6-bit weights; models/gguf_blocks.py) and the `gguf` recipe
-built on them."""
+"""A GGUF file's own blocks (Q4_K as int4a8, Q6_K as 6-bit weights; views/gguf.py) and the `gguf` recipe built on
+them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from helpers import PROMPT, assert_same_until_a_near_tie, qwen2_with_gguf, random_q4k
+from helpers import PROMPT, assert_same_until_a_near_tie, qwen2_with_gguf, random_q4k, random_q6k
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -19,7 +19,7 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8, w6a8
-from viasd.views.gguf import GgufWeights, has_q4k_blocks, q4k_to_int4a8
+from viasd.views.gguf import GgufWeights, has_q4k_blocks, q4k_to_int4a8, q6k_to_int6a8
 from viasd.views.linears import Int4Int8Linear, Int6Int8Linear, Int8WeightOnlyLinear
 from viasd.views.quantize import quantizable, quantize
 from viasd.views.recipe import QuantRecipe
@@ -33,14 +33,23 @@ Q6_K = gguf.GGMLQuantizationType.Q6_K
 def test_q4k_blocks_are_the_weights_the_gguf_library_reads_from_them():
     raw = random_q4k(24, 768, seed=0)
     want = torch.from_numpy(gguf_dequantize(raw, Q4_K).astype(np.float32))  # the gguf package's own reading
-    packed, scale, low = q4k_to_int4a8(raw, 24, 768)
-    assert packed.shape == (24, 384) and scale.shape == low.shape == (24, 24)
-    got = w4a8.dequantize(packed, scale, low)
+    four = q4k_to_int4a8(raw, 24, 768)
+    assert four.packed.shape == (2, 96, 64) and four.scale.shape == four.low.shape == (2, 24, 16) and four.n == 24
+    got = w4a8.dequantize(four)
     # The same codes; each group's scale d * sc and minimum dmin * m rounded once to fp16.
     assert (got - want).norm() / want.norm() < 2e-3
     x = torch.randn(3, 768)
     exact = x @ want.T
-    assert (w4a8.product(x, packed, scale, low) - exact).norm() / exact.norm() < 0.02  # int8 activations
+    assert (w4a8.product(x, four) - exact).norm() / exact.norm() < 0.02  # int8 activations
+
+
+def test_q6k_blocks_are_the_weights_the_gguf_library_reads_from_them():
+    raw = random_q6k(24, 768, seed=0)
+    six = q6k_to_int6a8(raw, 24, 768)
+    want = torch.from_numpy(gguf_dequantize(raw, Q6_K).astype(np.float32))
+    assert torch.equal(w6a8.dequantize(six), want)  # the same codes and scales: no rounding at all
+    assert six.low.shape == (2, 96, 64) and six.high.shape == (2, 48, 64) and six.sub.shape == (2, 48, 16)
+    assert six.d.shape == (2, 3, 16) and int(w6a8.codes_of(six).max()) <= 63
 
 
 def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path: Path):
@@ -52,11 +61,11 @@ def test_the_gguf_recipe_takes_the_files_blocks_and_makes_the_rest_int8(tmp_path
     for name, module in linears.modules.items():
         if name.endswith("v_proj"):  # the file's 6-bit blocks, as they are
             assert isinstance(module, Int6Int8Linear)
-            weight = w6a8.dequantize(w6a8.SixBitWeights(module.low, module.high, module.sub, module.d))
+            weight = w6a8.dequantize(module.weights)
             assert torch.equal(weight, layers[name].weight)
         elif name in in_blocks:
             assert isinstance(module, Int4Int8Linear)
-            weight = w4a8.dequantize(module.packed, module.scale, module.low)
+            weight = w4a8.dequantize(module.weights)
             assert (weight - layers[name].weight).norm() / layers[name].weight.norm() < 2e-3
         else:  # the file keeps this one in float32: int8 weights, not a 4-bit rounding
             assert isinstance(module, Int8WeightOnlyLinear)

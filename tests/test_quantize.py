@@ -1,7 +1,6 @@
 """Quantized views: the kernels compute what the quantized weights say, smoothing earns its place, views swap in
 and out without touching the model's own weights, and exact methods stay exact with quantized models."""
 
-
 import pytest
 import torch
 from torch import nn
@@ -16,8 +15,6 @@ from viasd.decode.tiered import TieredDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8
-from viasd.kernels.build import BUILDS, Library, load
-from viasd.kernels.cpu import cpu_flags
 from viasd.passes.session import KVSession
 from viasd.verify.gates import Gate
 from viasd.views.layer_skip import LayerMask
@@ -73,73 +70,17 @@ def test_int4_kernel_computes_the_dequantised_weights():
         assert rel_error(module(x), want) < 0.01
 
 
-def test_int4a8_computes_its_codes_times_per_token_int8_activations():
-    """The int4 x int8 product, by hand: dequantised 4-bit weights times activations rounded to 255 levels per
-    token and group of 32; the compiled CPU kernel (where this CPU has one) and the torch reference agree."""
+def test_an_int4a8_layer_computes_its_weights_product_through_the_kernel_or_its_reference():
+    """The module's product is the 4-bit product of its own weights (kernels/w4a8.py: the kernel and its torch
+    reference are tested in test_lowbit.py), its bias added, whatever the rows' shape."""
     layer = linear(inp=512, out=160, dtype=torch.float32)
-    packed, scale, low = w4a8.pack(layer.weight)
-    codes = w4a8.unpack(packed).float()  # [out, groups, 32]
-    weights = (low.float()[..., None] + codes * scale.float()[..., None]).reshape(160, 512)
-    assert torch.equal(weights, w4a8.dequantize(packed, scale, low))
-    assert rel_error(weights, layer.weight) < 0.1 and codes.max() == 15 and codes.min() == 0
-    x = torch.randn(6, 512) * torch.linspace(0.1, 4.0, 512)  # groups of very different ranges
-    groups = x.reshape(6, 16, 32)
-    step = groups.abs().amax(-1, keepdim=True) / 127
-    rounded = (torch.round(groups / step) * step).reshape(6, 512)
-    want = rounded.double() @ weights.double().T
-    got = w4a8.reference(x, packed, scale, low)
-    assert rel_error(got, want) < 1e-5
-    fast = w4a8.product(x, packed, scale, low)
-    if not isinstance(w4a8.kernel(), Library):
-        pytest.skip(f"no compiled int4a8 kernel here: {w4a8.kernel_status()}")
-    assert rel_error(fast, got) < 1e-5
-    # The kernel multiplies a group's codes with up to four rows at once: a row's result is the same bits
-    # whichever block it came in, also past the last whole 8 chunks (13 chunks of 64 inputs here).
-    layer = linear(inp=832, out=96, dtype=torch.float32)
-    packed, scale, low = w4a8.pack(layer.weight)
-    x = torch.randn(11, 832) * torch.linspace(0.1, 4.0, 832)
-    block = w4a8.product(x, packed, scale, low)
-    assert rel_error(block, w4a8.reference(x, packed, scale, low)) < 1e-5
-    for start, size in ((0, 1), (3, 1), (10, 1), (1, 2), (5, 3), (2, 4), (4, 7)):
-        part = w4a8.product(x[start : start + size], packed, scale, low)
-        assert torch.equal(part, block[start : start + size]), (start, size)
-
-
-@pytest.mark.parametrize(
-    "build", [b for b in BUILDS if all(f in cpu_flags() for f in b.needs)] or [None], ids=lambda b: b and b.name
-)
-def test_every_int4a8_build_this_cpu_runs_agrees_with_the_reference(build):
-    """Each build the CPU can run (an AVX-512 machine runs the AVX2 one too) passes the load-time check and gives
-    the reference's numbers, a row the same bits in any block."""
-    if build is None:
-        pytest.skip("this CPU runs no build of the int4a8 kernel")
-    kernel = load(build)
-    if not isinstance(kernel, Library):
-        pytest.skip(kernel)
-    assert w4a8._self_check(kernel) is None
-    packed, scale, low = w4a8.pack(linear(inp=832, out=96, dtype=torch.float32).weight)
-    x = torch.randn(7, 832) * torch.linspace(0.1, 4.0, 832)
-    block = w4a8._run(kernel, x, packed, scale, low, 2)
-    assert rel_error(block, w4a8.reference(x, packed, scale, low)) < 1e-5
-    for start, size in ((0, 1), (6, 1), (1, 2), (2, 5)):
-        assert torch.equal(w4a8._run(kernel, x[start : start + size].contiguous(), packed, scale, low, 2),
-                           block[start : start + size])  # fmt: skip
-
-
-def test_int4a8_without_its_kernel_says_so_once_and_computes_the_same(monkeypatch, capsys):
-    """On a machine with no compiled kernel (another CPU, no C compiler) the view still works, on torch ops, and
-    says why it is slow, once; switched off (VIASD_KERNELS) it says nothing."""
-    layer = linear(dtype=torch.float32)
-    packed, scale, low = w4a8.pack(layer.weight)
-    x = torch.randn(3, 256)
-    monkeypatch.setattr(w4a8, "kernel", lambda: "this CPU lacks avx512_vnni")
-    got = [w4a8.product(x, packed, scale, low) for _ in range(2)]
-    said = "viasd: int4 x int8 products run on torch ops, slowly: this CPU lacks avx512_vnni\n"
-    assert capsys.readouterr().err == said
-    assert torch.equal(got[0], w4a8.reference(x, packed, scale, low))
-    monkeypatch.undo()
-    monkeypatch.setenv("VIASD_KERNELS", "off")
-    assert torch.equal(w4a8.product(x, packed, scale, low), got[0]) and capsys.readouterr().err == ""
+    module = Int4Int8Linear.from_linear(layer)
+    assert rel_error(w4a8.dequantize(module.weights), layer.weight) < 0.1
+    x = torch.randn(2, 3, 512)
+    with torch.inference_mode():
+        got = module(x)
+    want = w4a8.reference(x.reshape(6, 512), module.weights) + layer.bias
+    assert got.shape == (2, 3, 160) and rel_error(got.reshape(6, 160), want) < 1e-5
 
 
 def test_a_mixed_recipe_quantizes_the_named_layers_to_int8():
@@ -160,8 +101,8 @@ def test_a_mixed_recipe_quantizes_the_named_layers_to_int8():
 
 
 def test_int4a8_refuses_layers_it_cannot_group():
-    with pytest.raises(ViasdError, match="multiple of 64"):
-        Int4Int8Linear.from_linear(nn.Linear(96, 8))
+    with pytest.raises(ViasdError, match="multiple of 32"):
+        Int4Int8Linear.from_linear(nn.Linear(80, 8))
     with pytest.raises(ViasdError, match="fixed at 32"):
         QuantRecipe.parse("int4a8:group=128")
 

@@ -371,7 +371,9 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
 
     profile = parts.routing_profile(spec.get("profile"))
     policy = profile.policy(
-        gamma=first_set(spec.get("gamma"), parts.spec.gamma), cap=spec.get("cap"), pregate=spec.get("pregate"),
+        gamma=first_set(spec.get("gamma"), parts.spec.gamma),
+        cap=spec.get("cap"),
+        pregate=spec.get("pregate"),
         stop=spec.get("stop"),
     )
     if spec.base == "via-exact":

@@ -361,7 +361,7 @@ def measure_kernels(
     (torch's dynamic int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
     """
     from viasd.kernels import w6a8
-    from viasd.views.quantize import (
+    from viasd.views.linears import (
         Int4Int8Linear,
         Int4WeightOnlyLinear,
         Int6Int8Linear,

@@ -39,9 +39,9 @@ class Product:
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] bf16 @ W^T + bias by the kernel's torch reference, rounded once to bf16."""
         if self.kind == 4:
-            out = w4a8.reference(x.float(), *self.tensors)
+            out = w4a8.reference(x.float(), w4a8.FourBitWeights(*self.tensors, self.n))
         else:
-            out = w6a8.reference(x.float(), w6a8.SixBitWeights(*self.tensors))
+            out = w6a8.reference(x.float(), w6a8.SixBitWeights(*self.tensors, self.n))
         return (out if self.bias is None else out + self.bias).bfloat16()
 
 
@@ -155,7 +155,7 @@ def run(
 def _random_product(kind: int, n: int, k: int, generator: torch.Generator, bias: bool = False) -> Product:
     b = torch.randn(n, generator=generator) * 0.1 if bias else None
     if kind == 4:
-        tensors: tuple[torch.Tensor, ...] = w4a8.pack(torch.randn(n, k, generator=generator) * k**-0.5)
+        tensors: tuple[torch.Tensor, ...] = w4a8.pack(torch.randn(n, k, generator=generator) * k**-0.5).tensors()
     else:
         tensors = w6a8.random_weights(n, k, generator).tensors()
     return Product(kind, tensors, b, k, n)

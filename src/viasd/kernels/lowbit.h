@@ -1,10 +1,27 @@
-/* What viasd's low-bit CPU kernels (w4a8.c, w6a8.c) share: horizontal sums, and the quantization of a group of
- * 32 activations to int8, in an AVX-512 (LOWBIT_WIDE) and an AVX2 version that give the same codes.
+/* What viasd's low-bit products share: the weight formats' tiles, the quantized activations they read, and the
+ * driver that runs any format's tiles (lowbit.c). A format (w4a8.c, w6a8.c) is only its tile: how it unpacks its
+ * weights and multiplies them with a block of tokens; the driver does the rest (activation quantization, tiling,
+ * threading, bias, float32 or bf16 output), once for every format.
  *
- * A group's codes are a = round(x * 127 / max|x|) (to nearest even, as the default rounding mode does), its step
- * max|x| / 127, and the sums of the codes of its two halves of 16 are kept for the terms that weights' offsets
- * add (a minimum times the sum of the codes it multiplies). Inputs and outputs are float32 or bf16 (a model's
- * activations as they come): bf16 inputs widen exactly, outputs are rounded to bf16 as torch rounds.
+ * Tiles. Weights are stored in tiles of TILE = 16 output rows: within a tile, the codes of 8 consecutive inputs of
+ * all 16 rows fill 64 bytes, one 32-bit lane per row (its low nibbles inputs i..i+3, its high nibbles i+4..i+7).
+ * So one 512-bit register holds the weights of 16 rows, and one int8 dot-product instruction multiplies them with
+ * four activations of one token broadcast to every lane: the 16 rows' partial sums accumulate lane by lane, and a
+ * group's scale (a vector of the 16 rows' scales) is applied once per group of 32 inputs, for every token of the
+ * block with the weights unpacked once. That is what makes a block of tokens cost about what one token costs: the
+ * float work per token is one scaling per 16 rows x 32 inputs, not one per row and group.
+ *
+ * Activations are quantized per token and group of 32 inputs: codes a = round(x * 127 / max|x|) (ties to even),
+ * the group's step max|x| / 127, and the step times the sum of the codes of each half (16 inputs) and of the whole
+ * group, for the terms that the weights' offsets add (a minimum, or 6-bit's -32, times the sum of the codes it
+ * multiplies). Inputs and outputs are float32 or bf16: bf16 inputs widen exactly, outputs are rounded to bf16 as
+ * torch rounds.
+ *
+ * A token's result never depends on the other tokens of its block (exact verification relies on that): every
+ * token goes through the same operations in the same order whatever the block's size R, which is a constant at
+ * each of a tile's call sites (the tile functions are made for each R). Two builds: AVX-512 VNNI (LOWBIT_WIDE) and
+ * AVX2, which add the same terms in the same order per lane, and may still differ from each other in a last bit
+ * (an AVX2 tile is two halves of 8 rows).
  */
 #ifndef VIASD_LOWBIT_H
 #define VIASD_LOWBIT_H
@@ -13,90 +30,81 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "viasd_kernels.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define LOWBIT_WIDE 1
+#define TOKENS 8 /* tokens per tile call: 8 accumulators and 8 sums of 16 rows fit the 32 vector registers */
+#else
+#define TOKENS 4 /* AVX2: 16 registers of 8 lanes */
 #endif
 
-/* The 64 inputs of x from `at` as float32: bf16 values widened into `buffer` (exactly), float32 ones in place. */
-static inline const float *chunk_floats(const void *x, int bf16, int64_t at, float *buffer) {
-    if (!bf16)
-        return (const float *)x + at;
-    const uint16_t *v = (const uint16_t *)x + at;
-    for (int i = 0; i < 64; i++) {
-        const uint32_t bits = (uint32_t)v[i] << 16;
-        memcpy(buffer + i, &bits, sizeof bits);
+#define TILE VIASD_TILE
+#define GROUP VIASD_GROUP
+
+/* The quantized activations, as the driver lays them out for the tiles: in blocks of TOKENS tokens, and within a
+ * block group by group, the block's tokens side by side, so that a tile finds token r of any group at a constant
+ * offset from one pointer (a tile of 8 tokens would otherwise spend its registers on 8 of them). */
+typedef struct activations {
+    const int8_t *codes;   /* [blocks][groups][TOKENS][32] */
+    const float *step;     /* [blocks][groups][TOKENS]: each group's step */
+    const float *offset;   /* [blocks][groups][TOKENS]: step * the sum of the group's codes */
+    const float *half;     /* [blocks][groups][TOKENS][2]: step * the sum of each half's codes */
+    int64_t groups;
+} activations;
+
+/* One tile (16 output rows) for the first R tokens of block `block`: y[r][i] = the dot product of row
+ * 16 * tile + i with token TOKENS * block + r, without bias. */
+typedef void (*tile_fn)(const void *weights, int64_t tile, const activations *a, int64_t block, float *y);
+
+/* A weight format: its tile function for each R = 1 .. TOKENS (index R). */
+typedef struct lowbit_format {
+    tile_fn tile[TOKENS + 1];
+} lowbit_format;
+
+/* out[rows][n] = x[rows][k] @ W^T + bias in `format` (weights: its own struct); 0, or -1 without memory. */
+int lowbit_linear(const lowbit_format *format, const void *weights, const void *x, int bf16, int64_t rows,
+                  int64_t k, int64_t n, const float *bias, void *out, int threads);
+
+/* `TILE_FUNCTIONS(name)` makes name_1 .. name_TOKENS from `name(weights, tile, a, first, y, R)` (always inline)
+ * and the format struct `name_format` that lists them. */
+#define TILE_FUNCTION(name, R)                                                                                     \
+    static void name##_##R(const void *w, int64_t t, const activations *a, int64_t block, float *y) {              \
+        name(w, t, a, block, y, R);                                                                                \
     }
-    return buffer;
-}
-
-/* Output `index` = y (+ bias[column] where there is a bias), stored as float32 or rounded to the nearest bf16
- * (ties to even; NaN stays NaN), the rounding torch's conversion makes. */
-static inline void put(void *out, int bf16, int64_t index, float y, const float *bias, int64_t column) {
-    if (bias)
-        y += bias[column];
-    if (!bf16) {
-        ((float *)out)[index] = y;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &y, sizeof bits);
-    ((uint16_t *)out)[index] =
-        (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0 : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 #ifdef LOWBIT_WIDE
-static inline float sum16(__m512 v) {
-    return sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-
-/* 32 activations v as 32 int8 codes at q; returns the step; sums[0], sums[1]: the codes' sums over each half. */
-static inline float quantize_group(const float *v, int8_t *q, int32_t sums[2]) {
-    const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(c0));
-    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(c1));
-    sums[0] = _mm512_reduce_add_epi32(c0);
-    sums[1] = _mm512_reduce_add_epi32(c1);
-    return amax / 127.0f;
-}
+#define TILE_FUNCTIONS(name)                                                                                       \
+    TILE_FUNCTION(name, 1) TILE_FUNCTION(name, 2) TILE_FUNCTION(name, 3) TILE_FUNCTION(name, 4)                    \
+    TILE_FUNCTION(name, 5) TILE_FUNCTION(name, 6) TILE_FUNCTION(name, 7) TILE_FUNCTION(name, 8)                    \
+    static const lowbit_format name##_format = {                                                                   \
+        {0, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6, name##_7, name##_8}};
 #else
-static inline int32_t sum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
+#define TILE_FUNCTIONS(name)                                                                                       \
+    TILE_FUNCTION(name, 1) TILE_FUNCTION(name, 2) TILE_FUNCTION(name, 3) TILE_FUNCTION(name, 4)                    \
+    static const lowbit_format name##_format = {{0, name##_1, name##_2, name##_3, name##_4}};
+#endif
+
+/* Ask for the `lines` cache lines PREFETCH bytes past `at`: a tile streams its weights, and the hardware's own
+ * prefetcher alone left a single token's product at about two thirds of the rate the machine streams memory. */
+#define PREFETCH 4096
+static inline __attribute__((always_inline)) void prefetch(const uint8_t *at, int lines) {
+    for (int i = 0; i < lines; i++)
+        __builtin_prefetch(at + PREFETCH + 64 * i, 0, 3);
 }
 
-static inline float quantize_group(const float *v, int8_t *q, int32_t sums[2]) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' per-lane interleave */
-    __m256 x[4], top = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-        x[i] = _mm256_loadu_ps(v + 8 * i);
-        top = _mm256_max_ps(top, _mm256_and_ps(x[i], magnitude));
-    }
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_max_ss(t, _mm_movehdup_ps(t));
-    const float amax = _mm_cvtss_f32(t);
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    __m256i code[4];
-    for (int i = 0; i < 4; i++)
-        code[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
-    const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(words, order));
-    sums[0] = sum8i(_mm256_add_epi32(code[0], code[1]));
-    sums[1] = sum8i(_mm256_add_epi32(code[2], code[3]));
-    return amax / 127.0f;
+/* Four activation codes of a token as one 32-bit value, to broadcast to every lane. */
+static inline int32_t four(const int8_t *codes) {
+    int32_t v;
+    memcpy(&v, codes, sizeof v);
+    return v;
+}
+
+#ifndef LOWBIT_WIDE
+/* AVX2's int8 dot product of 32 unsigned codes (at most 63) and 32 signed activations, four bytes per lane, added
+ * to acc (a pair of products is at most 2 * 63 * 127, which maddubs' 16-bit sums hold). */
+static inline __m256i dot4(__m256i acc, __m256i codes, int32_t activations) {
+    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(activations));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #endif
 

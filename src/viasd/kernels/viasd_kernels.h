@@ -17,6 +17,7 @@ enum viasd_sizes {
     VIASD_CHUNK = 64,          /* inputs per 32 bytes of 4-bit codes: two groups, one in each nibble */
     VIASD_SUB = 16,            /* inputs per int8 sub-block scale of 6-bit weights */
     VIASD_SUPER = 256,         /* inputs per fp16 super-block scale of 6-bit weights */
+    VIASD_TILE = 16,           /* output rows per tile of the low-bit formats (lowbit.h) */
     VIASD_LANES = 16,          /* floats per vector of the bf16 kernels: head dims and hidden sizes are multiples */
     VIASD_MAX_HEAD_DIM = 256,  /* the attention kernel's largest head dim */
     VIASD_MAX_GROUP = 16       /* the attention kernel's most query heads per key/value head */

@@ -1,15 +1,16 @@
-"""int4 weights x int8 activations: the packing, the product, and the CPU kernel that makes it fast.
+"""int4 weights x int8 activations: the 4-bit format's layout, its torch reference, and its kernel (`w4a8.c`).
 
-The layout and the maths are in `w4a8.c`. On an x86 CPU with AVX-512 VNNI or AVX2 the product is that C
-kernel (in viasd's kernel library, kernels/build.py), checked against `reference` before first use; everywhere
-else (no compiler, another CPU, CUDA, `VIASD_KERNELS=off`) `reference` computes the same numbers with torch ops,
-more slowly. Both give every row (token)
-a result that does not depend on the other rows of its block.
+Weights are 4-bit codes in groups of 32 inputs with an fp16 scale and minimum per group, stored in tiles of 16
+output rows (kernels/lowbit.h, w4a8.c). On an x86 CPU with AVX-512 VNNI or AVX2 the product is the C kernel, checked
+against `reference` before first use; everywhere else (no compiler, another CPU, CUDA, `VIASD_KERNELS=off`)
+`reference` computes the same numbers with torch ops, more slowly. Both give every token a result that does not
+depend on the other tokens of its block.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -18,50 +19,81 @@ from viasd.kernels.notice import warn_once
 from viasd.kernels.switch import OFF
 
 GROUP = sizes()["VIASD_GROUP"]  # inputs per scale and minimum (weights) and per step (activations)
-CHUNK = sizes()["VIASD_CHUNK"]  # inputs per 32 packed bytes: two groups, one in each nibble
+NAME = "int4 x int8"  # in messages
+TILE = sizes()["VIASD_TILE"]  # output rows per tile
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [out, in] (0..15) as packed [out, in/2] uint8: per chunk of 64 inputs, byte j holds code j in its low
-    nibble and code 32 + j in its high one (a GGUF Q4_K block's own order)."""
-    rows, columns = codes.shape
-    chunks = codes.to(torch.uint8).reshape(rows, columns // CHUNK, CHUNK)
-    packed = chunks[..., : CHUNK // 2] | (chunks[..., CHUNK // 2 :] << 4)
-    return packed.reshape(rows, columns // 2).contiguous()
+@dataclass(frozen=True)
+class FourBitWeights:
+    """One layer's 4-bit weights in the kernel's layout: packed [T, in/8, 64] uint8 (T = tiles of 16 rows), scale
+    and low [T, in/32, 16] fp16; `n` output rows (the last tile's rows beyond it are zero)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+    n: int
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[1] * 8
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.packed, self.scale, self.low
 
 
-def pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`weight` [out, in] as 4-bit codes in groups of 32 inputs: packed [out, in/2] uint8, scale and low
-    [out, in/32] fp16, so that w ~ low + code * scale (the group's range in 16 steps)."""
+def tiles_of(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-row values [n, C] as tiles [T, C, 16] (rows padded with zeros to whole tiles)."""
+    count = -(-n // TILE)
+    padded = torch.zeros((count * TILE, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+    padded[:n] = rows
+    return padded.reshape(count, TILE, -1).transpose(1, 2).contiguous()
+
+
+def rows_of(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """`tiles_of`'s inverse: [T, C, 16] -> [n, C]."""
+    return tiles.transpose(1, 2).reshape(-1, tiles.shape[1])[:n]
+
+
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [n, in] (0..15) in the tiled layout [T, in/8, 64]: per tile, octet o and row i, byte 4i + b holds code
+    8o + b in its low nibble and code 8o + 4 + b in its high one."""
+    n, k = codes.shape
+    octets = tiles_of(codes.to(torch.uint8).reshape(n, k // 8, 8).reshape(n, -1), n)  # [T, in, 16]
+    octets = octets.reshape(octets.shape[0], k // 8, 8, TILE).permute(0, 1, 3, 2)  # [T, in/8, 16 rows, 8]
+    return (octets[..., :4] | octets[..., 4:] << 4).reshape(octets.shape[0], k // 8, 4 * TILE).contiguous()
+
+
+def codes_of(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`tile_codes`'s inverse: the codes [n, in]."""
+    tiles, octets = packed.shape[:2]
+    lanes = packed.reshape(tiles, octets, TILE, 4)
+    codes = torch.cat([lanes & 0x0F, lanes >> 4], dim=-1)  # [T, in/8, 16, 8]
+    return codes.permute(0, 2, 1, 3).reshape(tiles * TILE, octets * 8)[:n]
+
+
+def layout(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> FourBitWeights:
+    """Codes [n, in] (0..15), scale and low [n, in/32] (fp16) in the kernel's layout."""
+    n = codes.shape[0]
+    return FourBitWeights(tile_codes(codes), tiles_of(scale.half(), n), tiles_of(low.half(), n), n)
+
+
+def pack(weight: torch.Tensor) -> FourBitWeights:
+    """`weight` [out, in] as 4-bit codes in groups of 32 inputs, w ~ low + code * scale (each group's range in 16
+    steps), in the kernel's layout."""
     rows, columns = weight.shape
     groups = weight.detach().float().reshape(rows, columns // GROUP, GROUP)
     low = groups.amin(dim=-1).half()
     scale = ((groups.amax(dim=-1) - low.float()) / 15.0).clamp_min(1e-6).half()
     codes = torch.round((groups - low.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
-    return pack_codes(codes.reshape(rows, columns)), scale.contiguous(), low.contiguous()
+    return layout(codes.reshape(rows, columns), scale, low)
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The codes [out, in/32, 32] of `pack`'s packed bytes, group by group."""
-    chunks = packed.reshape(packed.shape[0], -1, CHUNK // 2)
-    return torch.cat([chunks & 0x0F, chunks >> 4], dim=-1).reshape(packed.shape[0], -1, GROUP)
-
-
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [out, in] that the packed codes, scales and minimums stand for."""
-    weight = low.float()[..., None] + unpack(packed).float() * scale.float()[..., None]
-    return weight.reshape(packed.shape[0], -1)
-
-
-def reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] float32 @ W^T by the kernel's arithmetic, in torch ops: float32 [rows, out].
-
-    The integer dot products are exact in float32 (at most 32 * 15 * 127), so how torch blocks the matrix
-    product cannot change them; each output then sums its own contiguous row of per-group terms, in an order
-    that does not depend on the other rows of the block. Rows go a few at a time to bound the memory.
-    """
-    weights = unpack(packed).float().transpose(0, 1).transpose(1, 2)  # [G, 32, out]
-    return torch.cat([_reference_rows(chunk, weights, scale, low) for chunk in x.split(8)])
+def dequantize(weights: FourBitWeights) -> torch.Tensor:
+    """The float32 weight [n, in] that the codes, scales and minimums stand for."""
+    n = weights.n
+    codes = codes_of(weights.packed, n).float().reshape(n, -1, GROUP)
+    scale, low = rows_of(weights.scale, n).float(), rows_of(weights.low, n).float()
+    return (low[..., None] + codes * scale[..., None]).reshape(n, -1)
 
 
 def activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,22 +107,24 @@ def activation_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(groups * inverse[..., None]), amax / 127.0
 
 
-def _reference_rows(x: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    codes, step = activation_codes(x)  # [rows, G, 32], [rows, G]
-    dots = torch.bmm(codes.transpose(0, 1), weights).permute(1, 2, 0)  # [rows, out, G]
-    terms = dots * scale.float()[None] * step[:, None, :] + low.float()[None] * (codes.sum(-1) * step)[:, None, :]
+def reference(x: torch.Tensor, weights: FourBitWeights) -> torch.Tensor:
+    """x [rows, in] float32 @ W^T by the kernel's arithmetic, in torch ops: float32 [rows, n].
+
+    The integer dot products are exact in float32 (at most 32 * 15 * 127), so how torch blocks the matrix
+    product cannot change them; each output then sums its own row of per-group terms, in an order that does not
+    depend on the other rows of the block. Rows go a few at a time to bound the memory.
+    """
+    n = weights.n
+    codes = codes_of(weights.packed, n).float().reshape(n, -1, GROUP).transpose(0, 1).transpose(1, 2)  # [G, 32, n]
+    scale, low = rows_of(weights.scale, n).float(), rows_of(weights.low, n).float()
+    return torch.cat([_reference_rows(chunk, codes, scale, low) for chunk in x.split(8)])
+
+
+def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    a, step = activation_codes(x)  # [rows, G, 32], [rows, G]
+    dots = torch.bmm(a.transpose(0, 1), codes).permute(1, 2, 0)  # [rows, n, G]
+    terms = dots * scale[None] * step[:, None, :] + low[None] * (a.sum(-1) * step)[:, None, :]
     return terms.contiguous().sum(dim=-1)
-
-
-@functools.cache
-def compiled() -> Library | str:
-    """The compiled kernel, checked once per process (whatever VIASD_KERNELS says), or why there is none."""
-    return checked("int4 x int8", _self_check)
-
-
-def kernel() -> Library | str:
-    """The compiled kernel, checked once per process, or why it is not used (a sentence)."""
-    return usable("w4a8", compiled)
 
 
 def kernel_input(x: torch.Tensor) -> torch.Tensor:
@@ -99,33 +133,58 @@ def kernel_input(x: torch.Tensor) -> torch.Tensor:
     return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
 
 
-def _run(library: Library, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-         threads: int, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def _run(library: Library, x: torch.Tensor, weights: FourBitWeights, threads: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
-    status = library.lib.w4a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], address(packed),
-                                     address(scale), address(low), packed.shape[0], address(bias), address(out),
-                                     threads)  # fmt: skip
-    if status != 0:
+    if x.shape[1] != weights.k:
+        raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
+    out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
+    status = library.lib.w4a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
+                                     *(address(t) for t in weights.tensors()), weights.n, address(bias),
+                                     address(out), threads)  # fmt: skip
+    if status == -1:
         raise MemoryError("the int4 x int8 kernel could not allocate its scratch memory")
+    if status != 0:
+        raise ValueError(f"the int4 x int8 kernel does not take {x.shape[1]} inputs")
     return out
 
 
+def random_weights(rows: int, columns: int, generator: torch.Generator) -> FourBitWeights:
+    """Random codes, scales and minimums of Q4_K's ranges (for checks and timings)."""
+    codes = torch.randint(0, 16, (rows, columns), generator=generator)
+    scale = torch.rand(rows, columns // GROUP, generator=generator) * 0.01 + 1e-3
+    low = -torch.rand(rows, columns // GROUP, generator=generator) * 0.08
+    return layout(codes, scale, low)
+
+
 def _self_check(library: Library) -> str | None:
-    """Why the kernel cannot be trusted on this machine, or None: a small product (whole 8-chunk blocks and a
-    tail, blocks of 1 to 6 tokens) must match `reference` and give each token the same bits in every block."""
+    """Why the kernel cannot be trusted on this machine, or None: products of rows that are not whole tiles, blocks
+    of 1 to 17 tokens (past one tile call's), must match `reference` and give each token the same bits in every
+    block and with any number of threads."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(24, 832, generator=generator)
-    x = torch.randn(6, 832, generator=generator) * torch.linspace(0.1, 4.0, 832)
-    packed, scale, low = pack(weight)
-    want = reference(x, packed, scale, low)
-    got = _run(library, x, packed, scale, low, 2)
+    weights = random_weights(40, 320, generator)
+    x = torch.randn(17, 320, generator=generator) * torch.linspace(0.1, 4.0, 320)
+    want = reference(x, weights)
+    got = _run(library, x, weights, 2)
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
         return "disagrees with the reference product"
-    for rows in range(1, 6):
-        if not torch.equal(_run(library, x[:rows].contiguous(), packed, scale, low, 2), got[:rows]):
+    for start, size in ((0, 1), (16, 1), (3, 5), (1, 8), (2, 9), (0, 16)):
+        if not torch.equal(_run(library, x[start : start + size].contiguous(), weights, 2), got[start : start + size]):
             return "gives a token other bits in another block"
+    if not torch.equal(_run(library, x, weights, 1), got):
+        return "gives other bits with another number of threads"
     return None
+
+
+@functools.cache
+def compiled() -> Library | str:
+    """The compiled kernel, checked once per process (whatever VIASD_KERNELS says), or why there is none."""
+    return checked(NAME, _self_check)
+
+
+def kernel() -> Library | str:
+    """The compiled kernel, checked once per process, or why it is not used (a sentence)."""
+    return usable("w4a8", compiled)
 
 
 def kernel_status() -> str:
@@ -133,17 +192,15 @@ def kernel_status() -> str:
     return status(kernel())
 
 
-def product(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [rows, in] @ W^T + bias [rows, out] in x's dtype, computed in float32 and rounded once: the C kernel on a
+def product(x: torch.Tensor, weights: FourBitWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ W^T + bias [rows, n] in x's dtype, computed in float32 and rounded once: the C kernel on a
     capable CPU, else `reference`."""
     if x.device.type == "cpu":
         found = kernel()
         if isinstance(found, Library):
             b = None if bias is None else bias.float().contiguous()
-            return _run(found, kernel_input(x), packed, scale, low, torch.get_num_threads(), b).to(x.dtype)
+            return _run(found, kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
         if found != OFF:
-            warn_once(f"int4 x int8 products run on torch ops, slowly: {found}")
-    out = reference(x.float(), packed, scale, low)
+            warn_once(f"{NAME} products run on torch ops, slowly: {found}")
+    out = reference(x.float(), weights)
     return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -1,17 +1,19 @@
-"""A GGUF file's 6-bit weights (Q6_K) x int8 activations: the layout, the product, and the CPU kernel behind it.
+"""A GGUF file's 6-bit weights (Q6_K) x int8 activations: the 6-bit format's layout, its torch reference, and its
+kernel (`w6a8.c`).
 
 Q4_K_M files store their most sensitive tensors (the output head, some value and down projections) at 6 bits. The
-`gguf` view computes on those numbers as they are, as it does on the file's 4-bit blocks (models/w4a8.py),
+`gguf` view computes on those numbers as they are, as it does on the file's 4-bit blocks (kernels/w4a8.py),
 instead of an int8 copy of their dequantized weights: 6.56 bits per weight to read instead of 8, and int8 dot
-products instead of a bf16 one. The layout and the arithmetic are in `w6a8.c`; on x86 with AVX-512 VNNI or AVX2
-the product is that C kernel (in viasd's kernel library, checked against `reference` when loaded), elsewhere
-`reference` computes the same numbers with torch ops, more slowly. Each row (token) of a block gets a result that
-does not depend on the other rows.
+products instead of a bf16 one. Weights are stored in tiles of 16 output rows (kernels/lowbit.h, w6a8.c); on x86
+with AVX-512 VNNI or AVX2 the product is the C kernel (checked against `reference` when loaded), elsewhere
+`reference` computes the same numbers with torch ops, more slowly. Each token of a block gets a result that does
+not depend on the other tokens.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -22,95 +24,101 @@ from viasd.kernels.switch import OFF
 
 SUB = sizes()["VIASD_SUB"]  # inputs per int8 sub-block scale
 SUPER = sizes()["VIASD_SUPER"]  # inputs per fp16 super-block scale
+NAME = "6-bit x int8"  # in messages
+TILE = w4a8.TILE
 
 
+@dataclass(frozen=True)
 class SixBitWeights:
-    """One layer's 6-bit weights in the kernel's layout: w = d * sub * (code - 32), codes 0..63.
+    """One layer's 6-bit weights in the kernel's layout, w = d * sub * (code - 32), codes 0..63, in tiles of 16 rows:
+    low [T, in/8, 64] uint8 (the codes' low nibbles, w4a8's layout), high [T, in/16, 64] uint8 (their top two
+    bits), sub [T, in/16, 16] int8 (a scale per 16 inputs), d [T, in/256, 16] fp16 (a scale per 256 inputs); `n`
+    output rows."""
 
-    low [out, in/2] uint8 (the codes' low nibbles, w4a8's layout), high [out, in/4] uint8 (their top two bits),
-    sub [out, in/16] int8 (a scale per 16 inputs), d [out, in/256] fp16 (a scale per 256 inputs).
-    """
+    low: torch.Tensor
+    high: torch.Tensor
+    sub: torch.Tensor
+    d: torch.Tensor
+    n: int
 
-    __slots__ = ("d", "high", "low", "sub")
-
-    def __init__(self, low: torch.Tensor, high: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> None:
-        self.low, self.high, self.sub, self.d = low, high, sub, d
+    @property
+    def k(self) -> int:
+        return self.low.shape[1] * 8
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.low, self.high, self.sub, self.d
 
 
 def pack(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> SixBitWeights:
-    """Codes [out, in] (0..63, `in` a multiple of 256), their sub-block and super-block scales, in the kernel's
-    layout (see `w6a8.c`): the low nibbles as w4a8 packs 4-bit codes; the top two bits of each pair of 64-input
-    chunks c, c' in 32 bytes, byte t holding those of inputs c:32+t, c':32+t, c:t and c':t (bits 0-1 .. 6-7)."""
-    rows, columns = codes.shape
+    """Codes [n, in] (0..63, `in` a multiple of 256), their sub-block scales [n, in/16] (int8) and super-block scales
+    [n, in/256] (fp16), in the kernel's layout (see `w6a8.c`)."""
+    n, columns = codes.shape
     if columns % SUPER:
         raise ValueError(f"6-bit weights need a multiple of {SUPER} inputs, got {columns}")
     codes = codes.to(torch.uint8)
-    low = w4a8.pack_codes(codes & 15)
-    top = (codes >> 4).reshape(rows, columns // 128, 2, 2, 32)  # [row, pair, chunk of the pair, half, t]
-    high = top[:, :, 0, 1] | top[:, :, 1, 1] << 2 | top[:, :, 0, 0] << 4 | top[:, :, 1, 0] << 6
-    return SixBitWeights(low, high.reshape(rows, columns // 4).contiguous(), sub.contiguous(), d.contiguous())
+    top = w4a8.tiles_of(codes >> 4, n)  # [T, in, 16]
+    top = top.reshape(top.shape[0], columns // SUB, 4, 4, TILE).permute(0, 1, 4, 3, 2)  # [T, S, row, b, quarter]
+    high = top[..., 0] | top[..., 1] << 2 | top[..., 2] << 4 | top[..., 3] << 6  # quarter q: inputs 16s + 4q + b
+    return SixBitWeights(w4a8.tile_codes(codes & 15), high.reshape(top.shape[0], columns // SUB, 4 * TILE).contiguous(),
+                         w4a8.tiles_of(sub.to(torch.int8), n), w4a8.tiles_of(d.half(), n), n)  # fmt: skip
 
 
 def codes_of(weights: SixBitWeights) -> torch.Tensor:
-    """The codes [out, in] (0..63) that `pack` laid out."""
-    rows = weights.low.shape[0]
-    low = w4a8.unpack(weights.low).reshape(rows, -1)
-    high = weights.high.reshape(rows, -1, 1, 32)
-    top = torch.cat([high >> 4, high, high >> 6, high >> 2], dim=2) & 3  # [row, pair, c:0.. c:32.. c':0.. c':32.., t]
-    return low | top.reshape(rows, -1) << 4
+    """The codes [n, in] (0..63) that `pack` laid out."""
+    n, k = weights.n, weights.k
+    tiles = weights.high.shape[0]
+    lanes = weights.high.reshape(tiles, k // SUB, TILE, 4)  # byte b of row i
+    top = torch.stack([lanes & 3, lanes >> 2 & 3, lanes >> 4 & 3, lanes >> 6], dim=-2)  # [T, S, 16, quarter, b]
+    top = top.permute(0, 2, 1, 3, 4).reshape(tiles * TILE, k)[:n]
+    return w4a8.codes_of(weights.low, n) | top << 4
+
+
+def scales_of(weights: SixBitWeights) -> torch.Tensor:
+    """d * sub per row and sub-block [n, in/16], in float32."""
+    d = w4a8.rows_of(weights.d, weights.n).float().repeat_interleave(SUPER // SUB, dim=1)
+    return w4a8.rows_of(weights.sub, weights.n).float() * d
 
 
 def dequantize(weights: SixBitWeights) -> torch.Tensor:
-    """The float32 weight [out, in] the codes and scales stand for."""
-    rows = weights.low.shape[0]
-    codes = codes_of(weights).float().reshape(rows, -1, SUB) - 32.0
-    scale = weights.sub.float().reshape(rows, -1, SUPER // SUB) * weights.d.float()[..., None]
-    return (codes * scale.reshape(rows, -1, 1)).reshape(rows, -1)
+    """The float32 weight [n, in] the codes and scales stand for."""
+    n = weights.n
+    codes = codes_of(weights).float().reshape(n, -1, SUB) - 32.0
+    return (codes * scales_of(weights)[..., None]).reshape(n, -1)
 
 
 def reference(x: torch.Tensor, weights: SixBitWeights) -> torch.Tensor:
-    """x [rows, in] float32 @ W^T by the kernel's arithmetic, in torch ops: float32 [rows, out].
+    """x [rows, in] float32 @ W^T by the kernel's arithmetic, in torch ops: float32 [rows, n].
 
     The integer dot products are exact in float32 (at most 16 * 63 * 127), so how torch blocks the product cannot
     change them; each output sums its own row of per-sub-block terms. Rows go a few at a time to bound memory.
     """
-    codes = codes_of(weights).float().reshape(weights.low.shape[0], -1, SUB).transpose(0, 1).transpose(1, 2)
-    scale = weights.sub.float() * weights.d.float().repeat_interleave(SUPER // SUB, dim=1)  # [out, S]
-    return torch.cat([_reference_rows(chunk, codes, scale) for chunk in x.split(8)])
+    n = weights.n
+    codes = codes_of(weights).float().reshape(n, -1, SUB).transpose(0, 1).transpose(1, 2)  # [S, 16, n]
+    return torch.cat([_reference_rows(chunk, codes, scales_of(weights)) for chunk in x.split(8)])
 
 
 def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     a, step = w4a8.activation_codes(x)
     a = a.reshape(x.shape[0], -1, SUB)  # [rows, S, 16]
-    dots = torch.bmm(a.transpose(0, 1), codes).permute(1, 2, 0)  # [rows, out, S]
-    factor = scale[None] * step.repeat_interleave(w4a8.GROUP // SUB, dim=1)[:, None, :]
-    return (factor * dots).sum(dim=-1) - 32.0 * (factor * a.sum(-1)[:, None, :]).sum(dim=-1)
-
-
-@functools.cache
-def compiled() -> Library | str:
-    """The compiled kernel, checked once per process (whatever VIASD_KERNELS says), or why there is none."""
-    return checked("6-bit x int8", _self_check)
-
-
-def kernel() -> Library | str:
-    """The compiled kernel, checked once per process, or why it is not used (a sentence)."""
-    return usable("w6a8", compiled)
+    dots = torch.bmm(a.transpose(0, 1), codes).permute(1, 2, 0)  # [rows, n, S]
+    steps = step.repeat_interleave(w4a8.GROUP // SUB, dim=1)[:, None, :]  # [rows, 1, S]
+    return (scale[None] * steps * dots).sum(dim=-1) - 32.0 * (scale[None] * (steps * a.sum(-1)[:, None, :])).sum(-1)
 
 
 def _run(
     library: Library, x: torch.Tensor, weights: SixBitWeights, threads: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
-    out = torch.empty(x.shape[0], weights.low.shape[0], dtype=x.dtype)
+    if x.shape[1] != weights.k:
+        raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
+    out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
     pointers = [address(t) for t in weights.tensors()]
     status = library.lib.w6a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
-                                     weights.low.shape[0], address(bias), address(out), threads)  # fmt: skip
-    if status != 0:
+                                     weights.n, address(bias), address(out), threads)  # fmt: skip
+    if status == -1:
         raise MemoryError("the 6-bit x int8 kernel could not allocate its scratch memory")
+    if status != 0:
+        raise ValueError(f"the 6-bit x int8 kernel does not take {x.shape[1]} inputs")
     return out
 
 
@@ -123,19 +131,32 @@ def random_weights(rows: int, columns: int, generator: torch.Generator) -> SixBi
 
 
 def _self_check(library: Library) -> str | None:
-    """Why the kernel cannot be trusted here, or None: a small product (blocks of 1 to 6 tokens) must match
-    `reference` and give each token the same bits in every block."""
+    """Why the kernel cannot be trusted here, or None: products of rows that are not whole tiles, blocks of 1 to 17
+    tokens, must match `reference` and give each token the same bits in every block and with any threads."""
     generator = torch.Generator().manual_seed(0)
-    weights = random_weights(24, 768, generator)
-    x = torch.randn(6, 768, generator=generator) * torch.linspace(0.1, 4.0, 768)
+    weights = random_weights(40, 512, generator)
+    x = torch.randn(17, 512, generator=generator) * torch.linspace(0.1, 4.0, 512)
     want = reference(x, weights)
     got = _run(library, x, weights, 2)
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
         return "disagrees with the reference product"
-    for rows in range(1, 6):
-        if not torch.equal(_run(library, x[:rows].contiguous(), weights, 2), got[:rows]):
+    for start, size in ((0, 1), (16, 1), (3, 5), (1, 8), (2, 9), (0, 16)):
+        if not torch.equal(_run(library, x[start : start + size].contiguous(), weights, 2), got[start : start + size]):
             return "gives a token other bits in another block"
+    if not torch.equal(_run(library, x, weights, 1), got):
+        return "gives other bits with another number of threads"
     return None
+
+
+@functools.cache
+def compiled() -> Library | str:
+    """The compiled kernel, checked once per process (whatever VIASD_KERNELS says), or why there is none."""
+    return checked(NAME, _self_check)
+
+
+def kernel() -> Library | str:
+    """The compiled kernel, checked once per process, or why it is not used (a sentence)."""
+    return usable("w6a8", compiled)
 
 
 def kernel_status() -> str:
@@ -144,7 +165,7 @@ def kernel_status() -> str:
 
 
 def product(x: torch.Tensor, weights: SixBitWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ W^T + bias [rows, out] in x's dtype, computed in float32 and rounded once: the C kernel on a
+    """x [rows, in] @ W^T + bias [rows, n] in x's dtype, computed in float32 and rounded once: the C kernel on a
     capable CPU, else `reference`."""
     if x.device.type == "cpu":
         found = kernel()
@@ -152,6 +173,6 @@ def product(x: torch.Tensor, weights: SixBitWeights, bias: torch.Tensor | None =
             b = None if bias is None else bias.float().contiguous()
             return _run(found, w4a8.kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
         if found != OFF:
-            warn_once(f"6-bit x int8 products run on torch ops, slowly: {found}")
+            warn_once(f"{NAME} products run on torch ops, slowly: {found}")
     out = reference(x.float(), weights)
     return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -42,12 +42,11 @@ def _product(module: nn.Module) -> Product | None:
     bias = None if module.bias is None else module.bias.float().contiguous()  # type: ignore[union-attr]
     if type(module) is Int4Int8Linear:
         tensors: tuple[torch.Tensor, ...] = (module.packed, module.scale, module.low)
-        k, n = module.packed.shape[1] * 2, module.packed.shape[0]
     elif type(module) is Int6Int8Linear:
         tensors = (module.low, module.high, module.sub, module.d)
-        k, n = module.low.shape[1] * 2, module.low.shape[0]
     else:
         return None
+    k, n = tensors[0].shape[1] * 8, module.out_features
     return Product(4 if type(module) is Int4Int8Linear else 6, tensors, bias, k, n) if all(
         t.is_contiguous() for t in tensors
     ) else None  # fmt: skip

@@ -1,16 +1,16 @@
 """A GGUF file's own 4-bit blocks as int4a8 weights, so that a model converted from a Q4_K GGUF computes on them.
 
-A Q4_K super-block holds 256 weights of one row: an fp16 scale d and minimum dmin, eight 6-bit sub-block scales
-sc_j and minimums m_j, and 128 bytes of 4-bit codes, with weight = d * sc_j * code - dmin * m_j in sub-block j of
-32 inputs. That is int4a8's layout (models/w4a8.py): groups of 32 with a scale and a minimum, codes in chunks of
-64 inputs whose first 32 sit in the low nibbles. The view takes the codes as they are and multiplies out each
-group's scale and minimum (rounded to fp16, finer than the bf16 rounding of the dense model's copy of the same
-weights). Re-quantizing the dense weights instead would round them a second time, onto another grid.
+A Q4_K super-block holds 256 weights of one row: an fp16 scale d and minimum dmin, eight 6-bit sub-block scales sc_j
+and minimums m_j, and 128 bytes of 4-bit codes, with weight = d * sc_j * code - dmin * m_j in sub-block j of 32
+inputs. That is int4a8's format (kernels/w4a8.py): groups of 32 with a scale and a minimum. The view takes the codes
+as they are (laid out in the kernel's tiles) and multiplies out each group's scale and minimum (rounded to fp16,
+finer than the bf16 rounding of the dense model's copy of the same weights). Re-quantizing the dense weights instead
+would round them a second time, onto another grid.
 
 Q4_K_M keeps its most sensitive tensors at 6 bits, as Q6_K: per super-block of 256 an fp16 scale d, per sub-block
 of 16 an int8 scale s_j, and 6-bit codes q with weight = d * s_j * (q - 32). Those are taken as they are too, laid
-out for the 6-bit kernel (models/w6a8.py). Layers the file stores otherwise are quantized from the dense weights
-(int8 weight-only: see the `gguf` recipe, models/quantize.py). Each tensor is checked against the model's own
+out for the 6-bit kernel (kernels/w6a8.py). Layers the file stores otherwise are quantized from the dense weights
+(int8 weight-only: see the `gguf` recipe, views/recipe.py). Each tensor is checked against the model's own
 weight before use, so a file of another model, or a conversion that reordered a tensor, is not taken.
 """
 
@@ -31,8 +31,10 @@ _BYTES6 = 210  # a Q6_K block's: 128 bytes of low nibbles, 64 of high bit pairs,
 _SAME = 0.01
 
 
-def q4k_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_K tensor's raw bytes [rows, columns / 256 * 144] as int4a8's packed codes, scales and minimums."""
+def q4k_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> w4a8.FourBitWeights:
+    """A Q4_K tensor's raw bytes [rows, columns / 256 * 144] as int4a8's codes, scales and minimums, in the kernel's
+    layout. A block's 128 code bytes are four chunks of 32: byte j of chunk c holds weight 64c + j in its low nibble
+    and 64c + 32 + j in its high one."""
     from gguf.quants import Q4_K
 
     raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SUPER), _BYTES)
@@ -41,12 +43,9 @@ def q4k_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> tuple[torch.Te
     sc, m = Q4_K.get_scale_min(raw[:, 4:16])  # [blocks, 8] each, the sub-blocks in order
     scale = (d * sc.astype(np.float32)).reshape(rows, columns // w4a8.GROUP)
     low = (-dmin * m.astype(np.float32)).reshape(rows, columns // w4a8.GROUP)
-    packed = raw[:, 16:].reshape(rows, columns // 2)
-    return (
-        torch.from_numpy(packed.copy()),
-        torch.from_numpy(scale).half().contiguous(),
-        torch.from_numpy(low).half().contiguous(),
-    )
+    chunks = raw[:, 16:].reshape(rows, columns // 64, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = torch.from_numpy((chunks & 15).reshape(rows, columns))
+    return w4a8.layout(codes, torch.from_numpy(scale), torch.from_numpy(low))
 
 
 def q6k_to_int6a8(blocks: np.ndarray, rows: int, columns: int) -> w6a8.SixBitWeights:
@@ -98,14 +97,14 @@ class GgufWeights:
             return None
         return tensor.data
 
-    def int4a8(self, module: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def int4a8(self, module: str, weight: torch.Tensor) -> w4a8.FourBitWeights | None:
         """Module `module`'s int4a8 tensors from the file's Q4_K blocks, or None: the file has no such Q4_K
         tensor, or its blocks are not `weight` [out, in] (another model, or a layout the conversion changed)."""
         blocks = self._blocks(module, weight, "Q4_K", _BYTES)
         if blocks is None:
             return None
-        packed, scale, low = q4k_to_int4a8(blocks, *weight.shape)
-        return (packed, scale, low) if _same(w4a8.dequantize(packed, scale, low), weight) else None
+        four = q4k_to_int4a8(blocks, *weight.shape)
+        return four if _same(w4a8.dequantize(four), weight) else None
 
     def int6a8(self, module: str, weight: torch.Tensor) -> w6a8.SixBitWeights | None:
         """Module `module`'s 6-bit weights from the file's Q6_K blocks, or None (as `int4a8`)."""

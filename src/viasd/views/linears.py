@@ -140,14 +140,18 @@ def stacked_bias(members: Sequence[nn.Module]) -> torch.Tensor | None:
 
 
 def join_siblings(modules: Mapping[str, nn.Module]) -> None:
-    """Compute sibling int8 or int4a8 layers together (see `Siblings`); layers with smoothing keep their own."""
+    """Compute sibling int8 or int4a8 layers together (see `Siblings`); layers with smoothing keep their own, and so
+    do int4a8 layers that are not whole tiles of rows."""
     for names in SIBLINGS:
         parents = {name.rpartition(".")[0] for name in modules if name.rpartition(".")[2] == names[0]}
         for parent in parents:
             members = [modules.get(f"{parent}.{child}" if parent else child) for child in names]
             kind = type(members[0])
-            if kind in (Int8DynamicLinear, Int4Int8Linear) and all(
-                type(m) is kind and getattr(m, "inv_smooth", None) is None for m in members
+            tiled = kind is not Int4Int8Linear or all(m.out_features % w4a8.TILE == 0 for m in members)
+            if (
+                tiled
+                and kind in (Int8DynamicLinear, Int4Int8Linear)
+                and all(type(m) is kind and getattr(m, "inv_smooth", None) is None for m in members)
             ):
                 group = Siblings(members)  # type: ignore[arg-type]
                 for member in members:
@@ -213,48 +217,50 @@ class Int4WeightOnlyLinear(nn.Module):
 
 
 class Int4Int8Linear(nn.Module):
-    """y = x @ W^T + b with W in int4 groups of 32 and x quantized per token and group to int8 (models/w4a8.py)."""
+    """y = x @ W^T + b with W in int4 groups of 32 and x quantized per token and group to int8 (kernels/w4a8.py),
+    its weights in the kernel's tiles of 16 rows."""
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weights: w4a8.FourBitWeights, bias: torch.Tensor | None):
         super().__init__()
-        self.register_buffer("packed", packed)  # [out, in / 2] uint8, two codes per byte
-        self.register_buffer("scale", scale)  # [out, in / 32] fp16
-        self.register_buffer("low", low)  # [out, in / 32] fp16, each group's minimum
+        self.register_buffer("packed", weights.packed)  # [tiles, in / 8, 64] uint8, two codes per byte
+        self.register_buffer("scale", weights.scale)  # [tiles, in / 32, 16] fp16
+        self.register_buffer("low", weights.low)  # [tiles, in / 32, 16] fp16, each group's minimum
         self.register_buffer("bias", bias)
+        self.out_features = weights.n
         self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
 
     @property
-    def out_features(self) -> int:
-        return self.packed.shape[0]
+    def weights(self) -> w4a8.FourBitWeights:
+        return w4a8.FourBitWeights(self.packed, self.scale, self.low, self.out_features)
 
     @classmethod
     def stacked(cls, members: Sequence[Int4Int8Linear]) -> Int4Int8Linear:
-        """One layer whose outputs are the members' outputs side by side. The members' tensors become row slices of
-        the stacked ones, so stacking costs no memory."""
-        tensors = (torch.cat([getattr(m, key) for m in members]) for key in ("packed", "scale", "low"))
-        fused = cls(*tensors, stacked_bias(members))
+        """One layer whose outputs are the members' outputs side by side (each a whole number of tiles). The
+        members' tensors become tile slices of the stacked ones, so stacking costs no memory."""
+        keys = ("packed", "scale", "low")
+        tensors = [torch.cat([getattr(m, key) for m in members]) for key in keys]
+        n = sum(m.out_features for m in members)
+        fused = cls(w4a8.FourBitWeights(*tensors, n), stacked_bias(members))
         start = 0
         for member in members:
-            stop = start + member.out_features
-            for key in ("packed", "scale", "low"):
+            stop = start + member.packed.shape[0]
+            for key in keys:
                 setattr(member, key, getattr(fused, key)[start:stop])
             start = stop
         return fused
 
     @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    ) -> Int4Int8Linear:
-        """The layer's copy: `blocks` (packed codes, scales, minimums of the same weight, e.g. a GGUF file's own)
-        when given, else its weight quantized here."""
-        if linear.in_features % w4a8.CHUNK:
-            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.CHUNK}")
-        packed, scale, low = blocks if blocks is not None else w4a8.pack(linear.weight)
+    def from_linear(cls, linear: nn.Linear, weights: w4a8.FourBitWeights | None = None) -> Int4Int8Linear:
+        """The layer's copy: `weights` (the same weight's codes, scales and minimums, e.g. a GGUF file's own) when
+        given, else its weight quantized here."""
+        if linear.in_features % w4a8.GROUP:
+            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
+        found = weights if weights is not None else w4a8.pack(linear.weight)
         device = linear.weight.device
-        packed, scale, low = packed.to(device), scale.to(device), low.to(device)
+        moved = w4a8.FourBitWeights(*(t.to(device) for t in found.tensors()), found.n)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         w4a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
-        return cls(packed, scale, low, bias)
+        return cls(moved, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.siblings is not None:
@@ -263,30 +269,34 @@ class Int4Int8Linear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T + b for this layer alone."""
-        out = w4a8.product(flat(x), self.packed, self.scale, self.low, self.bias)
-        return out.reshape(*x.shape[:-1], -1)
+        return w4a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)
 
 
 class Int6Int8Linear(nn.Module):
     """y = x @ W^T + b with W a GGUF file's 6-bit (Q6_K) weights and x quantized per token and group to int8
-    (models/w6a8.py). Made only from a file's blocks: there is no 6-bit recipe of dense weights."""
+    (kernels/w6a8.py), in the kernel's tiles of 16 rows. Made only from a file's blocks: there is no 6-bit recipe of
+    dense weights."""
 
     def __init__(self, weights: w6a8.SixBitWeights, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.register_buffer("low", weights.low)  # [out, in / 2] uint8, the codes' low nibbles
-        self.register_buffer("high", weights.high)  # [out, in / 4] uint8, their top two bits
-        self.register_buffer("sub", weights.sub)  # [out, in / 16] int8, a scale per 16 inputs
-        self.register_buffer("d", weights.d)  # [out, in / 256] fp16, a scale per 256 inputs
+        self.register_buffer("low", weights.low)  # [tiles, in / 8, 64] uint8, the codes' low nibbles
+        self.register_buffer("high", weights.high)  # [tiles, in / 16, 64] uint8, their top two bits
+        self.register_buffer("sub", weights.sub)  # [tiles, in / 16, 16] int8, a scale per 16 inputs
+        self.register_buffer("d", weights.d)  # [tiles, in / 256, 16] fp16, a scale per 256 inputs
         self.register_buffer("bias", bias)
+        self.out_features = weights.n
+
+    @property
+    def weights(self) -> w6a8.SixBitWeights:
+        return w6a8.SixBitWeights(self.low, self.high, self.sub, self.d, self.out_features)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weights: w6a8.SixBitWeights) -> Int6Int8Linear:
         device = linear.weight.device
-        moved = w6a8.SixBitWeights(*(t.to(device) for t in weights.tensors()))
+        moved = w6a8.SixBitWeights(*(t.to(device) for t in weights.tensors()), weights.n)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         w6a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
         return cls(moved, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = w6a8.SixBitWeights(self.low, self.high, self.sub, self.d)
-        return w6a8.product(flat(x), weights, self.bias).reshape(*x.shape[:-1], -1)
+        return w6a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)

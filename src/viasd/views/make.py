@@ -15,6 +15,7 @@ from viasd.views.view import View
 
 def quantized_view(model: LoadedModel, recipe: QuantRecipe) -> View:
     """`model`'s view by `recipe`, its quantized copies loaded from viasd's cache or made (and cached) now."""
+
     def sequences() -> list[list[int]]:
         return [encode_prompt(model.tokenizer, text) for text in SMOOTHING_TEXTS]
 

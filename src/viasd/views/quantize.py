@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.kernels import w6a8
+from viasd.kernels import w4a8, w6a8
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
@@ -151,7 +151,7 @@ def quantize(
 
 def _from_file(
     linear: nn.Linear,
-    four: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    four: w4a8.FourBitWeights | None,
     six: w6a8.SixBitWeights | None,
 ) -> nn.Module:
     """A layer's copy from its GGUF file's own blocks (4-bit, else 6-bit); int8 weight-only where the file has

@@ -37,7 +37,7 @@ from viasd.views.recipe import QuantRecipe
 if TYPE_CHECKING:
     from viasd.views.gguf import GgufWeights
 
-FORMAT = "viasd-quantized/2"  # 2: a gguf recipe's 6-bit layers are the file's own blocks
+FORMAT = "viasd-quantized/3"  # 2: a gguf recipe's 6-bit layers are the file's own blocks; 3: low-bit tiles
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
 SMOOTHING_TEXTS = (
     "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
@@ -128,9 +128,10 @@ def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
 
 def _six_bit_probe(rows: int, columns: int) -> w6a8.SixBitWeights:
     empty = functools.partial(torch.empty, device="meta")
-    low, high = empty(rows, columns // 2, dtype=torch.uint8), empty(rows, columns // 4, dtype=torch.uint8)
-    return w6a8.SixBitWeights(low, high, empty(rows, columns // 16, dtype=torch.int8),
-                              empty(rows, columns // 256, dtype=torch.float16))  # fmt: skip
+    tiles = -(-rows // w6a8.TILE)
+    low, high = empty(tiles, columns // 8, 64, dtype=torch.uint8), empty(tiles, columns // 16, 64, dtype=torch.uint8)
+    return w6a8.SixBitWeights(low, high, empty(tiles, columns // 16, w6a8.TILE, dtype=torch.int8),
+                              empty(tiles, columns // 256, w6a8.TILE, dtype=torch.float16), rows)  # fmt: skip
 
 
 def _int4_probe(linear: nn.Linear, group_size: int) -> nn.Module:
