@@ -303,11 +303,16 @@ def _lookup(parts: Parts, spec: MethodSpec) -> Decoder:
 
 
 def _self(parts: Parts, spec: MethodSpec) -> Decoder:
-    """The target drafts for itself: its quantized view when `drafter_quant` is set, else with layers skipped."""
+    """The target drafts for itself: its quantized view when `drafter_quant` is set, else with layers skipped (of
+    the view it runs as, when it runs as a quantized one: the 4-bit target drafts with fewer of its own layers)."""
     from viasd.drafters.model_drafter import ModelDrafter
+    from viasd.views.view import View
 
     target = parts.target
-    view = parts.quantized(target, _drafter_recipe(parts, spec)) or parts.self_mask()
+    own = _target_view(parts, spec)
+    view = parts.quantized(target, _drafter_recipe(parts, spec)) or View(
+        mask=parts.self_mask(), linears=own.linears if own is not None else None
+    )
     drafter = ModelDrafter(target.model, view, name="self")
     return _speculative(parts, spec, drafter, _stop(spec, 0.0))  # stop not measured for self: off unless asked
 
@@ -346,7 +351,10 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     fits = parts.drafter_fits()
     target = parts.target
     fast = int4a8_is_fast(next(target.model.parameters()).device)
-    names = candidates(fits, int4a8=fast, gguf=fast and has_q4k_blocks(target.name, target.path))
+    quantized_target = parts.spec.quant is not None
+    names = candidates(
+        fits, int4a8=fast, gguf=fast and has_q4k_blocks(target.name, target.path), quantized_target=quantized_target
+    )
     if fits is False:
         print(
             f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "

@@ -49,8 +49,10 @@ KINDS = ("int8", "int8wo", "int4", "int4a8")
 # --keep 1`, BENCHMARKS.md). The weight-only kernels win on short blocks, where the weights' bytes decide, and lose
 # on long ones (a prompt), where arithmetic does. Without AMX, int8 with int8 activations is never slower than
 # bf16; with AMX (recent Xeons), torch's bf16 products of long blocks are several times faster and int8 loses
-# from about 90 tokens on. int4a8 was measured on the AMX machine only. Not measured on other devices: no switch.
-OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32, "int4a8": 20}
+# from about 90 tokens on. int4a8's tiled kernel beats bf16 at every length on a Zen 5 EPYC (256 tokens: 834 ms
+# against 1041; `viasd costs --views full,int4a8,gguf --tokens 8,16,32,64,128,256 --context 1 --keep 1`); its AMX
+# figure is the earlier kernel's. Not measured on other devices: no switch.
+OWN_WEIGHTS_FROM_CPU: dict[str, int | None] = {"int8": None, "int8wo": 16, "int4": 32, "int4a8": None}
 OWN_WEIGHTS_FROM_AMX_CPU: dict[str, int | None] = {"int8": 96, "int8wo": 16, "int4": 32, "int4a8": 20}
 
 
