@@ -2,6 +2,7 @@
 what they say."""
 
 import pytest
+import torch
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
@@ -158,3 +159,27 @@ def test_self_drafting_skips_layers_even_when_the_profile_slims_by_quantization(
     assert engine.generate([1, 5, 9], "self", config).tokens == engine.generate([1, 5, 9], "plain", config).tokens
     again = Engine(EngineSpec(target="t", drafter="d", profile=str(cut)), target=loaded)
     assert again.self_mask() == LayerMask.skipping(4, [2])
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="torch's int8 CPU kernel")
+def test_making_a_view_is_setup_time_never_a_generations(tmp_path, monkeypatch):
+    """A view's copies are loaded and put in their kernel's form when the method is built (and reported as setup
+    seconds), so a generation's seconds are decoding only: torch's int8 kernel packs no weight during it."""
+    from viasd.views.linears import Int8DynamicLinear
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    target = LoadedModel(tiny_model("qwen2", dtype=torch.float32), tiny_tokenizer(64), "t", "t")
+    engine = Engine(EngineSpec(target="t"), target=target)
+    decoder = engine.decoder("plain:quant=int8")
+    packed_while_decoding = []
+    real = Int8DynamicLinear._fbgemm_packed
+
+    def watched(self):
+        if self._packed is None:
+            packed_while_decoding.append(self)
+        return real(self)
+
+    monkeypatch.setattr(Int8DynamicLinear, "_fbgemm_packed", watched)
+    result = decoder.generate([3, 4, 5, 6], GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert result.stats.new_tokens == 4 and packed_while_decoding == []
+    assert engine.describe("plain:quant=int8")["setup_seconds"]["view t int8"] > 0

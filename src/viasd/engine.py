@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,9 @@ class Engine:
 
     def __init__(self, spec: EngineSpec, target: LoadedModel | None = None, drafter: LoadedModel | None = None) -> None:
         self._spec = spec
+        # Seconds spent making things once (loading models, making views), kept apart from decoding: what a user
+        # waits for at start, reported by `describe` (--json, the bench's environment file).
+        self.setup_seconds: dict[str, float] = {}
         self.target = target or self._load(spec.target)
         self._drafter = drafter
         self._drafter_checked = False
@@ -40,8 +44,10 @@ class Engine:
     def _load(self, name: str) -> LoadedModel:
         from viasd.passes.prepare import prepare
 
+        start = time.perf_counter()
         loaded = load_model(name, device=self.spec.device, dtype=self.spec.dtype, device_map=self.spec.device_map)
         prepare(loaded.model)
+        self.setup_seconds[f"load {name}"] = time.perf_counter() - start
         return loaded
 
     @property
@@ -60,7 +66,9 @@ class Engine:
         if key not in self._views:
             from viasd.views.make import quantized_view
 
+            start = time.perf_counter()
             self._views[key] = quantized_view(model, recipe)
+            self.setup_seconds[f"view {model.name} {recipe.name}"] = time.perf_counter() - start
         return self._views[key]
 
     @property
@@ -164,6 +172,7 @@ class Engine:
         decoder = self.decoder(method)
         described: dict[str, Any] = {"method": spec.name, "exact": spec.exact and self.spec.quant is None}
         described.update(decoder.describe())
+        described["setup_seconds"] = {what: round(seconds, 3) for what, seconds in self.setup_seconds.items()}
         if next(self.target.model.parameters()).device.type == "cpu":
             from viasd.kernels.state import kernel_states
 

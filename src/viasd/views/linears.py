@@ -62,6 +62,13 @@ class Int8DynamicLinear(nn.Module):
         weights = torch.cat([m.weight_t for m in members], dim=1).t()
         return cls(weights, torch.cat([m.scale for m in members]), stacked_bias(members), None)
 
+    def prepare(self) -> None:
+        """Pack the weights for torch's CPU int8 kernel now (see `QuantizedLinears.prepare`): this layer's, or the
+        stacked layer's that computes it with its siblings."""
+        computes = self.siblings.fused if self.siblings is not None else self
+        if computes.weight_t.device.type == "cpu" and _fbgemm():
+            computes._fbgemm_packed()
+
     def _fbgemm_packed(self) -> Any:
         if self._packed is None:
             weight = self.weight_t.t()

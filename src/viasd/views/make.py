@@ -28,4 +28,6 @@ def quantized_view(model: LoadedModel, recipe: QuantRecipe) -> View:
             )
         return GgufWeights(path)
 
-    return View(linears=cached_quantize(model.model, recipe, sequences, gguf=gguf))
+    linears = cached_quantize(model.model, recipe, sequences, gguf=gguf)
+    linears.prepare()
+    return View(linears=linears)
