@@ -83,13 +83,17 @@ static void gate(const uint16_t *gate_up, int64_t rows, int64_t inner, uint16_t 
         }
 }
 
-/* Runs `count` layers on x [rows][hidden] (bf16, updated in place). Per layer i: its cache stores
- * [kv_heads][capacity[i]][dim], positions 0 .. past[i] - 1 filled (the pass's go after them). Returns 0, -1 when
- * memory could not be had, another negative number when a kernel refused its shapes. */
+/* Runs `count` layers on x [rows][hidden] (bf16, updated in place), whose rows are the new tokens of `sequences`
+ * sequences one after the other: sequence s has rows starts[s] .. starts[s + 1] - 1 and its own cache. Per sequence
+ * s and layer i (index s * count + i): its cache stores [kv_heads][capacity][dim], positions 0 .. past - 1 filled
+ * (the pass's go after them). The products and norms run over all rows together, attention per sequence over its
+ * own cache: each row's result is the same as in a pass of its sequence alone. Returns 0, -1 when memory could not
+ * be had, another negative number when a kernel refused its shapes. */
 int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const viasd_layer *layers,
-                 const uint16_t *cos, const uint16_t *sin, uint16_t *const *key_stores, uint16_t *const *value_stores,
-                 const int64_t *capacity, const int64_t *past, int64_t heads, int64_t kv_heads, int64_t dim,
-                 float scale, int64_t inner, int threads) {
+                 const uint16_t *cos, const uint16_t *sin, int64_t sequences, const int64_t *starts,
+                 uint16_t *const *key_stores, uint16_t *const *value_stores, const int64_t *capacity,
+                 const int64_t *past, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t inner,
+                 int threads) {
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     const int64_t widest = 2 * inner > qkv_width ? 2 * inner : qkv_width;
     uint16_t *h = malloc((size_t)(rows * hidden) * sizeof(uint16_t));
@@ -103,9 +107,14 @@ int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const
         status = products(l->qkv, l->inputs, h, rows, wide, scratch, threads);
         if (status)
             break;
-        status = short_attention(wide, qkv_width, wide + q_width, qkv_width, wide + q_width + kv_width, qkv_width,
-                                    cos, sin, key_stores[i], value_stores[i], capacity[i], past[i], rows, heads,
-                                    kv_heads, dim, scale, attended, threads);
+        for (int64_t s = 0; s < sequences && !status; s++) {
+            const int64_t first = starts[s], n = starts[s + 1] - starts[s], at = s * count + i;
+            const uint16_t *q = wide + first * qkv_width;
+            status = short_attention(q, qkv_width, q + q_width, qkv_width, q + q_width + kv_width, qkv_width,
+                                     cos + first * dim, sin + first * dim, key_stores[at], value_stores[at],
+                                     capacity[at], past[at], n, heads, kv_heads, dim, scale,
+                                     attended + first * q_width, threads);
+        }
         if (status || (status = product(&l->o, attended, rows, h, threads)))
             break;
         add(x, h, rows * hidden);

@@ -87,25 +87,39 @@ def _fill(entry: Any, product: Product) -> None:
     entry.bias = address(product.bias)
 
 
+@dataclass(frozen=True)
+class SequenceCache:
+    """One sequence's cache for a pass: per layer its key and value stores ([1, kv_heads, capacity, dim]) and how
+    many positions are filled before the pass (its entries go after them)."""
+
+    stores: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    past: Sequence[int]
+
+
 def reference(
     x: torch.Tensor,
     layers: Sequence[LayerWeights],
     cos: torch.Tensor,
     sin: torch.Tensor,
-    stores: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    past: Sequence[int],
+    sequences: Sequence[SequenceCache],
+    starts: Sequence[int],
     heads: int,
     scale: float,
 ) -> torch.Tensor:
-    """The layers on x [M, hidden] bf16 in torch operations (as transformers' Llama and Qwen2 layers compute,
-    on the kernels' references); the stores get the pass's keys and values; returns the new x."""
-    for layer, layer_stores, layer_past in zip(layers, stores, past, strict=True):
+    """The layers on x [M, hidden] bf16 in torch operations (as transformers' Llama and Qwen2 layers compute, on the
+    kernels' references): rows starts[s] .. starts[s + 1] are sequence s's new tokens, attending over its own cache,
+    whose stores get the pass's keys and values. Returns the new x."""
+    for index, layer in enumerate(layers):
         h = _rms_norm(x, layer.norm1, layer.eps1)
         qkv = torch.cat([product.reference(h) for product in layer.qkv], dim=1)
         width = heads * cos.shape[-1]
         kv_width = (qkv.shape[1] - width) // 2
         q, k, v = qkv.split([width, kv_width, kv_width], dim=1)
-        attended = attention.reference(q, k, v, cos, sin, layer_stores, layer_past, heads, scale)
+        attended = torch.cat([
+            attention.reference(q[a:b], k[a:b], v[a:b], cos[a:b], sin[a:b], cache.stores[index], cache.past[index],
+                                heads, scale)
+            for cache, a, b in zip(sequences, starts, starts[1:], strict=False)
+        ])  # fmt: skip
         x = x + layer.o.reference(attended)
         h = _rms_norm(x, layer.norm2, layer.eps2)
         gate, up = torch.cat([product.reference(h) for product in layer.gate_up], dim=1).chunk(2, dim=1)
@@ -126,8 +140,8 @@ def run(
     layers: Layers,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    stores: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    past: Sequence[int],
+    sequences: Sequence[SequenceCache],
+    starts: Sequence[int],
     heads: int,
     scale: float,
     inner: int,
@@ -137,14 +151,16 @@ def run(
     maybe written (the caller crops them)."""
     interface = ffi()
     count, dim = layers.count, cos.shape[-1]
+    stores = [pair for cache in sequences for pair in cache.stores]  # sequence by sequence, layer by layer
     keys = interface.new("uint16_t *[]", [interface.cast("uint16_t *", k.data_ptr()) for k, _ in stores])
     values = interface.new("uint16_t *[]", [interface.cast("uint16_t *", v.data_ptr()) for _, v in stores])
     capacity = interface.new("int64_t[]", [k.shape[-2] for k, _ in stores])
-    positions = interface.new("int64_t[]", list(past))
+    positions = interface.new("int64_t[]", [p for cache in sequences for p in cache.past])
+    bounds = interface.new("int64_t[]", list(starts))
     kv_heads = stores[0][0].shape[1]
     status = library.lib.fused_layers(
-        address(x), x.shape[0], x.shape[1], count, layers.array, address(cos), address(sin), keys, values, capacity,
-        positions, heads, kv_heads, dim, scale, inner, torch.get_num_threads(),
+        address(x), x.shape[0], x.shape[1], count, layers.array, address(cos), address(sin), len(sequences), bounds,
+        keys, values, capacity, positions, heads, kv_heads, dim, scale, inner, torch.get_num_threads(),
     )  # fmt: skip
     if status == -1:
         raise MemoryError("the fused layers could not allocate their scratch memory")
@@ -189,23 +205,27 @@ def _self_check(library: Library) -> str | None:
     cos, sin = torch.cat([angles.cos()] * 2, 1).bfloat16(), torch.cat([angles.sin()] * 2, 1).bfloat16()
     prefix = torch.randn(2, 2, 1, kv_heads, 32, dim, generator=generator).bfloat16()
 
-    def stores() -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(prefix[i, 0].clone(), prefix[i, 1].clone()) for i in range(2)]
+    def cache(past: int) -> SequenceCache:
+        return SequenceCache([(prefix[i, 0].clone(), prefix[i, 1].clone()) for i in range(2)], (past, past))
 
-    want_stores, got_stores = stores(), stores()
-    want = reference(x, layers, cos, sin, want_stores, (20, 20), heads, dim**-0.5)
+    # Two sequences in one pass: rows 0 .. 1 after 20 cached positions, row 2 after 9 of another cache.
+    wanted, got_caches = [cache(20), cache(9)], [cache(20), cache(9)]
+    want = reference(x, layers, cos, sin, wanted, (0, 2, 3), heads, dim**-0.5)
     got = x.clone()
     plan = Layers(layers)
-    run(library, got, plan, cos, sin, got_stores, (20, 20), heads, dim**-0.5, inner)
+    run(library, got, plan, cos, sin, got_caches, (0, 2, 3), heads, dim**-0.5, inner)
     if not _close(got, want):
         return "disagrees with its torch reference"
-    for want_pair, got_pair in zip(want_stores, got_stores, strict=True):
-        if not (_close(got_pair[0], want_pair[0]) and _close(got_pair[1], want_pair[1])):
-            return "writes other cache entries than its torch reference"
-    alone = x[:1].clone()
-    run(library, alone, plan, cos[:1].contiguous(), sin[:1].contiguous(), stores(), (20, 20), heads, dim**-0.5, inner)
-    if not torch.equal(alone, got[:1]):
-        return "gives a token other bits in another block"
+    for want_cache, got_cache in zip(wanted, got_caches, strict=True):
+        for want_pair, got_pair in zip(want_cache.stores, got_cache.stores, strict=True):
+            if not (_close(got_pair[0], want_pair[0]) and _close(got_pair[1], want_pair[1])):
+                return "writes other cache entries than its torch reference"
+    for rows, past in ((slice(0, 1), 20), (slice(2, 3), 9)):  # each sequence's first token, alone
+        alone = x[rows].clone()
+        run(library, alone, plan, cos[rows].contiguous(), sin[rows].contiguous(), [cache(past)], (0, 1), heads,
+            dim**-0.5, inner)  # fmt: skip
+        if not torch.equal(alone, got[rows]):
+            return "gives a token other bits in another block or beside another sequence"
     return None
 
 

@@ -58,10 +58,12 @@ int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
                     uint16_t *value_store, int64_t capacity, int64_t past, int64_t rows, int64_t heads,
                     int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int threads);
 
-/* All decoder layers of a short pass of a bf16 model whose products are all low-bit ones (fused_layers.c). */
+/* All decoder layers of a short pass of a bf16 model whose products are all low-bit ones, over the new tokens of one
+ * or several sequences, each with its own cache (fused_layers.c). */
 int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const viasd_layer *layers,
-                 const uint16_t *cos, const uint16_t *sin, uint16_t *const *key_stores, uint16_t *const *value_stores,
-                 const int64_t *capacity, const int64_t *past, int64_t heads, int64_t kv_heads, int64_t dim,
-                 float scale, int64_t inner, int threads);
+                 const uint16_t *cos, const uint16_t *sin, int64_t sequences, const int64_t *starts,
+                 uint16_t *const *key_stores, uint16_t *const *value_stores, const int64_t *capacity,
+                 const int64_t *past, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t inner,
+                 int threads);
 
 #endif

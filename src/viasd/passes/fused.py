@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from transformers import DynamicCache
 
 from viasd.kernels import attention, fused_layers
 from viasd.kernels.build import Library
-from viasd.kernels.fused_layers import Layers, LayerWeights, Product
+from viasd.kernels.fused_layers import Layers, LayerWeights, Product, SequenceCache
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.views.linears import Int4Int8Linear, Int6Int8Linear
 
@@ -98,7 +99,7 @@ def _plan(model: nn.Module) -> Plan | None:
     return plan
 
 
-def plan_for(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> Plan | None:
+def plan_for(model: nn.Module, dtype: torch.dtype, caches: Sequence[DynamicCache]) -> Plan | None:
     """The plan by which a short pass of `model` (a model the loop covers, with the modules it has now) runs its
     layers in one call, or None where it may not: bf16, silu MLPs, sizes in whole vectors, the attention kernel's
     shapes, low-bit layers, in-place caches, the kernel there and not switched off."""
@@ -110,7 +111,7 @@ def plan_for(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> Plan 
     head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
     if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
         return None
-    if not all(type(layer) is GrowingLayer for layer in cache.layers):
+    if not all(type(layer) is GrowingLayer for cache in caches for layer in cache.layers):
         return None
     if not isinstance(fused_layers.kernel(), Library):
         return None
@@ -118,24 +119,35 @@ def plan_for(model: nn.Module, dtype: torch.dtype, cache: DynamicCache) -> Plan 
 
 
 def run_layers(
-    model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: DynamicCache, plan: Plan
+    model: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: Sequence[DynamicCache],
+    starts: Sequence[int],
+    plan: Plan,
 ) -> None:
-    """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), by the plan
-    `plan_for` gave for this model and cache; cos and sin [M, dim]. The cache is extended by the pass's entries; on
-    failure it keeps what it had."""
+    """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), whose rows
+    starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], by the plan `plan_for`
+    gave; cos and sin [M, dim]. Each cache is extended by its sequence's entries; on failure every cache keeps what
+    it had."""
     library = fused_layers.kernel()
     assert isinstance(library, Library), "plan_for said the kernel is there"
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("the fused layers take contiguous bf16 hidden states")
     config = model.config  # type: ignore[union-attr]
     first = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
-    dim, kv_heads, length = first.head_dim, config.num_key_value_heads, x.shape[1]
-    past = [layer.reserve((1, kv_heads, length, dim), x.dtype, x.device) for layer in cache.layers]  # type: ignore[union-attr]
-    stores = [layer.stores() for layer in cache.layers]  # type: ignore[union-attr]
+    dim, kv_heads = first.head_dim, config.num_key_value_heads
+    sequences = []
+    for cache, a, b in zip(caches, starts, starts[1:], strict=False):
+        # Room for the sequence's entries after each layer's; the attention kernel writes them.
+        past = [layer.reserve((1, kv_heads, b - a, dim), x.dtype, x.device) for layer in cache.layers]  # type: ignore[union-attr]
+        sequences.append(SequenceCache([layer.stores() for layer in cache.layers], past))  # type: ignore[union-attr]
     try:
-        fused_layers.run(library, x[0], plan.layers, cos.contiguous(), sin.contiguous(), stores, past,
+        fused_layers.run(library, x[0], plan.layers, cos.contiguous(), sin.contiguous(), sequences, starts,
                          config.num_attention_heads, first.scaling, config.intermediate_size)  # fmt: skip
     except (MemoryError, RuntimeError):  # the pass's positions were reserved, maybe not written: not kept
-        for layer in cache.layers:
-            layer.crop(-length)
+        for cache, a, b in zip(caches, starts, starts[1:], strict=False):
+            for layer in cache.layers:
+                layer.crop(-(b - a))
         raise

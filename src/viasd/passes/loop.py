@@ -21,6 +21,10 @@ once (one line on stderr), rather than silently running slower.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -117,31 +121,76 @@ class LayerAttention:
             raise
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a pass: its cache, its new tokens (a 1-D tensor of ids), and how many of their last
+    positions need logits."""
+
+    cache: DynamicCache
+    ids: torch.Tensor
+    keep: int
+
+
 def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int) -> torch.Tensor:
     """Logits [1, keep, vocab] of the last `keep` of `input_ids` [1, M] after the cache's tokens, the cache extended
     by them: what `model(input_ids=..., cache=cache, use_cache=True, logits_to_keep=keep).logits` returns, for a
     model the loop `covers` and a pass that is `usable`."""
+    return ragged_pass(model, [Segment(cache, input_ids[0], keep)])[0][None]
+
+
+def ragged_pass(model: nn.Module, segments: Sequence[Segment]) -> list[torch.Tensor]:
+    """One pass over the new tokens of several sequences, each after its own cache: logits [keep, vocab] per
+    segment, each cache extended by its tokens. The products, norms and MLPs run over all rows together, attention
+    per sequence over its own cache; every kernel gives a row the same result whatever else is in its pass, so a
+    sequence's logits are those of a pass of its own (with the torch references, up to how torch blocks a product
+    of more rows). Each segment must be `usable` on its own."""
     inner = model.model  # type: ignore[union-attr]
-    length = input_ids.shape[1]
-    past = cache.layers[0].get_seq_length()
-    x = inner.embed_tokens(input_ids)
-    positions = torch.arange(past, past + length, device=x.device).unsqueeze(0)
+    starts = [0, *itertools.accumulate(len(segment.ids) for segment in segments)]
+    x = inner.embed_tokens(torch.cat([segment.ids for segment in segments])[None])
+    positions = torch.cat([
+        torch.arange(past, past + len(segment.ids), device=x.device)
+        for segment in segments
+        for past in [segment.cache.layers[0].get_seq_length()]
+    ])[None]  # fmt: skip
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos[0], sin[0]  # [M, dim]
-    plan = fused.plan_for(model, x.dtype, cache)
+    caches = [segment.cache for segment in segments]
+    plan = fused.plan_for(model, x.dtype, caches)
     if plan is not None:  # a low-bit bf16 view: all layers in one call
-        fused.run_layers(model, x, cos, sin, cache, plan)
-        return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
+        fused.run_layers(model, x, cos, sin, caches, starts, plan)
+    else:
+        x = _layers(model, x, cos, sin, caches, starts)
+    rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
+    logits = model.lm_head(inner.norm(x[:, rows.to(x.device), :]))[0]  # type: ignore[operator]
+    return list(logits.split([segment.keep for segment in segments]))
+
+
+def _layers(
+    model: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: Sequence[DynamicCache],
+    starts: Sequence[int],
+) -> torch.Tensor:
+    """The decoder layers as a loop of the model's own modules, each sequence's rows attending over its own cache."""
+    inner = model.model  # type: ignore[union-attr]
     config = model.config  # type: ignore[union-attr]
     first = inner.layers[0].self_attn
     heads = config.num_attention_heads
     found = attention.kernel()
     fits = attention.takes(x.dtype, heads, config.num_key_value_heads, first.head_dim)
-    attend = LayerAttention(cos, sin, heads, first.scaling, found if fits and isinstance(found, Library) else None)
+    library = found if fits and isinstance(found, Library) else None
+    spans = list(itertools.pairwise(starts))
+    attends = [LayerAttention(cos[a:b], sin[a:b], heads, first.scaling, library) for a, b in spans]
     for index, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp  # norms and MLPs are called as they are: no plumbing there
         h = layer.input_layernorm(x)
         query, key, value = attn.q_proj(h)[0], attn.k_proj(h)[0], attn.v_proj(h)[0]
-        x = x + attn.o_proj(attend(query, key, value, cache.layers[index])[None])
+        attended = [
+            attend(query[a:b], key[a:b], value[a:b], cache.layers[index])
+            for attend, cache, (a, b) in zip(attends, caches, spans, strict=True)
+        ]
+        x = x + attn.o_proj((attended[0] if len(attended) == 1 else torch.cat(attended))[None])
         x = x + mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(inner.norm(x[:, -keep:, :]))  # type: ignore[operator]
+    return x
