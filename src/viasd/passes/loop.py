@@ -83,11 +83,12 @@ def covers(model: nn.Module) -> bool:
     return reason is None
 
 
-def usable(model: nn.Module, cache: DynamicCache, tokens: int) -> bool:
-    """Whether a pass of `tokens` tokens on `cache` may go through the loop, for a model it `covers`: a short pass,
-    in-place cache layers (sessions make them), no forward hooks on the model (its own forward gives hooks their
-    arguments: the loop has none to give), all layers run (a skipped layer is not one of transformers' classes)."""
-    if not 0 < tokens <= PACK_UP_TO or not all(type(layer) is GrowingLayer for layer in cache.layers):
+def usable(model: nn.Module, cache: DynamicCache, tokens: int, limit: int = PACK_UP_TO) -> bool:
+    """Whether a pass of `tokens` tokens on `cache` may go through the loop, for a model it `covers`: a short pass
+    (at most `limit` tokens: a batcher takes chunks of prompts too), in-place cache layers (sessions make them), no
+    forward hooks on the model (its own forward gives hooks their arguments: the loop has none to give), all layers
+    run (a skipped layer is not one of transformers' classes)."""
+    if not 0 < tokens <= limit or not all(type(layer) is GrowingLayer for layer in cache.layers):
         return False
     for module in (model, model.model):  # type: ignore[union-attr]
         if module._forward_hooks or module._forward_pre_hooks:
@@ -161,6 +162,8 @@ def ragged_pass(model: nn.Module, segments: Sequence[Segment]) -> list[torch.Ten
     else:
         x = _layers(model, x, cos, sin, caches, starts)
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
+    if not len(rows):  # chunks of prompts whose logits nobody needs
+        return [x.new_empty((0, 0)) for _ in segments]
     logits = model.lm_head(inner.norm(x[:, rows.to(x.device), :]))[0]  # type: ignore[operator]
     return list(logits.split([segment.keep for segment in segments]))
 

@@ -37,7 +37,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.passes import loop
+from viasd.passes.batching import batcher_of
 from viasd.passes.cache_layer import growing_cache
+from viasd.passes.loop import Segment
 from viasd.views.view import View, ViewLike, applied, as_view
 
 
@@ -152,6 +154,9 @@ class KVSession:
         view. Which weights wrote a position's KV entries depends only on whether its logits were needed in a
         long pass, so plain decoding and a block verification of the same view still see the same cache.
         """
+        batcher = batcher_of(self.model)
+        if batcher is not None and len(ids) > batcher.chunk and self._short(view, batcher.chunk, batcher.chunk):
+            return self._chunked(ids, view, keep, batcher.chunk)
         head = len(ids) - keep
         linears = view.linears if view is not None and (view.mask is None or view.mask.is_full) else None
         if linears is not None and head > 0:
@@ -162,23 +167,52 @@ class KVSession:
                 ids = ids[head:]
         return self._pass(ids, view, keep)
 
+    def _short(self, view: View | None, tokens: int, limit: int = loop.PACK_UP_TO) -> bool:
+        """Whether a pass of `tokens` tokens (at most `limit`) of `view` may go through viasd's loop."""
+        return (
+            self.short_passes
+            and (view is None or view.mask is None or view.mask.is_full)  # no skipped layers
+            and loop.usable(self.model, self.cache, tokens, limit)
+        )
+
+    def _chunked(self, ids: Ids, view: View | None, keep: int, chunk: int) -> torch.Tensor:
+        """A long pass (a prompt) as passes of `chunk` tokens that a batcher merges with other generations' steps, so
+        that a long prompt does not stall them; the logits of the last `keep` positions."""
+        kept = []
+        for start in range(0, len(ids), chunk):
+            part = ids[start : start + chunk]
+            wanted = max(0, keep - (len(ids) - start - len(part)))  # of this chunk's positions, the kept ones
+            logits = self._pass(part, view, wanted)
+            if wanted:
+                kept.append(logits)
+        self.forward_passes -= len(range(0, len(ids), chunk)) - 1  # one pass, run in parts
+        return torch.cat(kept) if len(kept) > 1 else kept[0]
+
     def _pass(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
         device = self.device
         input_ids = ids.to(device) if isinstance(ids, torch.Tensor) else upload_ids(ids, device)
         input_ids = input_ids.reshape(1, -1)
-        short = (
-            self.short_passes
-            and (view is None or view.mask is None or view.mask.is_full)  # no skipped layers
-            and loop.usable(self.model, self.cache, input_ids.shape[1])
-        )
-        with torch.inference_mode(), applied(self.model, view):
-            if short:  # viasd's forward (passes/loop.py)
-                logits = loop.short_pass(self.model, input_ids, self.cache, keep)
-            else:
-                logits = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
+        batcher = batcher_of(self.model)
+        tokens = input_ids.shape[1]
+        if batcher is not None and self._short(view, tokens, batcher.chunk):
+            # Merged with other generations' passes of the same view (passes/batching.py).
+            logits = batcher.segment(view, Segment(self.cache, input_ids[0], keep))[None]
+        elif batcher is not None:
+            logits = batcher.alone(lambda: self._own_pass(input_ids, view, keep))
+        else:
+            logits = self._own_pass(input_ids, view, keep)
         self.forward_passes += 1
         # float32 logits where the model made them: no host copy (on a CPU this is the tensor it always was).
-        return logits[0, -keep:].float()
+        return logits[0, logits.shape[1] - keep :].float()
+
+    def _own_pass(self, input_ids: torch.Tensor, view: View | None, keep: int) -> torch.Tensor:
+        """Logits [1, keep, V] of one pass of this session alone: viasd's loop where it applies, else the model's
+        own forward."""
+        short = self._short(view, input_ids.shape[1])
+        with torch.inference_mode(), applied(self.model, view):
+            if short:  # viasd's forward (passes/loop.py)
+                return loop.short_pass(self.model, input_ids, self.cache, keep)
+            return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
 
     def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
         """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the

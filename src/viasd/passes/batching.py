@@ -1,0 +1,162 @@
+"""Passes of several generations merged into one: the model's side of continuous batching.
+
+Each generation runs its own decoder on its own thread (any method: plain, speculative, VIA-SD) and asks for
+passes through its KV sessions as it always does. A `PassBatcher` attached to a model sits under those sessions:
+the short passes (decoding steps, verification blocks, chunks of a prompt) that the generations ask for at about
+the same time, with the same view of the model, run as one ragged pass (passes/loop.py), whose products read each
+weight once for all of them; any other pass (a layer-skipping view, an architecture the loop does not cover) runs
+alone. One pass runs on the model at a time, so views never swap their layers under another pass.
+
+Waiting: the first generation to ask leads. It waits until every generation the batcher knows to be active has
+asked (they are all between two passes), or `window` seconds, whichever comes first, then runs what is waiting,
+at most `max_rows` rows in one pass; the others wait for their results. A sequence's tokens never depend on what
+else is in its pass (the kernels are row-independent; with torch's references a product over more rows may round
+its last bits another way), so a request's output is what it would get alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from viasd.passes import loop
+from viasd.passes.loop import Segment
+from viasd.views.view import View, applied
+
+BATCHER = "_viasd_pass_batcher"  # the attribute under which a model keeps its batcher
+
+
+@dataclass(eq=False)
+class _Request:
+    """One pass a session asked for: a segment of a ragged pass with `view`, or any pass (`alone`) to run by itself."""
+
+    view: View | None
+    segment: Segment | None = None
+    alone: Callable[[], Any] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.segment is None else len(self.segment.ids)
+
+
+@dataclass(eq=False)
+class PassBatcher:
+    """Merges the short passes of concurrent generations on one model (see the module docstring)."""
+
+    model: nn.Module
+    max_rows: int = 64  # rows (tokens of all sequences) per pass
+    chunk: int = 32  # the most tokens of one sequence in a pass: longer ones (prompts) go in chunks of this many
+    window: float = 0.003
+    passes: int = 0  # passes run, merged or alone
+    merged_rows: int = 0  # rows that ran in a pass with another sequence's
+    _active: int = 0
+    _busy: bool = False
+    _waiting: list[_Request] = field(default_factory=list)
+    _condition: threading.Condition = field(default_factory=threading.Condition)
+
+    def attach(self) -> PassBatcher:
+        """Make every KV session of the model route its passes here."""
+        self.model.__dict__[BATCHER] = self
+        return self
+
+    def detach(self) -> None:
+        self.model.__dict__.pop(BATCHER, None)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Count a generation as active while the block runs: a leader waits for the active ones to ask."""
+        with self._condition:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._active -= 1
+                self._condition.notify_all()
+
+    def segment(self, view: View | None, segment: Segment) -> torch.Tensor:
+        """The logits of `segment`, run in a ragged pass with whatever else is waiting for the same view."""
+        return self._submit(_Request(view, segment=segment))
+
+    def alone(self, run: Callable[[], Any]) -> Any:
+        """`run()` (a pass that cannot be merged), when no other pass is running on the model."""
+        return self._submit(_Request(None, alone=run))
+
+    def _submit(self, request: _Request) -> Any:
+        with self._condition:
+            self._waiting.append(request)
+            self._condition.notify_all()
+            while not request.done:
+                if self._busy:
+                    self._condition.wait()
+                    continue
+                self._busy = True
+                deadline = time.monotonic() + self.window
+                while len(self._waiting) < self._active and (left := deadline - time.monotonic()) > 0:
+                    self._condition.wait(left)
+                batch = self._take()
+                self._condition.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._condition.acquire()
+                    self._busy = False
+                    self._condition.notify_all()
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def _take(self) -> list[_Request]:
+        """The next pass's requests (lock held): the first waiting one, and if it is a segment, every waiting
+        segment of the same view, in order, up to `max_rows` rows."""
+        first = self._waiting[0]
+        if first.segment is None:
+            batch = [first]
+        else:
+            batch, rows = [], 0
+            for request in self._waiting:
+                if (
+                    request.segment is not None
+                    and request.view is first.view
+                    and (not batch or rows + request.rows <= self.max_rows)
+                ):
+                    batch.append(request)
+                    rows += request.rows
+        for request in batch:
+            self._waiting.remove(request)
+        return batch
+
+    def _run(self, batch: list[_Request]) -> None:
+        """Run one pass for `batch` (lock not held) and hand every request its result or the error."""
+        try:
+            if batch[0].alone is not None:
+                outcomes = [batch[0].alone()]
+            else:
+                with torch.inference_mode(), applied(self.model, batch[0].view):
+                    outcomes = loop.ragged_pass(self.model, [request.segment for request in batch])  # type: ignore[misc]
+                if len(batch) > 1:
+                    self.merged_rows += sum(request.rows for request in batch)
+            for request, outcome in zip(batch, outcomes, strict=True):
+                request.result = outcome
+        except BaseException as error:  # every request of the pass sees the pass's error
+            for request in batch:
+                request.error = error
+        finally:
+            self.passes += 1
+            for request in batch:
+                request.done = True
+
+
+def batcher_of(model: nn.Module) -> PassBatcher | None:
+    """The batcher the model's sessions route their passes through, if one is attached."""
+    return model.__dict__.get(BATCHER)

@@ -1,0 +1,108 @@
+"""Passes of concurrent generations merged by a `PassBatcher` (passes/batching.py): each generation, on its own
+thread with its own decoder, gets exactly the tokens it gets alone (greedy, and sampled with its own seed), for plain
+decoding, speculative decoding and prompt lookup; passes really are merged; a long prompt goes in chunks; an error
+in a pass reaches its generation and the others go on."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.passes.batching import PassBatcher
+from viasd.verify.sampling import SamplingParams
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
+from viasd.views.view import View
+
+PROMPTS = [[3, 4, 5, 6, 7, 3, 4, 5], list(range(10, 50)), [9, 8, 7], [20, 21, 22, 20, 21, 22, 20]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, drafter = tiny_model("qwen2", dtype=torch.float32), tiny_model("qwen2", layers=2, seed=1)
+    return target, drafter, View(linears=quantize(target, QuantRecipe.parse("int4a8")))
+
+
+def decoder_for(kind: str, target, drafter, view):
+    """A fresh decoder (each generation its own sessions), the target run as its int4a8 view (row-independent)."""
+    tok = tiny_tokenizer(64)
+    if kind == "plain":
+        return PlainDecoder(target, tok, view)
+    if kind == "lookup":
+        return SpeculativeDecoder(target, tok, PromptLookupDrafter(3, 1), 4, "lookup", view)
+    return SpeculativeDecoder(target, tok, ModelDrafter(drafter), 4, "sd", view)
+
+
+def config(index: int, sampled: bool) -> GenerationConfig:
+    params = SamplingParams(temperature=0.8, seed=100 + index) if sampled else SamplingParams()
+    return GenerationConfig(max_new_tokens=24, ignore_eos=True, sampling=params)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_concurrent_generations_get_what_they_get_alone(pair, sampled):
+    target, drafter, view = pair
+    kinds = ["plain", "sd", "lookup", "plain", "sd", "lookup", "plain", "sd"]  # eight at once, methods mixed
+    alone = [
+        decoder_for(kind, target, drafter, view).generate(PROMPTS[i % 4], config(i, sampled)).tokens
+        for i, kind in enumerate(kinds)
+    ]
+    batchers = [PassBatcher(target, window=0.05).attach(), PassBatcher(drafter, window=0.05).attach()]
+    together: list[list[int] | None] = [None] * len(kinds)
+    start = threading.Barrier(len(kinds))
+
+    def run(i: int, kind: str) -> None:
+        decoder = decoder_for(kind, target, drafter, view)
+        with batchers[0].active(), batchers[1].active():
+            start.wait()
+            together[i] = decoder.generate(PROMPTS[i % 4], config(i, sampled)).tokens
+
+    try:
+        threads = [threading.Thread(target=run, args=(i, kind)) for i, kind in enumerate(kinds)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        for batcher in batchers:
+            batcher.detach()
+    assert together == alone
+    assert batchers[0].merged_rows > 0 and batchers[1].merged_rows > 0  # passes really ran together
+
+
+def test_a_long_prompt_goes_in_chunks_and_gives_the_same_tokens(pair):
+    target, _, view = pair
+    prompt = list(range(3, 63)) + list(range(5, 40))  # 95 tokens: three chunks of 32 and a tail
+    want = decoder_for("plain", target, None, view).generate(prompt, config(0, False)).tokens
+    batcher = PassBatcher(target, chunk=32).attach()
+    try:
+        with batcher.active():
+            got = decoder_for("plain", target, None, view).generate(prompt, config(0, False)).tokens
+    finally:
+        batcher.detach()
+    assert got == want and batcher.passes == 3 + 23  # three chunks of the prompt (its last gives token 1), 23 steps
+
+
+def test_an_error_in_a_pass_reaches_its_generation_and_the_batcher_goes_on(pair, monkeypatch):
+    target, _, view = pair
+    batcher = PassBatcher(target).attach()
+    try:
+        from viasd.passes import batching
+
+        real = batching.loop.ragged_pass
+        monkeypatch.setattr(batching.loop, "ragged_pass", lambda *a: (_ for _ in ()).throw(MemoryError("no room")))
+        with pytest.raises(MemoryError, match="no room"), batcher.active():
+            decoder_for("plain", target, None, view).generate(PROMPTS[0], config(0, False))
+        monkeypatch.setattr(batching.loop, "ragged_pass", real)
+        with batcher.active():
+            got = decoder_for("plain", target, None, view).generate(PROMPTS[0], config(0, False)).tokens
+    finally:
+        batcher.detach()
+    assert got == decoder_for("plain", target, None, view).generate(PROMPTS[0], config(0, False)).tokens
