@@ -33,6 +33,7 @@ CHAT_PROMPT = "What is 2+2?"
 TEXT_PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 MAX_QUEUE = 2
+MAX_ACTIVE = 2  # generations at once, their passes merged
 MAX_BODY = 4096
 MAX_PROMPT_TOKENS = 64
 MAX_TOKENS_LIMIT = 512  # large, so that a dropped stream is surely cancelled mid-generation
@@ -152,6 +153,8 @@ def started(log_dir: Path) -> Iterator[tuple[Server, subprocess.Popen[bytes]]]:
         KEY,
         "--max-queue",
         str(MAX_QUEUE),
+        "--max-active",
+        str(MAX_ACTIVE),
         "--max-body-bytes",
         str(MAX_BODY),
         "--max-prompt-tokens",
@@ -226,7 +229,7 @@ def chat(client: openai.OpenAI, max_tokens: int = MAX_TOKENS, **kwargs: Any) -> 
 def test_health_and_models(server: Server, client: openai.OpenAI) -> None:
     health = httpx.get(f"{server.url}/health", timeout=10).json()  # open without a key, for probes
     assert health["status"] == "ok" and health["methods"] == ["plain", "lookup", "self"]
-    assert health["queue"]["capacity"] == MAX_QUEUE + 1
+    assert health["queue"]["capacity"] == MAX_QUEUE + MAX_ACTIVE
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -496,7 +499,7 @@ def test_metrics_report_requests_tokens_and_speculation(server: Server, client: 
     assert 1.0 <= metric(text, "viasd_target_calls_per_token", method="plain") <= 1.5
     assert 0.0 <= metric(text, "viasd_rejection_rate", method="lookup") <= 1.0
     assert metric(text, "viasd_draft_tokens_total", method="self") > 0
-    assert metric(text, "viasd_queue_capacity") == MAX_QUEUE + 1
+    assert metric(text, "viasd_queue_capacity") == MAX_QUEUE + MAX_ACTIVE
 
 
 @real
@@ -663,3 +666,46 @@ def test_settings_and_requests_are_validated() -> None:
     for bad_body in ({"prompt": ["a", "b"]}, {"prompt": []}, {"prompt": "a", "echo": True}):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate(bad_body)
+
+
+def test_concurrent_requests_are_batched_and_each_gets_what_it_gets_alone(tmp_path, monkeypatch) -> None:
+    """Eight requests at once (greedy, plain decoding and prompt lookup, streamed and not) on an app that runs four
+    generations together: every answer is the text the same request gets alone, and passes were merged."""
+    from tiny import tiny_model, tiny_tokenizer
+    from viasd.engine import Engine, EngineSpec
+    from viasd.models.loading import LoadedModel
+    from viasd.passes.batching import batcher_of
+    from viasd.serve.app import create_app
+    from viasd.serve.settings import ServeSettings
+    from viasd.views.recipe import QuantRecipe
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    loaded = LoadedModel(model=tiny_model(), tokenizer=tiny_tokenizer(64), name="tiny", path="tiny")
+    # The 4-bit view: viasd's kernels give a row the same bits whatever else is in its pass.
+    engine = Engine(EngineSpec(target="tiny", device="cpu", quant=QuantRecipe.parse("int4a8")), target=loaded)
+    settings = ServeSettings(
+        model_id="tiny", methods=("plain", "lookup"), max_tokens_limit=16, default_max_tokens=4, max_active=4
+    )
+    prompts = ["t3 t4 t5 t6 t3 t4", "t9 t8 t7", "t20 t21 t22 t20 t21", "t5 t5 t6 t7 t8 t9 t10"]
+
+    def body(index: int) -> dict[str, Any]:
+        return {"prompt": prompts[index % 4], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "method": ("plain", "lookup")[index % 2]}  # fmt: skip
+
+    with TestClient(create_app(engine, settings)) as app:
+        alone = [app.post("/v1/completions", json=body(i)).json()["choices"][0]["text"] for i in range(8)]
+        together: list[str | None] = [None] * 8
+        barrier = threading.Barrier(8)
+
+        def request(index: int) -> None:
+            barrier.wait(timeout=30)
+            together[index] = app.post("/v1/completions", json=body(index)).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        batcher = batcher_of(loaded.model)
+        assert batcher is not None and batcher.merged_rows > 0
+    assert together == alone and all(alone)

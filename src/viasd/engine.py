@@ -37,7 +37,7 @@ class Engine:
         self.target = target or self._load(spec.target)
         self._drafter = drafter
         self._drafter_checked = False
-        self._decoders: dict[str, Decoder] = {}
+        self._decoders: dict[tuple[str, int], Decoder] = {}
         self._profiles: dict[str, RoutingProfile] = {}
         self._views: dict[tuple[int, QuantRecipe], View] = {}
 
@@ -158,12 +158,15 @@ class Engine:
             self._profiles[key] = profile
         return self._profiles[key]
 
-    def decoder(self, method: str) -> Decoder:
-        """The decoder for a method name or variant (`via:gamma=4`; built once, then reused)."""
+    def decoder(self, method: str, slot: int = 0) -> Decoder:
+        """The decoder for a method name or variant (`via:gamma=4`), built once per `slot`, then reused. A decoder
+        holds its generation's KV sessions, so generations that run at the same time (a server's) each use a slot
+        of their own; the models and their views are shared."""
         spec = parse_method(method)
-        if spec.name not in self._decoders:
-            self._decoders[spec.name] = spec.method.build(self, spec)
-        return self._decoders[spec.name]
+        key = (spec.name, slot)
+        if key not in self._decoders:
+            self._decoders[key] = spec.method.build(self if slot == 0 else _Slot(self, slot), spec)
+        return self._decoders[key]
 
     def describe(self, method: str) -> dict[str, Any]:
         """What a method runs here, as built: whether it is exact, the target's view, the drafter, slim views and
@@ -190,5 +193,25 @@ class Engine:
         method: str = "plain",
         config: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
+        slot: int = 0,
     ) -> GenerationResult:
-        return self.decoder(method).generate(prompt_ids, config, on_text=on_text)
+        return self.decoder(method, slot).generate(prompt_ids, config, on_text=on_text)
+
+    @property
+    def loaded_models(self) -> list[LoadedModel]:
+        """The models loaded so far (the drafter loads when a method first needs it)."""
+        return [self.target] + ([self._drafter] if self._drafter is not None else [])
+
+
+class _Slot:
+    """The engine as a method's builder sees it for one slot: the same models and views, other decoders' of the same
+    slot (`auto` builds the method it chose)."""
+
+    def __init__(self, engine: Engine, slot: int) -> None:
+        self._engine, self._slot = engine, slot
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def decoder(self, method: str) -> Decoder:
+        return self._engine.decoder(method, self._slot)

@@ -124,7 +124,10 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
 def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     """Build the app. The engine must already hold (or be able to build) a decoder for every method."""
     metrics = Metrics(settings.methods)
-    service = GenerationService(engine, metrics, settings.max_queue)
+    for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
+        for method in settings.methods:
+            engine.decoder(method, slot)
+    service = GenerationService(engine, metrics, settings.max_queue, settings.max_active, settings.max_rows)
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-tokenize")
     watchers: set[asyncio.Task[None]] = set()
     created = int(time.time())

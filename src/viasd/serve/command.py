@@ -95,8 +95,12 @@ def serve(
         int, typer.Option(help="Largest max_tokens a request may ask for (400 beyond).")
     ] = 2048,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.")] = 256,
+    max_active: Annotated[
+        int, typer.Option(help="Generations that run at once, their model passes merged (continuous batching).")
+    ] = 4,
+    max_rows: Annotated[int, typer.Option(help="Most tokens of all active generations in one model pass.")] = 64,
     max_queue: Annotated[
-        int, typer.Option(help="Requests that may wait while one generates; more are refused with 503.")
+        int, typer.Option(help="Requests that may wait while --max-active generate; more are refused with 503.")
     ] = 16,
     shutdown_timeout: Annotated[
         int, typer.Option(help="Seconds to let in-flight requests finish on Ctrl-C or SIGTERM.")
@@ -129,6 +133,8 @@ def serve(
         max_prompt_tokens=max_prompt_tokens,
         max_tokens_limit=max_tokens_limit,
         default_max_tokens=min(default_max_tokens, max_tokens_limit),
+        max_active=max_active,
+        max_rows=max_rows,
         max_queue=max_queue,
     )
     sock = bind_socket(host, port)

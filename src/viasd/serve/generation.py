@@ -1,10 +1,13 @@
-"""Runs generations one at a time on a worker thread, behind a bounded queue, and lets clients cancel them.
+"""Runs up to `max_active` generations at once, their model passes merged, behind a bounded queue; lets clients cancel.
 
-A model (and its KV sessions) serves one generation at a time, so every job goes through a single-thread
-executor: jobs queue there in arrival order, and a job keeps the model until its thread really ends, even
-when the request that started it is gone. Admission is bounded: more than `max_queue` waiting jobs and
-new requests are refused at once (503) rather than left to time out. A job is cancelled by setting its
-event; the decoder notices at its next committed text (the `on_text` callback raises) and stops.
+Each running generation has a worker thread and a slot: its own decoders (and so its own KV sessions) built on the
+engine's shared models and views. Their passes meet in a `PassBatcher` per model (passes/batching.py), which runs
+the short passes that arrive together as one pass: a decoding step of one request, a verification block of another
+and a chunk of a third's prompt share every weight read (continuous batching: a request joins or leaves between
+two passes). Jobs beyond the running ones queue in arrival order; a job keeps its slot until its thread really
+ends, even when the request that started it is gone. Admission is bounded: more than `max_queue` waiting jobs and
+new requests are refused at once (503) rather than left to time out. A job is cancelled by setting its event; the
+decoder notices at its next committed text (the `on_text` callback raises) and stops, which frees its slot.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
+from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.serve.errors import APIError
 from viasd.serve.metrics import Metrics
 
@@ -49,13 +54,21 @@ def _mark_retrieved(result: asyncio.Future[GenerationResult]) -> None:
 
 
 class GenerationService:
-    """The queue in front of the engine: admission, the single worker thread, cancellation, metrics."""
+    """The queue in front of the engine: admission, the worker threads and their slots, the pass batchers,
+    cancellation, metrics."""
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, max_active: int = 1,
+                 max_rows: int = 64) -> None:  # fmt: skip
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-generate")
+        self.max_active = max_active
+        self.max_rows = max_rows
+        self._executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix="viasd-generate")
+        self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(max_active):
+            self._slots.put(slot)
+        self._batchers: list[PassBatcher] = []
         self._lock = threading.Lock()
         self._pending = 0  # admitted jobs whose thread work has not ended (waiting + running)
         self._running = 0
@@ -64,8 +77,25 @@ class GenerationService:
 
     @property
     def capacity(self) -> int:
-        """Jobs that may be in the service at once: one running plus `max_queue` waiting."""
-        return self.max_queue + 1
+        """Jobs that may be in the service at once: `max_active` running plus `max_queue` waiting."""
+        return self.max_queue + self.max_active
+
+    @contextlib.contextmanager
+    def _batched(self) -> Iterator[None]:
+        """While a generation runs: every loaded model has a pass batcher (with one generation at a time there is
+        nothing to merge: none), and the generation counts as active in each."""
+        if self.max_active == 1:
+            yield
+            return
+        with self._lock:
+            for loaded in self.engine.loaded_models:
+                if batcher_of(loaded.model) is None:
+                    self._batchers.append(PassBatcher(loaded.model, max_rows=self.max_rows).attach())
+            batchers = list(self._batchers)
+        with contextlib.ExitStack() as stack:
+            for batcher in batchers:
+                stack.enter_context(batcher.active())
+            yield
 
     def depth(self) -> tuple[int, int]:
         """(waiting, running) jobs now."""
@@ -102,7 +132,12 @@ class GenerationService:
             try:
                 if cancel.is_set():
                     raise GenerationCancelled
-                result = self.engine.generate(prompt, method, config, on_text=on_text)
+                slot = self._slots.get()  # a worker thread has one: there are as many slots as threads
+                try:
+                    with self._batched():
+                        result = self.engine.generate(prompt, method, config, on_text=on_text, slot=slot)
+                finally:
+                    self._slots.put(slot)
             except GenerationCancelled:
                 log.info("stopped a %s generation: its client went away", method)
                 self.metrics.record_cancelled(method)
@@ -145,3 +180,6 @@ class GenerationService:
             for cancel in self._cancels:
                 cancel.set()
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        if wait:
+            for batcher in self._batchers:
+                batcher.detach()

@@ -21,7 +21,9 @@ class ServeSettings:
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 2048
     default_max_tokens: int = 256
-    max_queue: int = 16  # requests that may wait while one generates; more get 503
+    max_active: int = 4  # generations that run at once, their passes merged (continuous batching)
+    max_rows: int = 64  # tokens of all active generations in one pass
+    max_queue: int = 16  # requests that may wait while `max_active` generate; more get 503
     default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
 
     def __post_init__(self) -> None:
@@ -36,6 +38,8 @@ class ServeSettings:
             "--max-prompt-tokens": self.max_prompt_tokens,
             "--max-tokens-limit": self.max_tokens_limit,
             "--default-max-tokens": self.default_max_tokens,
+            "--max-active": self.max_active,
+            "--max-rows": self.max_rows,
         }
         for name, value in positive.items():
             if value < 1:
