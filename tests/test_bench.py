@@ -241,6 +241,9 @@ def test_combine_stats_sums_turns():
 # ----------------------------------------------------------------------------------------- sandbox
 
 
+# These tests are about the harness and the guard: bubblewrap where it works, else the guard alone (with a warning).
+SANDBOX = None
+
 HE_PROBLEM = {
     "prompt": 'def add(a, b):\n    """Sum of a and b."""\n',
     "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
@@ -249,12 +252,13 @@ HE_PROBLEM = {
 
 
 def test_sandbox_passes_fails_and_times_out():
-    assert check_humaneval(HE_PROBLEM, "    return a + b\n").passed
-    wrong = check_humaneval(HE_PROBLEM, "    return a - b\n")
+    assert check_humaneval(HE_PROBLEM, "    return a + b\n", isolate=SANDBOX).passed
+    wrong = check_humaneval(HE_PROBLEM, "    return a - b\n", isolate=SANDBOX)
     assert not wrong.passed and wrong.status == "failed" and "AssertionError" in wrong.detail
-    looping = check_humaneval(HE_PROBLEM, "    while True:\n        pass\n", timeout=1.0)
+    looping = check_humaneval(HE_PROBLEM, "    while True:\n        pass\n", timeout=1.0, isolate=SANDBOX)
     assert not looping.passed and looping.status == "timed out"
-    assert not check_humaneval(HE_PROBLEM, "    import sys\n    sys.exit(0)\n").passed  # skipping the tests
+    skipping = check_humaneval(HE_PROBLEM, "    import sys\n    sys.exit(0)\n", isolate=SANDBOX)  # skips the tests
+    assert not skipping.passed
 
 
 def test_sandbox_contains_side_effects(tmp_path):
@@ -267,11 +271,12 @@ def test_sandbox_contains_side_effects(tmp_path):
         f"    import os\n    os.remove({str(tmp_path)!r})\n    return a + b\n",
     ]
     for completion in attempts:
-        result = check_humaneval(HE_PROBLEM, completion)
+        result = check_humaneval(HE_PROBLEM, completion, isolate=SANDBOX)
         assert not result.passed and "sandbox" in result.detail
     assert not outside.exists() and not marker.exists() and tmp_path.exists()
     # Files inside its own directory are fine.
-    assert run_program("open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n").passed
+    program = "open('scratch.txt', 'w').write('ok')\nassert open('scratch.txt').read() == 'ok'\n"
+    assert run_program(program, isolate=SANDBOX).passed
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -376,6 +381,9 @@ def test_runner_interleaves_resumes_and_reports(tiny_pair, tmp_path):
     rows = run_benchmark(TINY_TASKS, decoders.__getitem__, tok, settings, results)
     assert len(rows) == 12
     on_disk = results.load()
+    # The torn line is kept as it was (reading never rewrites the file) and skipped; the next row has its own line.
+    assert results.path.read_text().splitlines()[5] == '{"key": "q/2", "meth'
+    assert [(d.line, d.reason) for d in results.damaged] == [(6, "not JSON")]
     assert [(r["key"], r["method"]) for r in on_disk] == [(r["key"], r["method"]) for r in rows]
     assert len({(r["key"], r["method"]) for r in on_disk}) == 12
     # Interleaved: each task's methods run in the rotated order.

@@ -2,8 +2,8 @@
 
 Each escape here worked against the guard alone (it lives in the interpreter the program controls); under
 bubblewrap every one must fail, and correct HumanEval solutions must still pass. The tests that need
-bubblewrap skip, saying why, where it is missing or cannot make namespaces; the fallback's warning is
-tested everywhere.
+bubblewrap skip, saying why, where it is missing or cannot make namespaces; the refusal without it, and the
+fallback's warning once the risk is accepted, are tested everywhere.
 """
 
 from __future__ import annotations
@@ -167,27 +167,25 @@ def test_correct_humaneval_solutions_pass_and_wrong_ones_fail() -> None:
     assert looping.status == "timed out"
 
 
-def test_without_bubblewrap_the_guard_runs_with_a_warning() -> None:
-    """With bwrap out of reach, code still runs under the guard, and the benchmark says it is not isolated."""
-    runner = """
-import warnings
-from viasd.bench.sandbox import SandboxWarning, run_program
-from viasd.errors import ViasdError
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    result = run_program("assert 1 + 1 == 2")
-assert result.passed, result
-assert [w.category for w in caught] == [SandboxWarning], caught
-print(caught[0].message)
-try:
-    run_program("pass", isolate=True)
-except ViasdError as error:
-    print(error)
-"""
-    env = {**os.environ, "PATH": "/nonexistent"}  # no bwrap to find
-    out = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0].startswith("HumanEval code runs without OS-level isolation: bubblewrap (bwrap) is not installed")
-    assert "apt-get install bubblewrap" in lines[0]
-    assert lines[1] == "cannot isolate model-written code: bubblewrap (bwrap) is not installed"
+def test_without_bubblewrap_model_code_is_refused_unless_the_risk_is_accepted(monkeypatch) -> None:
+    """With bwrap out of reach, code is refused with one line saying how to install it; accepted explicitly
+    (`isolate=None`, what --allow-unsandboxed-code selects), it runs under the guard with a warning."""
+    import warnings
+
+    from viasd.bench.sandbox import SandboxWarning
+    from viasd.errors import ViasdError
+
+    monkeypatch.setattr("viasd.bench.sandbox.find_bubblewrap", lambda: (None, "bubblewrap (bwrap) is not installed"))
+    for refused in (lambda: run_program("pass"), lambda: check_humaneval(humaneval_problems(1)[0], "    pass\n")):
+        with pytest.raises(ViasdError) as error:
+            refused()
+        message = str(error.value)
+        assert "\n" not in message and "bubblewrap (bwrap) is not installed" in message
+        assert "apt-get install bubblewrap" in message and "--allow-unsandboxed-code" in message
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_program("assert 1 + 1 == 2", isolate=None)
+    assert result.passed, result
+    assert [w.category for w in caught] == [SandboxWarning], caught
+    assert str(caught[0].message).startswith("HumanEval code runs without OS-level isolation: bubblewrap (bwrap)")
+    assert "apt-get install bubblewrap" in str(caught[0].message)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import signal
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -131,6 +132,14 @@ def bench(
         str | None,
         typer.Option(help="METHOD,BASELINE: per-task speed ratio of two methods of the run in --out (no models)."),
     ] = None,
+    allow_unsandboxed_code: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unsandboxed-code",
+            help="Where bubblewrap is missing, run model-written HumanEval code anyway, under an in-process guard "
+            "that deliberate code can undo (the risk is yours).",
+        ),
+    ] = False,
 ) -> None:
     """Benchmark decoding methods side by side: speed, tier statistics and quality, on Spec-Bench and HumanEval."""
     import torch
@@ -139,6 +148,7 @@ def bench(
     from viasd.bench.memory import PeakMemory
     from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, load_average, write_atomic, write_report
     from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
+    from viasd.bench.sandbox import require_sandbox
     from viasd.bench.tasks import build_tasks, default_questions_path
     from viasd.engine import Engine
     from viasd.fileio import file_sha256
@@ -166,6 +176,9 @@ def bench(
         raise ViasdError(f"--humaneval-timeout must be a finite number of seconds > 0, got {humaneval_timeout}")
     tasks = build_tasks(questions, parse_list(categories), count, humaneval)
     questions_file = questions or default_questions_path()
+    runs_code = any(t.source == "humaneval" for t in tasks)
+    if runs_code and not allow_unsandboxed_code:
+        require_sandbox()  # before any model is loaded, not at the first HumanEval answer hours later
 
     if resume and out is None:
         raise ViasdError("--resume needs --out: the directory of the run to continue")
@@ -212,6 +225,7 @@ def bench(
         "count": count,
         "humaneval": humaneval,
         "tasks": len(tasks),
+        "humaneval_sandbox": _sandbox_label(runs_code),
     }
     env_path = out_dir / ENV_JSON
     previous_env: dict[str, Any] = {}
@@ -240,7 +254,7 @@ def bench(
         env["date"] = previous_env["date"]
     write_atomic(env_path, json.dumps(env, indent=2) + "\n")
 
-    results = ResultsFile(results_path)
+    results = ResultsFile(results_path, on_damage=_warn_damaged("its task runs again"))
     run_settings = RunSettings(
         methods=method_list,
         max_new_tokens=max_new_tokens,
@@ -249,6 +263,7 @@ def bench(
         chat=chat,
         warmup=warmup,
         humaneval_timeout=humaneval_timeout,
+        allow_unsandboxed_code=allow_unsandboxed_code,
     )
     done = [(r["key"], r["method"]) for r in results.load()]
     total = len(pending_pairs(tasks, method_list, done))
@@ -282,8 +297,49 @@ def bench(
         raise KeyboardInterrupt
 
 
-def _load_run(out: Path | None, option: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The environment record and result rows of the run in `out`, without loading any model."""
+def _sandbox_label(runs_code: bool) -> str | None:
+    """What HumanEval code runs in, for the run's record (None: the run has no HumanEval tasks)."""
+    if not runs_code:
+        return None
+    from viasd.bench.isolation import find_bubblewrap
+
+    return "bubblewrap" if find_bubblewrap()[0] is not None else "in-process guard only (--allow-unsandboxed-code)"
+
+
+def _warn_damaged(what_then: str) -> Callable[[Any], None]:
+    """Report a damaged results line once, on stderr, as `file:line: why`, and what happens to it."""
+
+    def warn(line: Any) -> None:
+        print(f"warning: {line}; skipped ({what_then})", file=sys.stderr, flush=True)
+
+    return warn
+
+
+def missing_pairs(env: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], methods: Sequence[str]) -> int | None:
+    """How many (task, method) rows of `methods` the run is still missing (None when its record cannot tell).
+
+    The run's record names how many tasks it has: each method needs a row (or error row) for that many tasks.
+    """
+    tasks = env.get("settings", {}).get("tasks")
+    if not isinstance(tasks, int) or isinstance(tasks, bool) or not methods:
+        return None
+    keys: dict[str, set[str]] = {method: set() for method in methods}
+    for row in rows:
+        if row["method"] in keys:
+            keys[row["method"]].add(row["key"])
+    return sum(max(0, tasks - len(found)) for found in keys.values())
+
+
+def _load_run(
+    out: Path | None, option: str, methods: Sequence[str] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The environment record and result rows of the run in `out`, without loading any model.
+
+    Reading never changes the results file. A damaged line would make the report or comparison silently leave
+    out its row, so `--report-only` and `--compare` refuse (exit 2, naming the line) unless every row the run
+    should have is there anyway (its task was run again by `--resume`): then the line is reported and skipped.
+    `methods`: those the command needs complete (None: all of the run's).
+    """
     from viasd.bench.report import ENV_JSON, RESULTS_JSONL
     from viasd.bench.runner import ResultsFile
 
@@ -293,7 +349,19 @@ def _load_run(out: Path | None, option: str) -> tuple[dict[str, Any], list[dict[
     if not env_path.exists() or not results_path.exists():
         raise ViasdError(f"{out} holds no benchmark run (no {ENV_JSON} and {RESULTS_JSONL})")
     env = read_environment(env_path)
-    rows = ResultsFile(results_path).load()
+    results = ResultsFile(results_path, on_damage=None)
+    rows = results.load()
+    if results.damaged:
+        wanted = env.get("settings", {}).get("methods") if methods is None else methods
+        missing = missing_pairs(env, rows, wanted if isinstance(wanted, list) else [])
+        if missing != 0:
+            more = len(results.damaged) - 1
+            raise ViasdError(
+                f"{results.damaged[0]}{f' (and {more} more damaged lines)' if more else ''}: {option} would "
+                "leave its row out; run the benchmark again with --resume to redo it, or remove the line"
+            )
+        for line in results.damaged:
+            _warn_damaged("the run has every row without it")(line)
     if not rows:
         raise ViasdError(f"{results_path} holds no results")
     return env, rows
@@ -320,7 +388,7 @@ def _compare(out: Path | None, pair: str) -> None:
     names = [name.strip() for name in pair.split(",")]
     if len(names) != 2 or not all(names):
         raise ViasdError(f"--compare takes two methods of the run, METHOD,BASELINE; got {pair!r}")
-    _, rows = _load_run(out, "--compare")
+    _, rows = _load_run(out, "--compare", names)
     print(comparison(rows, names[0], names[1]))
 
 

@@ -4,12 +4,16 @@ network use, ctypes, and writing, deleting or renaming files outside the program
 It turns the ordinary accidents of model-written code into a clear "sandbox: ... is not allowed" failure.
 It is not a security boundary: its state lives in the interpreter the program controls, so deliberate code
 can undo it. Inside bubblewrap (see `isolation.py`) the operating system is the boundary; without it this
-guard is all there is, and the benchmark says so.
+guard is all there is, and the benchmark refuses to run it unless the user accepts that.
+
+It also proves that a program ran to its end: it reads the run's random nonce from standard input before the
+program starts and prints it only after the program has returned, so an early exit cannot pass.
 """
 
 from __future__ import annotations
 
-# Runs first in the child: installs the audit hook, then executes the program file given as argv[1].
+# Runs first in the child: reads the run's nonce from standard input, installs the audit hook, executes the
+# program file given as argv[1], and prints the nonce when the program has run to its end.
 GUARD = r"""
 import os, sys
 _ROOT = os.path.realpath(os.getcwd())
@@ -44,14 +48,24 @@ def _hook(event, args):
         if not all(_inside(p) for p in paths):
             raise PermissionError(f"sandbox: {event} outside the sandbox is not allowed")
 
-_program = open(sys.argv[1], encoding="utf-8").read()
-sys.addaudithook(_hook)
-del sys.argv[1:]
-try:
-    exec(compile(_program, "solution.py", "exec"), {"__name__": "__main__"})
-except SystemExit as stop:
-    # Exiting early skips the tests, whatever the status: that is not a pass.
-    sys.stderr.write(f"SystemExit({stop.code!r}) before the tests completed\n")
-    sys.stderr.flush()
-    os._exit(3)
+def _main():
+    # The harness writes this run's nonce on standard input; it is printed only after the program has run to its
+    # end, so an early exit (sys.exit, os._exit, an atexit hook turning a failure into status 0) cannot pass.
+    nonce = sys.stdin.readline().strip()
+    quiet = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(quiet, 0)
+    os.close(quiet)
+    program = open(sys.argv[1], encoding="utf-8").read()
+    sys.addaudithook(_hook)
+    del sys.argv[1:]
+    try:
+        exec(compile(program, "solution.py", "exec"), {"__name__": "__main__"})
+    except SystemExit as stop:
+        # Exiting early skips the tests, whatever the status: that is not a pass.
+        sys.stderr.write(f"SystemExit({stop.code!r}) before the tests completed\n")
+        sys.stderr.flush()
+        os._exit(3)
+    os.write(1, ("\n" + nonce + "\n").encode())
+
+_main()
 """

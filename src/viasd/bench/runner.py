@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ class RunSettings:
     chat: bool = True
     warmup: bool = True
     humaneval_timeout: float = 10.0
+    # Run HumanEval code under the in-process guard alone where bubblewrap is missing (the user accepted the risk).
+    allow_unsandboxed_code: bool = False
 
     def budget(self, task: Task) -> int:
         """Token budget per turn of `task`."""
@@ -59,45 +62,131 @@ def rotation(methods: Sequence[str], index: int) -> list[str]:
 # ------------------------------------------------------------------------------------- results file
 
 
-def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """Rows of a results file and the byte length of its intact part (a torn last line is left out)."""
+# A row's required fields and their types; a row without an error also needs the statistics the report sums.
+ROW_FIELDS: dict[str, type] = {"key": str, "method": str, "category": str, "stats": dict}
+STATS_FIELDS = ("new_tokens", "total_seconds", "tokens_per_second", "target_calls")
+# Fields the report reads where a row has them, and the types it can read (None: absent or null is fine).
+OPTIONAL_FIELDS: dict[str, tuple[type, ...]] = {
+    "references": (list,),
+    "quality": (dict,),
+    "peak_rss_bytes": (int, float),
+    "peak_cuda_bytes": (int, float),
+}
+
+
+@dataclass(frozen=True)
+class DamagedLine:
+    """A line of a results file that holds no result row: where it is and what is wrong with it."""
+
+    path: Path
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def row_problem(row: Any) -> str | None:
+    """Why a parsed JSON value is not a result row (None when it is one): the report needs these fields."""
+    if not isinstance(row, dict):
+        return "not a result row (not a JSON object)"
+    for name, kind in ROW_FIELDS.items():
+        if not isinstance(row.get(name), kind):
+            return f"not a result row ({name!r} missing or not a {kind.__name__})"
+    for name, kinds in OPTIONAL_FIELDS.items():
+        value = row.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            return f"not a result row ({name!r} is not a {' or '.join(k.__name__ for k in kinds)})"
+    if row.get("quality") is not None and not isinstance(row["quality"].get("scores", []), list):
+        return "not a result row ('quality' scores are not a list)"
+    if row.get("error"):
+        return None if isinstance(row["error"], str) else "not a result row ('error' is not text)"
+    turns = row.get("turns")
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return "not a result row ('turns' missing or not a list of objects)"
+    stats = row["stats"]
+    bad = [k for k in STATS_FIELDS if isinstance(stats.get(k), bool) or not isinstance(stats.get(k), (int, float))]
+    if bad:
+        return f"not a result row (stats without {', '.join(bad)})"
+    return None
+
+
+def _parse_line(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """One line as a result row, or None and why it is not one."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):  # ValueError covers JSONDecodeError and bytes that are not UTF-8
+        return None, "not JSON" + ("" if line.endswith(b"\n") else " (a torn last line: an interrupted write)")
+    problem = row_problem(row)
+    return (None, problem) if problem else (row, "")
+
+
+def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[DamagedLine]]:
+    """The result rows of a results file and its damaged lines; blank lines are skipped. Never writes the file."""
     file = Path(path)
-    if not file.exists():
-        return [], 0
-    data = file.read_bytes()
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        return [], []
+    except OSError as error:
+        raise ViasdError(f"cannot read {file}: {error.strerror or error}") from None
     rows: list[dict[str, Any]] = []
-    good = 0
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-        good += len(line)
-    return rows, good
+    damaged: list[DamagedLine] = []
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
+        if not line.strip():
+            continue
+        row, problem = _parse_line(line)
+        if row is None:
+            damaged.append(DamagedLine(file, number, problem))
+        else:
+            rows.append(row)
+    return rows, damaged
+
+
+def warn_damaged(line: DamagedLine) -> None:
+    """The default report of a damaged line: one line on standard error."""
+    print(f"warning: {line}; skipped", file=sys.stderr, flush=True)
 
 
 class ResultsFile:
-    """An append-only JSONL file of result rows, flushed to disk row by row."""
+    """An append-only JSONL file of result rows, flushed to disk row by row.
 
-    def __init__(self, path: str | Path) -> None:
+    Reading never changes the file: a damaged line (not JSON, or JSON that is not a result row) stays where
+    it is, is reported once per ResultsFile through `on_damage`, and is left out of the rows, so a resumed
+    run runs its (task, method) pair again. `damaged` holds what the last load found.
+    """
+
+    def __init__(self, path: str | Path, on_damage: Callable[[DamagedLine], None] | None = warn_damaged) -> None:
         self.path = Path(path)
+        self.on_damage = on_damage
+        self.damaged: list[DamagedLine] = []
+        self._reported: set[int] = set()
 
     def load(self) -> list[dict[str, Any]]:
-        """The rows already written; a torn last line (an interrupted write) is cut off the file."""
-        rows, good = read_rows(self.path)
-        if self.path.exists() and self.path.stat().st_size != good:
-            with self.path.open("r+b") as handle:
-                handle.truncate(good)
+        """The intact rows; each damaged line is reported the first time it is seen."""
+        rows, self.damaged = read_rows(self.path)
+        for line in self.damaged:
+            if line.line not in self._reported and self.on_damage is not None:
+                self.on_damage(line)
+            self._reported.add(line.line)
         return rows
 
     def append(self, row: Mapping[str, Any]) -> None:
-        line = json.dumps(row, ensure_ascii=False) + "\n"
-        with self.path.open("a", encoding="utf-8") as handle:
+        """Write one row as a line of its own, after a newline when the file ends in a torn line."""
+        line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+        with self.path.open("ab") as handle:
+            if handle.tell() > 0 and not _ends_with_newline(self.path):
+                line = b"\n" + line
             handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def _ends_with_newline(path: Path) -> bool:
+    """Whether the file's last byte is a newline (an interrupted write leaves a line without one)."""
+    with path.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1) == b"\n"
 
 
 # ---------------------------------------------------------------------------------------- one task
@@ -118,10 +207,13 @@ def turn_prompt(
     return ids
 
 
-def score_task(task: Task, texts: Sequence[str], timeout: float) -> dict[str, Any] | None:
-    """The task metric of each turn's answer ({"metric", "scores"}), or None when the task has none."""
+def score_task(task: Task, texts: Sequence[str], timeout: float, unsandboxed: bool = False) -> dict[str, Any] | None:
+    """The task metric of each turn's answer ({"metric", "scores"}), or None when the task has none.
+
+    HumanEval code runs in bubblewrap, or, with `unsandboxed` where bubblewrap is missing, under the guard alone.
+    """
     if task.source == "humaneval":
-        result = check_humaneval(task.extra, texts[0], timeout=timeout)
+        result = check_humaneval(task.extra, texts[0], timeout=timeout, isolate=None if unsandboxed else True)
         return {"metric": "pass@1", "scores": [float(result.passed)], "detail": result.status, "why": result.detail}
     metric = QUALITY_METRICS.get(task.category)
     if metric is None:
@@ -169,18 +261,27 @@ def run_task(
         for r in results
     ]
     row["stats"] = combine_stats([r.stats for r in results], method).to_dict()
-    row["quality"] = score_task(task, answers, settings.humaneval_timeout)
+    row["quality"] = score_task(task, answers, settings.humaneval_timeout, settings.allow_unsandboxed_code)
     return row
 
 
 # -------------------------------------------------------------------------------------- the whole run
 
 
-def warm_up(decoder: Decoder, tokenizer: PreTrainedTokenizerBase, task: Task, settings: RunSettings) -> None:
+def warm_up(decoder: Decoder, ids: Sequence[int], settings: RunSettings) -> None:
     """One short untimed generation, so one-time costs (allocations, kernel choice) stay out of the numbers."""
-    ids = turn_prompt(tokenizer, task, [], 0, settings.chat)
     tokens = min(WARMUP_TOKENS, settings.max_new_tokens)
     decoder.generate(ids, GenerationConfig(max_new_tokens=tokens, sampling=settings.sampling))
+
+
+def warmup_prompt(prompts: Iterable[tuple[Task, list[int]]], limit: int | None) -> tuple[Task, list[int]] | None:
+    """The shortest of the (task, first prompt ids) pairs, if it fits in a context of `limit` tokens.
+
+    None when no prompt fits: nothing can be timed then, and each such task becomes an error row of its own
+    instead of stopping the run (a resumed run would stop at the same warm-up again, for ever).
+    """
+    task, ids = min(prompts, key=lambda pair: len(pair[1]))
+    return (task, ids) if limit is None or len(ids) < limit else None
 
 
 def pending_pairs(
@@ -218,11 +319,15 @@ def run_benchmark(
     needed = list(dict.fromkeys(method for _, _, method in todo))
     decoders = {method: decoder_for(method) for method in needed}
     if settings.warmup:
-        shortest = min((task for _, task, _ in todo), key=lambda t: len(t.turns[0]))
+        first = {task.key: (task, turn_prompt(tokenizer, task, [], 0, settings.chat)) for _, task, _ in todo}
         for method in needed:
+            limit = getattr(decoders[method], "context_limit", None)
+            chosen = warmup_prompt((first[task.key] for _, task, m in todo if m == method), limit)
+            if chosen is None:
+                continue
             if on_start is not None:
-                on_start(shortest, f"{method} (warm-up)")
-            warm_up(decoders[method], tokenizer, shortest, settings)
+                on_start(chosen[0], f"{method} (warm-up)")
+            warm_up(decoders[method], chosen[1], settings)
     for index, task, method in todo:
         if on_start is not None:
             on_start(task, method)

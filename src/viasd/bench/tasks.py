@@ -49,13 +49,29 @@ def default_questions_path() -> Path:
     return Path(str(resources.files("viasd.bench").joinpath("data", DEFAULT_QUESTIONS)))
 
 
+def _is_text(value: Any) -> bool:
+    """A string that can be written as UTF-8 (JSON escapes can make lone surrogates, which cannot)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_specbench_record(record: Mapping[str, Any], where: str) -> Task:
     """One Spec-Bench record (question_id, category, turns, optional reference) as a Task."""
     missing = [name for name in ("question_id", "category", "turns") if name not in record]
     if missing:
         raise ViasdError(f"{where}: missing field(s) {', '.join(missing)}")
+    qid = record["question_id"]
+    if isinstance(qid, bool) or not (isinstance(qid, int) or (_is_text(qid) and qid.strip())):
+        raise ViasdError(f"{where}: 'question_id' must be a number or a non-empty string")
+    if not (_is_text(record["category"]) and record["category"].strip()):
+        raise ViasdError(f"{where}: 'category' must be a non-empty string")
     turns = record["turns"]
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+    if not isinstance(turns, list) or not turns or not all(_is_text(t) and t.strip() for t in turns):
         raise ViasdError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
     reference = record.get("reference")
     if reference is not None and not isinstance(reference, list):
@@ -81,6 +97,8 @@ def parse_specbench(lines: Iterable[str], name: str = "questions") -> list[Task]
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ViasdError(f"{where}: not JSON ({error.msg})") from None
+        except RecursionError:
+            raise ViasdError(f"{where}: not a question record (JSON nested too deeply)") from None
         if not isinstance(record, dict):
             raise ViasdError(f"{where}: expected a JSON object")
         task = parse_specbench_record(record, where)
@@ -97,10 +115,17 @@ def load_specbench(path: str | Path | None = None) -> list[Task]:
     """Spec-Bench-format questions from `path`, or the shipped development set."""
     file = Path(path) if path is not None else default_questions_path()
     try:
-        text = file.read_text(encoding="utf-8")
+        data = file.read_bytes()
     except OSError as error:
         raise ViasdError(f"cannot read questions file {file}: {error.strerror or error}") from None
-    return parse_specbench(text.splitlines(), name=str(file))
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        byte = data[error.start]
+        raise ViasdError(f"{file} line {line}: not UTF-8 text (byte {byte:#04x}); save it as UTF-8") from None
+    # Lines end at "\n" only: str.splitlines would also split at characters JSON strings may hold (U+2028, ...).
+    return parse_specbench(text.split("\n"), name=str(file))
 
 
 def humaneval_task(problem: Mapping[str, Any]) -> Task:
