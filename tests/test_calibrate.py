@@ -507,7 +507,7 @@ def _profile_json(**changes):
         ({"thresholds": [0.1, 0.2, 0.3]}, "need 2 gate thresholds"),
         ({"gamma": 1000}, "gamma must be in 1..64"),
         ({"gamma": 2.5}, "gamma must be an integer"),
-        ({"cap": 0}, "cap on tokens committed without the full target must be >= 1"),
+        ({"cap": 0}, "cap on tokens committed without the full target must be in 1..1048576"),
         ({"pregate": 2.0}, "pre-gate must be a probability"),
         ({"stop": -0.5}, "draft stop threshold must be a probability"),
         ({"stop": float("nan")}, "draft stop threshold must be a probability"),

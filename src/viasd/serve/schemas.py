@@ -4,10 +4,15 @@ Requests accept the OpenAI fields we can honour and refuse, with a clear message
 (n > 1, penalties, logprobs, tools): a silently ignored parameter would give the client wrong output.
 Unknown fields are ignored, as OpenAI clients send many optional ones. Extensions: `method`, `top_k`,
 `ignore_eos`, and `usage.speculative` in responses.
+
+`logprobs` has OpenAI's type on each endpoint, checked strictly so that the validation and the published schema
+accept the same values: a boolean in chat completions (`false` or left out; `0` is refused, as OpenAI refuses it),
+an integer in the legacy text completions (`0` or left out; `false` is refused).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import annotated_types
@@ -29,6 +34,37 @@ _PROMPT_SCHEMA: dict[str, Any] = {
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
     ]
 }
+
+
+def _shown(value: Any) -> str:
+    """A request value as the client wrote it in JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _boolean_logprobs(value: Any) -> Any:
+    """Chat completions' `logprobs`, a boolean as in OpenAI's API: false or left out (no log probabilities here)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"must be a boolean in chat completions (true or false, as in OpenAI's API), got {_shown(value)}"
+        )
+    if value:
+        raise ValueError("log probabilities are not supported (send false or leave logprobs out)")
+    return value
+
+
+def _integer_logprobs(value: Any) -> Any:
+    """Text completions' `logprobs`, an integer as in OpenAI's API: 0 or left out (no log probabilities here). A JSON
+    number with no fraction (0.0) is an integer, as the published schema (JSON Schema) counts it."""
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if value is not None and (isinstance(value, bool) or not integral):
+        raise ValueError(f"must be an integer in text completions (as in OpenAI's API), got {_shown(value)}")
+    if value:
+        raise ValueError("log probabilities are not supported (send 0 or leave logprobs out)")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -158,10 +194,13 @@ class ChatCompletionRequest(_Request):
         description="only type 'text' is supported",
     )
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, value: Any) -> Any:
+        return _boolean_logprobs(value)
+
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
         if self.tools or self.functions:
             raise ValueError("tools and functions are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -182,6 +221,11 @@ class CompletionRequest(_Request):
     best_of: int | None = Field(default=None, json_schema_extra={"enum": [1, None]}, description="only 1")
     logprobs: int | None = Field(default=None, json_schema_extra=_ONLY_ZERO)
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, value: Any) -> Any:
+        return _integer_logprobs(value)
+
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
@@ -194,8 +238,6 @@ class CompletionRequest(_Request):
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
             raise ValueError("only best_of=1 is supported")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
         return self
 
     def requested_max_tokens(self) -> int | None:
