@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from viasd.kernels import lowbit
 from viasd.kernels.build import Library, address, checked, sizes, status, usable
-from viasd.kernels.notice import warn_once
-from viasd.kernels.switch import OFF
 
 GROUP = sizes()["VIASD_GROUP"]  # inputs per scale and minimum (weights) and per step (activations)
 NAME = "int4 x int8"  # in messages
@@ -127,15 +126,9 @@ def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, l
     return terms.contiguous().sum(dim=-1)
 
 
-def kernel_input(x: torch.Tensor) -> torch.Tensor:
-    """x as viasd's low-bit kernels take it: contiguous float32 or bf16 (a bf16 model's activations as they come);
-    other dtypes as float32. Their output has the same dtype."""
-    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
-
-
 def _run(library: Library, x: torch.Tensor, weights: FourBitWeights, threads: int,
          bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x (`kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
+    """x (`lowbit.kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
     if x.shape[1] != weights.k:
         raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
     out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
@@ -158,22 +151,9 @@ def random_weights(rows: int, columns: int, generator: torch.Generator) -> FourB
 
 
 def _self_check(library: Library) -> str | None:
-    """Why the kernel cannot be trusted on this machine, or None: products of rows that are not whole tiles, blocks
-    of 1 to 17 tokens (past one tile call's), must match `reference` and give each token the same bits in every
-    block and with any number of threads."""
-    generator = torch.Generator().manual_seed(0)
-    weights = random_weights(40, 320, generator)
-    x = torch.randn(17, 320, generator=generator) * torch.linspace(0.1, 4.0, 320)
-    want = reference(x, weights)
-    got = _run(library, x, weights, 2)
-    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-        return "disagrees with the reference product"
-    for start, size in ((0, 1), (16, 1), (3, 5), (1, 8), (2, 9), (0, 16)):
-        if not torch.equal(_run(library, x[start : start + size].contiguous(), weights, 2), got[start : start + size]):
-            return "gives a token other bits in another block"
-    if not torch.equal(_run(library, x, weights, 1), got):
-        return "gives other bits with another number of threads"
-    return None
+    """Why the kernel cannot be trusted here, or None (kernels/lowbit.py's check, on random weights)."""
+    weights = random_weights(40, 320, torch.Generator().manual_seed(0))
+    return lowbit.self_check(lambda x, w, threads: _run(library, x, w, threads), reference, weights)
 
 
 @functools.cache
@@ -195,12 +175,4 @@ def kernel_status() -> str:
 def product(x: torch.Tensor, weights: FourBitWeights, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] @ W^T + bias [rows, n] in x's dtype, computed in float32 and rounded once: the C kernel on a
     capable CPU, else `reference`."""
-    if x.device.type == "cpu":
-        found = kernel()
-        if isinstance(found, Library):
-            b = None if bias is None else bias.float().contiguous()
-            return _run(found, kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
-        if found != OFF:
-            warn_once(f"{NAME} products run on torch ops, slowly: {found}")
-    out = reference(x.float(), weights)
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    return lowbit.product(x, weights, bias, kernel(), _run, reference, NAME)

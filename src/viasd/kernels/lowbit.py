@@ -1,0 +1,62 @@
+"""What viasd's low-bit formats share in Python (the formats themselves: w4a8.py, w6a8.py; their C driver:
+lowbit.c): the load-time check every format's kernel must pass, and the product that runs the kernel where it is
+there and the format's torch reference where it is not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from viasd.kernels.build import Library
+from viasd.kernels.notice import warn_once
+from viasd.kernels.switch import OFF
+
+Run = Callable[[torch.Tensor, Any, int], torch.Tensor]  # (x, weights, threads) -> x @ W^T by a kernel
+
+
+def self_check(run: Run, reference: Callable[[torch.Tensor, Any], torch.Tensor], weights: Any) -> str | None:
+    """Why a kernel cannot be trusted here, or None: on `weights` (rows that are not whole tiles), blocks of 1 to 17
+    tokens (past one tile call's) must match `reference` and give each token the same bits in every block and with
+    any number of threads."""
+    generator = torch.Generator().manual_seed(1)
+    k = weights.k
+    x = torch.randn(17, k, generator=generator) * torch.linspace(0.1, 4.0, k)
+    want = reference(x, weights)
+    got = run(x, weights, 2)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+        return "disagrees with the reference product"
+    for start, size in ((0, 1), (16, 1), (3, 5), (1, 8), (2, 9), (0, 16)):
+        if not torch.equal(run(x[start : start + size].contiguous(), weights, 2), got[start : start + size]):
+            return "gives a token other bits in another block"
+    if not torch.equal(run(x, weights, 1), got):
+        return "gives other bits with another number of threads"
+    return None
+
+
+def kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """x as viasd's low-bit kernels take it: contiguous float32 or bf16 (a bf16 model's activations as they come);
+    other dtypes as float32. Their output has the same dtype."""
+    return (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
+
+
+def product(
+    x: torch.Tensor,
+    weights: Any,
+    bias: torch.Tensor | None,
+    found: Library | str,
+    run: Callable[[Library, torch.Tensor, Any, int, torch.Tensor | None], torch.Tensor],
+    reference: Callable[[torch.Tensor, Any], torch.Tensor],
+    name: str,
+) -> torch.Tensor:
+    """x [rows, in] @ W^T + bias in x's dtype, computed in float32 and rounded once: by `run` with the kernel
+    `found` on a CPU where it is there, else by `reference`, saying once why (unless switched off)."""
+    if x.device.type == "cpu":
+        if isinstance(found, Library):
+            b = None if bias is None else bias.float().contiguous()
+            return run(found, kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
+        if found != OFF:
+            warn_once(f"{name} products run on torch ops, slowly: {found}")
+    out = reference(x.float(), weights)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
