@@ -515,7 +515,9 @@ def test_same_size_damage_of_the_weights_is_refused_at_load_with_the_repair_comm
     weights = path / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x01  # one bit of one weight: a wrong answer, not an error, if it were loaded
-    weights.write_bytes(bytes(data))
+    damaged = weights.with_name("damaged")  # a new file: the model loaded above may still map the old one
+    damaged.write_bytes(bytes(data))
+    damaged.replace(weights)
     with pytest.raises(ViasdError, match=r"repair it: viasd models --fetch smollm2-135m --force") as caught:
         load_model("smollm2-135m", device="cpu", cache_dir=tmp_path / "cache")
     assert "model.safetensors has other contents" in str(caught.value) and "\n" not in str(caught.value)

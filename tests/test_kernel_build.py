@@ -66,10 +66,14 @@ def test_a_damaged_or_foreign_library_is_built_again_not_loaded(cache, tmp_path,
     monkeypatch.setenv("CC", str(counting_compiler(tmp_path)))
     assert isinstance(build.load(CHOSEN), Library)
     (library,) = cache.glob("*.so")
-    if damage == "truncated":  # loading this would kill the process with SIGBUS
-        library.write_bytes(library.read_bytes()[:4096])
+    # The damaged file replaces the library (a new file under its name): this process still maps the first one, and
+    # writing into that would kill it with SIGBUS, as loading a truncated library would.
+    planted = library.with_name("planted")
+    if damage == "truncated":
+        planted.write_bytes(library.read_bytes()[:4096])
     else:  # a library planted under the expected name: its code must never run
-        library.write_bytes(b"\x7fELF" + os.urandom(2000))
+        planted.write_bytes(b"\x7fELF" + os.urandom(2000))
+    planted.replace(library)
     again = build.load(CHOSEN)
     assert isinstance(again, Library) and runs(tmp_path) == 2
     assert build._sha256(library) == next(cache.glob("*.sha256")).read_text().strip()

@@ -230,7 +230,9 @@ def test_quantized_copies_are_cached_once_and_a_damaged_file_is_made_again(tmp_p
         again = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
     assert torch.equal(logits(again), logits(first)) and not notes
     # A truncated file, or one of another model, is refused and replaced.
-    path.write_bytes(path.read_bytes()[:-100])
+    truncated = path.with_name("truncated")  # a new file: the copies loaded above may still map the old one
+    truncated.write_bytes(path.read_bytes()[:-100])
+    truncated.replace(path)
     remade = quant_cache.cached_quantize(model, recipe, lambda: [PROMPT], root=tmp_path, log=notes.append)
     assert len(notes) == 1 and "cannot be used" in notes[0] and torch.equal(logits(remade), logits(first))
     other = tiny_model("qwen2", dtype=torch.float32, seed=4)
