@@ -457,6 +457,7 @@ def comparison(rows: Sequence[Mapping[str, Any]], method: str, baseline: str) ->
     """One method against another over the tasks both ran: geometric mean of per-task speed ratios, their
     10th-90th percentile, and on how many tasks the method was faster."""
     from viasd.bench.metrics import per_prompt_speedups
+    from viasd.bench.paired import describe, paired
 
     methods = {r["method"] for r in rows}
     missing = [m for m in (method, baseline) if m not in methods]
@@ -468,10 +469,14 @@ def comparison(rows: Sequence[Mapping[str, Any]], method: str, baseline: str) ->
         raise ViasdError(f"{method} and {baseline} share no task that both finished")
     s = next(s for s in summarize(good, baseline) if s.method == method and s.category == ALL)
     faster = sum(v > 1.0 for v in ratios)
-    return (
+    speed = (
         f"{method} over {baseline}: {s.speedup:.3f}x (geometric mean over {len(ratios)} tasks), "
         f"10th-90th percentile {s.speedup_p10:.2f}-{s.speedup_p90:.2f}x, faster on {faster} of {len(ratios)} tasks"
     )
+    quality = paired(good, method, baseline)
+    if not quality:
+        return speed
+    return f"{speed}\nquality, task by task (p: exact sign test, McNemar's for pass/fail):\n{describe(quality)}"
 
 
 # ------------------------------------------------------------------------------ embedding in a document
