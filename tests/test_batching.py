@@ -5,6 +5,7 @@ in a pass reaches its generation and the others go on."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -46,24 +47,22 @@ def config(index: int, sampled: bool) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=24, ignore_eos=True, sampling=params)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_concurrent_generations_get_what_they_get_alone(pair, sampled):
+def run_together(kinds, configs, pair, batchers):
+    """Each generation on its own thread with its own decoder, all started at once, passes merged by `batchers`."""
     target, drafter, view = pair
-    kinds = ["plain", "sd", "lookup", "plain", "sd", "lookup", "plain", "sd"]  # eight at once, methods mixed
-    alone = [
-        decoder_for(kind, target, drafter, view).generate(PROMPTS[i % 4], config(i, sampled)).tokens
-        for i, kind in enumerate(kinds)
-    ]
-    batchers = [PassBatcher(target, window=0.05).attach(), PassBatcher(drafter, window=0.05).attach()]
-    together: list[list[int] | None] = [None] * len(kinds)
+    results: list = [None] * len(kinds)
     start = threading.Barrier(len(kinds))
 
     def run(i: int, kind: str) -> None:
         decoder = decoder_for(kind, target, drafter, view)
-        with batchers[0].active(), batchers[1].active():
+        with contextlib.ExitStack() as active:
+            for batcher in batchers:
+                active.enter_context(batcher.active())
             start.wait()
-            together[i] = decoder.generate(PROMPTS[i % 4], config(i, sampled)).tokens
+            results[i] = decoder.generate(PROMPTS[i % 4], configs[i])
 
+    for batcher in batchers:
+        batcher.attach()
     try:
         threads = [threading.Thread(target=run, args=(i, kind)) for i, kind in enumerate(kinds)]
         for thread in threads:
@@ -73,6 +72,19 @@ def test_concurrent_generations_get_what_they_get_alone(pair, sampled):
     finally:
         for batcher in batchers:
             batcher.detach()
+    return results
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_concurrent_generations_get_what_they_get_alone(pair, sampled):
+    target, drafter, view = pair
+    kinds = ["plain", "sd", "lookup", "plain", "sd", "lookup", "plain", "sd"]  # eight at once, methods mixed
+    alone = [
+        decoder_for(kind, target, drafter, view).generate(PROMPTS[i % 4], config(i, sampled)).tokens
+        for i, kind in enumerate(kinds)
+    ]
+    batchers = [PassBatcher(target, window=0.05), PassBatcher(drafter, window=0.05)]
+    together = [result.tokens for result in run_together(kinds, [config(i, sampled) for i in range(8)], pair, batchers)]
     assert together == alone
     assert batchers[0].merged_rows > 0 and batchers[1].merged_rows > 0  # passes really ran together
 
@@ -106,3 +118,19 @@ def test_an_error_in_a_pass_reaches_its_generation_and_the_batcher_goes_on(pair,
     finally:
         batcher.detach()
     assert got == decoder_for("plain", target, None, view).generate(PROMPTS[0], config(0, False)).tokens
+
+
+def test_drafts_shorten_under_load_and_tokens_stay_what_they_are_alone(pair):
+    """With passes whose rows cost what a token costs, four speculative generations draft less per round; greedy
+    ones and unseeded ones adapt, a seeded sampled one keeps its draft length (its draws must repeat)."""
+    target, drafter, view = pair
+    configs = [config(0, False), config(1, False), config(2, False), config(3, True)]  # the last: sampled, seeded
+    alone = [decoder_for("sd", target, drafter, view).generate(PROMPTS[i], configs[i]) for i in range(4)]
+    batcher = PassBatcher(target, window=0.05)
+    for rows in range(1, 65):  # as if every row cost 1 s: speculation cannot pay
+        batcher.costs(view).record(rows, float(rows))
+    together = run_together(["sd"] * 4, configs, pair, [batcher, PassBatcher(drafter, window=0.05)])
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    per_round = [r.stats.drafted / r.stats.rounds for r in together]
+    assert max(per_round[:3]) < 1.0 < 3.0 < per_round[3], per_round
+    assert min(r.stats.drafted / r.stats.rounds for r in alone) > 3.0

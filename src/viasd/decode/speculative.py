@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.decode import MAX_GAMMA
 from viasd.decode.base import Decoder, decision_generator
+from viasd.decode.load import load_on
 from viasd.decode.output import OutputSink
 from viasd.decode.round import Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
@@ -83,7 +84,9 @@ class SpeculativeDecoder(Decoder):
         drafter_before = self.drafter.forward_passes
         while not sink.done:
             context = prompt + sink.tokens
-            k = draft_length(self.gamma, sink.remaining, len(context), self.context_limit)
+            load = load_on(self.target, self.view, params)  # served among others: the draft length follows the load
+            gamma = self.gamma if load is None else load.draft_length(self.gamma, stats)
+            k = draft_length(gamma, sink.remaining, len(context), self.context_limit)
             with stats.timed("draft"):
                 proposal = self.drafter.propose(context, k, params, generator, self.stop)
             with stats.timed("verify"):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from viasd.passes import loop
+from viasd.passes.costs import PassCosts
 from viasd.passes.loop import Segment
 from viasd.views.view import View, applied
 
@@ -57,6 +58,8 @@ class PassBatcher:
     max_rows: int = 64  # rows (tokens of all sequences) per pass
     chunk: int = 32  # the most tokens of one sequence in a pass: longer ones (prompts) go in chunks of this many
     window: float = 0.003
+    adapt_drafts: bool = True  # speculative generations choose their draft length from the load (decode/load.py)
+    _costs: dict[int, PassCosts] = field(default_factory=dict)  # by id of the view: seconds per pass, by rows
     passes: int = 0  # passes run, merged or alone
     merged_rows: int = 0  # rows that ran in a pass with another sequence's
     _active: int = 0
@@ -83,6 +86,16 @@ class PassBatcher:
             with self._condition:
                 self._active -= 1
                 self._condition.notify_all()
+
+    @property
+    def sequences(self) -> int:
+        """Generations active on the model now (each one, between two of its passes, will ask for another)."""
+        return self._active
+
+    def costs(self, view: View | None) -> PassCosts:
+        """The measured costs of ragged passes with `view` (views are long-lived: the engine's, or a decoder's)."""
+        with self._condition:
+            return self._costs.setdefault(id(view), PassCosts())
 
     def segment(self, view: View | None, segment: Segment) -> torch.Tensor:
         """The logits of `segment`, run in a ragged pass with whatever else is waiting for the same view."""
@@ -142,8 +155,10 @@ class PassBatcher:
             if batch[0].alone is not None:
                 outcomes = [batch[0].alone()]
             else:
+                start = time.perf_counter()
                 with torch.inference_mode(), applied(self.model, batch[0].view):
                     outcomes = loop.ragged_pass(self.model, [request.segment for request in batch])  # type: ignore[misc]
+                self.costs(batch[0].view).record(sum(request.rows for request in batch), time.perf_counter() - start)
                 if len(batch) > 1:
                     self.merged_rows += sum(request.rows for request in batch)
             for request, outcome in zip(batch, outcomes, strict=True):

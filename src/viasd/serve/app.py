@@ -127,7 +127,9 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
         for method in settings.methods:
             engine.decoder(method, slot)
-    service = GenerationService(engine, metrics, settings.max_queue, settings.max_active, settings.max_rows)
+    service = GenerationService(
+        engine, metrics, settings.max_queue, settings.max_active, settings.max_rows, settings.adaptive_drafts
+    )
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-tokenize")
     watchers: set[asyncio.Task[None]] = set()
     created = int(time.time())

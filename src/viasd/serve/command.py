@@ -99,6 +99,14 @@ def serve(
         int, typer.Option(help="Generations that run at once, their model passes merged (continuous batching).")
     ] = 4,
     max_rows: Annotated[int, typer.Option(help="Most tokens of all active generations in one model pass.")] = 64,
+    adaptive_drafts: Annotated[
+        bool,
+        typer.Option(
+            "--adaptive-drafts/--fixed-drafts",
+            help="Speculative requests draft fewer tokens as the batch grows, from measured pass costs "
+            "(seeded sampled requests always keep theirs).",
+        ),
+    ] = True,
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait while --max-active generate; more are refused with 503.")
     ] = 16,
@@ -135,6 +143,7 @@ def serve(
         default_max_tokens=min(default_max_tokens, max_tokens_limit),
         max_active=max_active,
         max_rows=max_rows,
+        adaptive_drafts=adaptive_drafts,
         max_queue=max_queue,
     )
     sock = bind_socket(host, port)

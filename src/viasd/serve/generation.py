@@ -58,12 +58,13 @@ class GenerationService:
     cancellation, metrics."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, max_active: int = 1,
-                 max_rows: int = 64) -> None:  # fmt: skip
+                 max_rows: int = 64, adaptive_drafts: bool = True) -> None:  # fmt: skip
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
         self.max_active = max_active
         self.max_rows = max_rows
+        self.adaptive_drafts = adaptive_drafts
         self._executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix="viasd-generate")
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(max_active):
@@ -90,7 +91,9 @@ class GenerationService:
         with self._lock:
             for loaded in self.engine.loaded_models:
                 if batcher_of(loaded.model) is None:
-                    self._batchers.append(PassBatcher(loaded.model, max_rows=self.max_rows).attach())
+                    self._batchers.append(
+                        PassBatcher(loaded.model, max_rows=self.max_rows, adapt_drafts=self.adaptive_drafts).attach()
+                    )
             batchers = list(self._batchers)
         with contextlib.ExitStack() as stack:
             for batcher in batchers:

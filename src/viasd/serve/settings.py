@@ -23,6 +23,7 @@ class ServeSettings:
     default_max_tokens: int = 256
     max_active: int = 4  # generations that run at once, their passes merged (continuous batching)
     max_rows: int = 64  # tokens of all active generations in one pass
+    adaptive_drafts: bool = True  # speculative requests draft fewer tokens as the batch grows (decode/load.py)
     max_queue: int = 16  # requests that may wait while `max_active` generate; more get 503
     default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
 
