@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.passes import loop
 from viasd.passes.batching import PassBatcher
+from viasd.passes.executor import PassExecutor
 from viasd.verify.sampling import SamplingParams
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
@@ -47,8 +50,9 @@ def config(index: int, sampled: bool) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=24, ignore_eos=True, sampling=params)
 
 
-def run_together(kinds, configs, pair, batchers):
-    """Each generation on its own thread with its own decoder, all started at once, passes merged by `batchers`."""
+def run_together(kinds, configs, pair, batchers, executor=None):
+    """Each generation on its own thread with its own decoder, all started at once, passes merged by `batchers`
+    (and, with an executor, run on this thread while it serves)."""
     target, drafter, view = pair
     results: list = [None] * len(kinds)
     start = threading.Barrier(len(kinds))
@@ -67,6 +71,9 @@ def run_together(kinds, configs, pair, batchers):
         threads = [threading.Thread(target=run, args=(i, kind)) for i, kind in enumerate(kinds)]
         for thread in threads:
             thread.start()
+        if executor is not None:
+            deadline = time.monotonic() + 120
+            executor.serve(until=lambda: not any(t.is_alive() for t in threads) or time.monotonic() > deadline)
         for thread in threads:
             thread.join(timeout=120)
     finally:
@@ -134,3 +141,29 @@ def test_drafts_shorten_under_load_and_tokens_stay_what_they_are_alone(pair):
     per_round = [r.stats.drafted / r.stats.rounds for r in together]
     assert max(per_round[:3]) < 1.0 < 3.0 < per_round[3], per_round
     assert min(r.stats.drafted / r.stats.rounds for r in alone) > 3.0
+
+
+def test_with_an_executor_every_pass_runs_on_its_thread_and_tokens_stay_the_same(pair, monkeypatch):
+    """The server's way: generations on worker threads, every pass (merged or alone) on the executor's thread."""
+    target, drafter, view = pair
+    kinds = ["plain", "sd", "lookup", "sd"]
+    configs = [config(i, False) for i in range(4)]
+    alone = [
+        decoder_for(kind, target, drafter, view).generate(PROMPTS[i], configs[i]).tokens for i, kind in enumerate(kinds)
+    ]
+    executor = PassExecutor()
+    threads_that_ran = set()
+    real = loop.ragged_pass
+
+    def recording(*args, **kwargs):
+        threads_that_ran.add(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "ragged_pass", recording)
+    batchers = [
+        PassBatcher(target, window=0.05, executor=executor),
+        PassBatcher(drafter, window=0.05, executor=executor),
+    ]
+    together = run_together(kinds, configs, pair, batchers, executor)
+    assert [r.tokens for r in together] == alone
+    assert threads_that_ran == {threading.get_ident()} and executor.jobs_run == sum(b.passes for b in batchers) > 0

@@ -9,14 +9,17 @@ alone. One pass runs on the model at a time, so views never swap their layers un
 
 Waiting: the first generation to ask leads. It waits until every generation the batcher knows to be active has
 asked (they are all between two passes), or `window` seconds, whichever comes first, then runs what is waiting,
-at most `max_rows` rows in one pass; the others wait for their results. A sequence's tokens never depend on what
-else is in its pass (the kernels are row-independent; with torch's references a product over more rows may round
-its last bits another way), so a request's output is what it would get alone.
+at most `max_rows` rows in one pass; the others wait for their results. With an executor the leader hands the
+pass to the executor's thread and waits too (a server runs every pass on one thread: see passes/executor.py).
+A sequence's tokens never depend on what else is in its pass (the kernels are row-independent; with torch's
+references a product over more rows may round its last bits another way), so a request's output is what it would
+get alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +31,7 @@ from torch import nn
 
 from viasd.passes import loop
 from viasd.passes.costs import PassCosts
+from viasd.passes.executor import PassExecutor
 from viasd.passes.loop import Segment
 from viasd.views.view import View, applied
 
@@ -58,6 +62,7 @@ class PassBatcher:
     max_rows: int = 64  # rows (tokens of all sequences) per pass
     chunk: int = 32  # the most tokens of one sequence in a pass: longer ones (prompts) go in chunks of this many
     window: float = 0.003
+    executor: PassExecutor | None = None  # the thread the passes run on (passes/executor.py); None: the leader's
     adapt_drafts: bool = True  # speculative generations choose their draft length from the load (decode/load.py)
     _costs: dict[int, PassCosts] = field(default_factory=dict)  # by id of the view: seconds per pass, by rows
     passes: int = 0  # passes run, merged or alone
@@ -120,7 +125,10 @@ class PassBatcher:
                 batch = self._take()
                 self._condition.release()
                 try:
-                    self._run(batch)
+                    if self.executor is None:
+                        self._run(batch)
+                    else:
+                        self.executor.run(functools.partial(self._run, batch))
                 finally:
                     self._condition.acquire()
                     self._busy = False

@@ -28,6 +28,7 @@ from viasd import __version__
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
 from viasd.errors import ViasdError
+from viasd.passes.executor import PassExecutor
 from viasd.prompting import Message, encode_messages
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
@@ -121,14 +122,21 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
         raise APIError(400, validation_message(errors, model), code="invalid_request", param=param) from error
 
 
-def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
-    """Build the app. The engine must already hold (or be able to build) a decoder for every method."""
+def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor | None = None) -> FastAPI:
+    """Build the app. The engine must already hold (or be able to build) a decoder for every method. With an
+    executor, every model pass runs on its thread (`viasd serve`: the main thread; passes/executor.py says why)."""
     metrics = Metrics(settings.methods)
     for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
         for method in settings.methods:
             engine.decoder(method, slot)
     service = GenerationService(
-        engine, metrics, settings.max_queue, settings.max_active, settings.max_rows, settings.adaptive_drafts
+        engine,
+        metrics,
+        settings.max_queue,
+        settings.max_active,
+        settings.max_rows,
+        settings.adaptive_drafts,
+        executor,
     )
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-tokenize")
     watchers: set[asyncio.Task[None]] = set()

@@ -7,8 +7,11 @@ stays fast. The command is registered in `viasd.cli`, which wraps it in `user_er
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
-from typing import Annotated
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +29,11 @@ from viasd.cli_options import (
 )
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from viasd.passes.executor import PassExecutor
 
 API_KEY_ENV = "VIASD_API_KEY"
 
@@ -151,6 +159,7 @@ def serve(
         import uvicorn
 
         from viasd.engine import Engine
+        from viasd.passes.executor import PassExecutor
         from viasd.serve.app import create_app
 
         spec = engine_spec(
@@ -175,7 +184,8 @@ def serve(
                 highlight=False,
             )
         _log_to_stderr(log_level)
-        app = create_app(engine, settings)
+        executor = PassExecutor()  # this thread loaded the models: it runs their passes too
+        app = create_app(engine, settings, executor)
         config = uvicorn.Config(
             app,
             host=host,
@@ -194,8 +204,34 @@ def serve(
             highlight=False,
             soft_wrap=True,
         )
-        server.run(sockets=[sock])
+        serve_with_passes_here(server, sock, executor)
     finally:
         sock.close()
     if not server.started:
         raise ViasdError("the server did not start (see the log above)")
+
+
+def serve_with_passes_here(server: uvicorn.Server, sock: socket.socket, executor: PassExecutor) -> None:
+    """Run the HTTP server on a thread of its own and the model passes on this one (the main thread, which loaded
+    the models; passes/executor.py says why one thread) until the HTTP server has shut down.
+
+    Python runs signal handlers on the main thread, so Ctrl-C and SIGTERM are caught here and handed to uvicorn,
+    which drains the requests in flight as when it owns the signals; afterwards they are raised again, as uvicorn
+    does, so the process ends the way the signal asks."""
+    caught: list[int] = []
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        caught.append(sig)
+        server.handle_exit(sig, frame)
+
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="viasd-http")
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        executor.serve(until=lambda: not http.is_alive())
+        http.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for sig in reversed(caught):
+        signal.raise_signal(sig)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
 from viasd.passes.batching import PassBatcher, batcher_of
+from viasd.passes.executor import PassExecutor, confine_openmp
 from viasd.serve.errors import APIError
 from viasd.serve.metrics import Metrics
 
@@ -58,13 +59,15 @@ class GenerationService:
     cancellation, metrics."""
 
     def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, max_active: int = 1,
-                 max_rows: int = 64, adaptive_drafts: bool = True) -> None:  # fmt: skip
+                 max_rows: int = 64, adaptive_drafts: bool = True,
+                 executor: PassExecutor | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
         self.max_active = max_active
         self.max_rows = max_rows
         self.adaptive_drafts = adaptive_drafts
+        self.executor = executor  # with one, every pass runs on its thread and the workers keep OpenMP to themselves
         self._executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix="viasd-generate")
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(max_active):
@@ -83,16 +86,21 @@ class GenerationService:
 
     @contextlib.contextmanager
     def _batched(self) -> Iterator[None]:
-        """While a generation runs: every loaded model has a pass batcher (with one generation at a time there is
-        nothing to merge: none), and the generation counts as active in each."""
-        if self.max_active == 1:
+        """While a generation runs: every loaded model has a pass batcher (with one generation at a time and no
+        executor there is nothing for one to do: none), and the generation counts as active in each."""
+        if self.max_active == 1 and self.executor is None:
             yield
             return
         with self._lock:
             for loaded in self.engine.loaded_models:
                 if batcher_of(loaded.model) is None:
                     self._batchers.append(
-                        PassBatcher(loaded.model, max_rows=self.max_rows, adapt_drafts=self.adaptive_drafts).attach()
+                        PassBatcher(
+                            loaded.model,
+                            max_rows=self.max_rows,
+                            executor=self.executor,
+                            adapt_drafts=self.adaptive_drafts,
+                        ).attach()
                     )
             batchers = list(self._batchers)
         with contextlib.ExitStack() as stack:
@@ -132,6 +140,8 @@ class GenerationService:
         def work() -> GenerationResult:
             with self._lock:
                 self._running += 1
+            if self.executor is not None:
+                confine_openmp()
             try:
                 if cancel.is_set():
                     raise GenerationCancelled
