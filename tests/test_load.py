@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from viasd.decode.load import Load, acceptance_estimate, best_draft_length, expected_tokens
+from viasd.decode.load import DraftTally, Load, acceptance_estimate, best_draft_length, expected_tokens
 from viasd.decode.stats import GenerationStats
 from viasd.passes.costs import PassCosts, interpolated_cost
 
@@ -63,8 +63,16 @@ def test_acceptance_estimate_starts_at_the_prior_and_follows_the_counts():
 
 def test_alone_or_unmeasured_the_configured_gamma_stands():
     costs = PassCosts()
-    assert Load(8, costs).draft_length(5, GenerationStats("sd")) == 5  # nothing measured yet
+    assert Load(8, costs).draft_length(5, GenerationStats("sd"), DraftTally()) == 5  # nothing measured yet
     for rows in range(1, 65):
         costs.record(rows, 0.01 * rows)
-    assert Load(1, costs).draft_length(5, GenerationStats("sd")) == 5  # alone
-    assert Load(8, costs).draft_length(5, GenerationStats("sd")) == 0
+    assert Load(1, costs).draft_length(5, GenerationStats("sd"), DraftTally()) == 5  # alone
+    assert Load(8, costs).draft_length(5, GenerationStats("sd"), DraftTally()) == 0
+
+
+def test_draft_cost_counts_only_rounds_that_drafted():
+    tally = DraftTally()
+    assert tally.per_token == 0.0
+    tally.record(0.03, 3)
+    tally.record(0.01, 0)  # asked for drafts, got none (no match for lookup): its time still counts
+    assert tally.per_token == pytest.approx(0.04 / 3)

@@ -58,6 +58,23 @@ def adapts(params: SamplingParams) -> bool:
     return params.greedy or params.seed is None
 
 
+@dataclass
+class DraftTally:
+    """What drafting has cost a generation, counted over the rounds that asked for drafts (a round that drafts
+    nothing costs next to nothing, and must not make a draft token look dearer than it is)."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def record(self, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
 @dataclass(frozen=True)
 class Load:
     """What a generation sees of the others when it chooses its draft length: how many share its passes, and
@@ -66,17 +83,16 @@ class Load:
     sequences: int
     costs: PassCosts
 
-    def draft_length(self, gamma: int, stats: GenerationStats) -> int:
+    def draft_length(self, gamma: int, stats: GenerationStats, drafting: DraftTally) -> int:
         """`gamma` alone or before any cost is measured; else the best length for this load (see the module)."""
         table = self.costs.table()
         if self.sequences < 2 or not table:
             return gamma
-        draft_seconds = stats.draft_seconds / stats.drafted if stats.drafted else 0.0
 
         def pass_seconds(rows: int) -> float:
             return interpolated_cost(table, rows) or 0.0
 
-        return best_draft_length(gamma, self.sequences, acceptance_estimate(stats), pass_seconds, draft_seconds)
+        return best_draft_length(gamma, self.sequences, acceptance_estimate(stats), pass_seconds, drafting.per_token)
 
 
 def load_on(model: nn.Module, view: View | None, params: SamplingParams) -> Load | None:

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.decode import MAX_GAMMA
 from viasd.decode.base import Decoder, decision_generator
-from viasd.decode.load import load_on
+from viasd.decode.load import DraftTally, load_on
 from viasd.decode.output import OutputSink
 from viasd.decode.round import Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
@@ -82,13 +82,19 @@ class SpeculativeDecoder(Decoder):
         self.session.reset()
         self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
+        drafting = DraftTally()
         while not sink.done:
             context = prompt + sink.tokens
             load = load_on(self.target, self.view, params)  # served among others: the draft length follows the load
-            gamma = self.gamma if load is None else load.draft_length(self.gamma, stats)
+            gamma = self.gamma if load is None else load.draft_length(self.gamma, stats, drafting)
             k = draft_length(gamma, sink.remaining, len(context), self.context_limit)
-            with stats.timed("draft"):
-                proposal = self.drafter.propose(context, k, params, generator, self.stop)
+            if k:
+                before = stats.draft_seconds
+                with stats.timed("draft"):
+                    proposal = self.drafter.propose(context, k, params, generator, self.stop)
+                drafting.record(stats.draft_seconds - before, len(proposal))
+            else:  # nothing to draft (the load, or the last token): the drafter catches up when next asked
+                proposal = Proposal([])
             with stats.timed("verify"):
                 committed, kept = verify_with_target(self.session, context, proposal, params, generator)
             stats.record(Round(committed, len(proposal), full_kept=kept), sink.push(committed), source=proposal.source)
