@@ -9,15 +9,16 @@
 # /tmp/aiperf/bin/pip install aiperf; AIPERF=/tmp/aiperf/bin/aiperf. Requests: the first 64 development
 # questions of Spec-Bench (viasd's bench data), 64 new tokens each, greedy, streamed; 4 requests per client
 # (at least 12), one warm-up. The load generator shares the machine with the server: on a 2-core machine its own
-# processes take CPU from both servers alike. METHOD=name adds viasd's extension field "method" to every request
-# (a method the server loaded with --methods; leave it unset for other servers).
+# processes take CPU from both servers alike. EXTRA='{...}' adds fields to every request:
+# '{"method": "plain"}' picks one of the methods `viasd serve --methods` loaded; '{"cache_prompt": false}' keeps
+# llama.cpp's server from reusing a prompt it saw in an earlier run of the sweep (the runs replay the same prompts).
 set -euo pipefail
 out=$1 url=$2 model=$3 tokenizer=$4
 shift 4
 [ $# -gt 0 ] && concurrencies=("$@") || concurrencies=(1 2 4 8 16)
 aiperf=${AIPERF:-aiperf}
-extra='{"max_tokens": 64, "temperature": 0, "ignore_eos": true}'
-[ -n "${METHOD:-}" ] && extra="{\"max_tokens\": 64, \"temperature\": 0, \"ignore_eos\": true, \"method\": \"$METHOD\"}"
+extra=$(python3 -c 'import json, sys; print(json.dumps({"max_tokens": 64, "temperature": 0, "ignore_eos": True,
+    **json.loads(sys.argv[1])}))' "${EXTRA:-{\}}")
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 python3 - "$here/src/viasd/bench/data/question_dev.jsonl" "$out/prompts.jsonl" <<'PY'

@@ -136,6 +136,10 @@ class Recording:
     def forward_passes(self) -> int:
         return self.drafter.forward_passes
 
+    @property
+    def pass_seconds(self) -> float:
+        return self.drafter.pass_seconds
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.drafter.reset(prompt_length, budget)
 

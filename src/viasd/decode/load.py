@@ -60,8 +60,8 @@ def adapts(params: SamplingParams) -> bool:
 
 @dataclass
 class DraftTally:
-    """What drafting has cost a generation, counted over the rounds that asked for drafts (a round that drafts
-    nothing costs next to nothing, and must not make a draft token look dearer than it is)."""
+    """What drafting has cost a generation: the seconds of the drafter's passes (not the wall time, which under
+    load includes waiting for other generations' passes) over the tokens drafted, in the rounds that drafted."""
 
     seconds: float = 0.0
     tokens: int = 0

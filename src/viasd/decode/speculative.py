@@ -89,10 +89,10 @@ class SpeculativeDecoder(Decoder):
             gamma = self.gamma if load is None else load.draft_length(self.gamma, stats, drafting)
             k = draft_length(gamma, sink.remaining, len(context), self.context_limit)
             if k:
-                before = stats.draft_seconds
+                before = self.drafter.pass_seconds
                 with stats.timed("draft"):
                     proposal = self.drafter.propose(context, k, params, generator, self.stop)
-                drafting.record(stats.draft_seconds - before, len(proposal))
+                drafting.record(self.drafter.pass_seconds - before, len(proposal))
             else:  # nothing to draft (the load, or the last token): the drafter catches up when next asked
                 proposal = Proposal([])
             with stats.timed("verify"):

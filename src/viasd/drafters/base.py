@@ -66,6 +66,7 @@ class Drafter(Protocol):
 
     name: str
     forward_passes: int
+    pass_seconds: float  # what its model passes cost (a pass merged with other generations' counts whole)
 
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Start a new generation of at most `budget` tokens after a prompt of `prompt_length` (None: unknown)."""

@@ -59,6 +59,10 @@ class HybridDrafter:
     def forward_passes(self) -> int:
         return self.model.forward_passes
 
+    @property
+    def pass_seconds(self) -> float:
+        return self.model.pass_seconds
+
     def describe(self) -> str:
         return f"hybrid: {self.lookup.describe()}, else {self.model.describe()}"
 

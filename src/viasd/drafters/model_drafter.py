@@ -38,6 +38,10 @@ class ModelDrafter:
     def forward_passes(self) -> int:
         return self.session.forward_passes
 
+    @property
+    def pass_seconds(self) -> float:
+        return self.session.pass_seconds
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.session.reset()
 

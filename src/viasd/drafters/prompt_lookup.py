@@ -43,6 +43,7 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
         self.copy = copy
         self.forward_passes = 0
+        self.pass_seconds = 0.0
 
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Stateless between rounds."""

@@ -10,7 +10,8 @@ alone. One pass runs on the model at a time, so views never swap their layers un
 Waiting: the first generation to ask leads. It waits until every generation the batcher knows to be active has
 asked (they are all between two passes), or `window` seconds, whichever comes first, then runs what is waiting,
 at most `max_rows` rows in one pass; the others wait for their results. With an executor the leader hands the
-pass to the executor's thread and waits too (a server runs every pass on one thread: see passes/executor.py).
+pass to the executor's thread and waits too (a server runs every pass on one thread: see passes/executor.py), and
+the window only counts while the executor is idle: generations still drafting then join the next pass.
 A sequence's tokens never depend on what else is in its pass (the kernels are row-independent; with torch's
 references a product over more rows may round its last bits another way), so a request's output is what it would
 get alone.
@@ -46,6 +47,7 @@ class _Request:
     segment: Segment | None = None
     alone: Callable[[], Any] | None = None
     result: Any = None
+    seconds: float = 0.0  # what the pass it ran in cost (merged passes cost every request of theirs the whole)
     error: BaseException | None = None
     done: bool = False
 
@@ -61,7 +63,7 @@ class PassBatcher:
     model: nn.Module
     max_rows: int = 64  # rows (tokens of all sequences) per pass
     chunk: int = 32  # the most tokens of one sequence in a pass: longer ones (prompts) go in chunks of this many
-    window: float = 0.003
+    window: float = 0.015  # how long a pass waits for stragglers while nothing else runs
     executor: PassExecutor | None = None  # the thread the passes run on (passes/executor.py); None: the leader's
     adapt_drafts: bool = True  # speculative generations choose their draft length from the load (decode/load.py)
     _costs: dict[int, PassCosts] = field(default_factory=dict)  # by id of the view: seconds per pass, by rows
@@ -71,6 +73,13 @@ class PassBatcher:
     _busy: bool = False
     _waiting: list[_Request] = field(default_factory=list)
     _condition: threading.Condition = field(default_factory=threading.Condition)
+    _weight: int = 0  # the model's parameters: which model's passes are cheaper
+
+    def __post_init__(self) -> None:
+        self._weight = sum(parameter.numel() for parameter in self.model.parameters())
+        if self.executor is not None:  # the batchers of one executor share a lock and see each other's queues
+            self._condition = self.executor.condition
+            self.executor.batchers.append(self)
 
     def attach(self) -> PassBatcher:
         """Make every KV session of the model route its passes here."""
@@ -79,6 +88,8 @@ class PassBatcher:
 
     def detach(self) -> None:
         self.model.__dict__.pop(BATCHER, None)
+        if self.executor is not None and self in self.executor.batchers:
+            self.executor.batchers.remove(self)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -102,15 +113,16 @@ class PassBatcher:
         with self._condition:
             return self._costs.setdefault(id(view), PassCosts())
 
-    def segment(self, view: View | None, segment: Segment) -> torch.Tensor:
-        """The logits of `segment`, run in a ragged pass with whatever else is waiting for the same view."""
+    def segment(self, view: View | None, segment: Segment) -> tuple[torch.Tensor, float]:
+        """The logits of `segment`, run in a ragged pass with whatever else is waiting for the same view, and the
+        seconds that pass took."""
         return self._submit(_Request(view, segment=segment))
 
-    def alone(self, run: Callable[[], Any]) -> Any:
-        """`run()` (a pass that cannot be merged), when no other pass is running on the model."""
+    def alone(self, run: Callable[[], Any]) -> tuple[Any, float]:
+        """`run()` (a pass that cannot be merged), when no other pass is running on the model, and its seconds."""
         return self._submit(_Request(None, alone=run))
 
-    def _submit(self, request: _Request) -> Any:
+    def _submit(self, request: _Request) -> tuple[Any, float]:
         with self._condition:
             self._waiting.append(request)
             self._condition.notify_all()
@@ -119,9 +131,7 @@ class PassBatcher:
                     self._condition.wait()
                     continue
                 self._busy = True
-                deadline = time.monotonic() + self.window
-                while len(self._waiting) < self._active and (left := deadline - time.monotonic()) > 0:
-                    self._condition.wait(left)
+                self._gather()
                 batch = self._take()
                 self._condition.release()
                 try:
@@ -135,7 +145,32 @@ class PassBatcher:
                     self._condition.notify_all()
         if request.error is not None:
             raise request.error
-        return request.result
+        return request.result, request.seconds
+
+    def _gather(self) -> None:
+        """Wait (lock held) until the pass is ready (`_ready`), or `window` seconds have passed with the executor
+        idle: while it runs other passes (the drafter's, another view's), waiting costs nothing, and the
+        generations still drafting join this pass instead of needing one of their own."""
+        deadline = time.monotonic() + self.window
+        while not self._ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if self.executor is None or not self.executor.busy:
+                    return
+                deadline = time.monotonic() + self.window
+                left = self.window
+            self._condition.wait(left)
+
+    def _ready(self) -> bool:
+        """Alone: when every active generation has asked here. With an executor's other batchers: when every
+        active generation waits for a pass somewhere and no cheaper model (a drafter) has passes waiting: those
+        run first, so that the generations still drafting reach this pass in time to share it."""
+        if self.executor is None:
+            return len(self._waiting) >= self._active
+        peers = self.executor.batchers
+        if sum(len(peer._waiting) for peer in peers) < self._active:
+            return False
+        return not any(peer._waiting and peer._weight < self._weight for peer in peers if peer is not self)
 
     def _take(self) -> list[_Request]:
         """The next pass's requests (lock held): the first waiting one, and if it is a segment, every waiting
@@ -159,18 +194,19 @@ class PassBatcher:
 
     def _run(self, batch: list[_Request]) -> None:
         """Run one pass for `batch` (lock not held) and hand every request its result or the error."""
+        start = time.perf_counter()
         try:
             if batch[0].alone is not None:
                 outcomes = [batch[0].alone()]
             else:
-                start = time.perf_counter()
                 with torch.inference_mode(), applied(self.model, batch[0].view):
                     outcomes = loop.ragged_pass(self.model, [request.segment for request in batch])  # type: ignore[misc]
                 self.costs(batch[0].view).record(sum(request.rows for request in batch), time.perf_counter() - start)
                 if len(batch) > 1:
                     self.merged_rows += sum(request.rows for request in batch)
+            seconds = time.perf_counter() - start
             for request, outcome in zip(batch, outcomes, strict=True):
-                request.result = outcome
+                request.result, request.seconds = outcome, seconds
         except BaseException as error:  # every request of the pass sees the pass's error
             for request in batch:
                 request.error = error

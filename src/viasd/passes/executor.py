@@ -15,9 +15,12 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from viasd.passes.batching import PassBatcher
 
 T = TypeVar("T")
 
@@ -38,7 +41,16 @@ class PassExecutor:
     def __init__(self) -> None:
         self._owner = threading.get_ident()
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._running = False
         self.jobs_run = 0
+        # The pass batchers whose passes run here share this lock, so each sees what waits in the others.
+        self.condition = threading.Condition()
+        self.batchers: list[PassBatcher] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running or waiting: a pass that waits for more rows costs nothing while this holds."""
+        return self._running or not self._jobs.empty()
 
     def run(self, fn: Callable[[], T]) -> T:
         """`fn()` on the executor's thread (at once when called there), its result or its exception returned here."""
@@ -61,11 +73,13 @@ class PassExecutor:
                 job = self._jobs.get(timeout=poll)
             except queue.Empty:
                 continue
+            self._running = True
             try:
                 job.result = job.run()
             except BaseException as error:  # the caller gets it; the executor goes on with the next job
                 job.error = error
             finally:
+                self._running = False
                 self.jobs_run += 1
                 job.done.set()
 

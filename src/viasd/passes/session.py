@@ -30,6 +30,7 @@ round anyway, hands them over (`learn`), or else when `tokens` is next read.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -84,6 +85,7 @@ class KVSession:
         self.pending: list[int] = []
         self.pending_view: View | None = None
         self.forward_passes = 0  # of every view together
+        self.pass_seconds = 0.0  # what those passes cost (one merged with other generations' counts whole)
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
@@ -196,12 +198,16 @@ class KVSession:
         tokens = input_ids.shape[1]
         if batcher is not None and self._short(view, tokens, batcher.chunk):
             # Merged with other generations' passes of the same view (passes/batching.py).
-            logits = batcher.segment(view, Segment(self.cache, input_ids[0], keep))[None]
+            logits, seconds = batcher.segment(view, Segment(self.cache, input_ids[0], keep))
+            logits = logits[None]
         elif batcher is not None:
-            logits = batcher.alone(lambda: self._own_pass(input_ids, view, keep))
+            logits, seconds = batcher.alone(lambda: self._own_pass(input_ids, view, keep))
         else:
+            start = time.perf_counter()
             logits = self._own_pass(input_ids, view, keep)
+            seconds = time.perf_counter() - start
         self.forward_passes += 1
+        self.pass_seconds += seconds
         # float32 logits where the model made them: no host copy (on a CPU this is the tensor it always was).
         return logits[0, logits.shape[1] - keep :].float()
 
