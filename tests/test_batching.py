@@ -21,6 +21,7 @@ from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.passes import loop
 from viasd.passes.batching import PassBatcher
 from viasd.passes.executor import PassExecutor
+from viasd.passes.session import KVSession
 from viasd.verify.sampling import SamplingParams
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
@@ -107,6 +108,22 @@ def test_a_long_prompt_goes_in_chunks_and_gives_the_same_tokens(pair):
     finally:
         batcher.detach()
     assert got == want and batcher.passes == 3 + 23  # three chunks of the prompt (its last gives token 1), 23 steps
+
+
+def test_a_block_across_a_chunk_boundary_keeps_all_its_logits(pair):
+    """A verification block read with the prompt (prompt and drafts in one pass) may start in one chunk and end in
+    the next: 98 tokens go as chunks of 32, 32, 32 and 2, and the last 5 positions' logits come from two of them."""
+    target, _, view = pair
+    ids = list(range(3, 63)) + list(range(5, 43))
+    want = KVSession(target, view).forward(ids, keep=5)
+    batcher = PassBatcher(target, chunk=32).attach()
+    try:
+        with batcher.active():
+            got = KVSession(target, view).forward(ids, keep=5)
+    finally:
+        batcher.detach()
+    assert got.shape == want.shape == (5, want.shape[-1]) and batcher.passes == 4
+    assert torch.allclose(got, want, atol=1e-4) and torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_an_error_in_a_pass_reaches_its_generation_and_the_batcher_goes_on(pair, monkeypatch):

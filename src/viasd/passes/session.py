@@ -183,7 +183,8 @@ class KVSession:
         kept = []
         for start in range(0, len(ids), chunk):
             part = ids[start : start + chunk]
-            wanted = max(0, keep - (len(ids) - start - len(part)))  # of this chunk's positions, the kept ones
+            # Of this chunk's positions, the kept ones: a block of `keep` may start in an earlier chunk.
+            wanted = min(len(part), max(0, keep - (len(ids) - start - len(part))))
             logits = self._pass(part, view, wanted)
             if wanted:
                 kept.append(logits)
