@@ -19,8 +19,9 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.passes import loop
-from viasd.passes.batching import PassBatcher
+from viasd.passes.batching import PassBatcher, _Request, next_pass, ready
 from viasd.passes.executor import PassExecutor
+from viasd.passes.loop import Segment
 from viasd.passes.session import KVSession
 from viasd.verify.sampling import SamplingParams
 from viasd.views.quantize import quantize
@@ -184,3 +185,30 @@ def test_with_an_executor_every_pass_runs_on_its_thread_and_tokens_stay_the_same
     together = run_together(kinds, configs, pair, batchers, executor)
     assert [r.tokens for r in together] == alone
     assert threads_that_ran == {threading.get_ident()} and executor.jobs_run == sum(b.passes for b in batchers) > 0
+
+
+def waiting_segments(rows: list[int], views=None) -> list[_Request]:
+    """Requests as a batcher queues them, oldest first: segments of `rows` tokens each (no cache: never run)."""
+    views = views or [None] * len(rows)
+    segments = [Segment(None, torch.zeros(n, dtype=torch.long), 1) for n in rows]  # type: ignore[arg-type]
+    return [_Request(view, segment=segment) for segment, view in zip(segments, views, strict=True)]
+
+
+def test_the_oldest_request_is_always_in_the_next_pass_and_rows_are_bounded():
+    waiting = waiting_segments([32, 1, 5, 1, 32, 1])
+    assert next_pass(waiting, 40) == [waiting[0], waiting[1], waiting[2], waiting[3], waiting[5]]  # 32+1+5+1+1 rows
+    assert next_pass(waiting, 16) == [waiting[0]]  # a chunk over the bound still runs, alone: it never starves
+    other_view = View()
+    mixed = waiting_segments([1, 1, 1], [other_view, None, other_view])
+    assert next_pass(mixed, 64) == [mixed[0], mixed[2]]  # one view per pass: the oldest's
+    alone = [_Request(None, alone=lambda: None), *waiting_segments([1])]
+    assert next_pass(alone, 64) == [alone[0]]
+
+
+def test_every_active_generation_waits_somewhere_and_cheaper_models_go_first():
+    target, drafter = 1_500, 500  # parameters: the drafter's passes are the cheaper ones
+    assert ready(4, 4, target, []) and not ready(4, 3, target, [])  # alone: when all four have asked
+    assert not ready(2, 1, target, [(0, drafter)])  # one generation is neither here nor drafting: wait for it
+    assert not ready(2, 1, target, [(1, drafter)])  # it is drafting: its drafter pass runs first
+    assert ready(2, 1, drafter, [(1, target)])  # ... which is this one
+    assert ready(3, 2, target, [(1, target)])  # another view of a model as dear: no order between them

@@ -162,32 +162,15 @@ class PassBatcher:
             self._condition.wait(left)
 
     def _ready(self) -> bool:
-        """Alone: when every active generation has asked here. With an executor's other batchers: when every
-        active generation waits for a pass somewhere and no cheaper model (a drafter) has passes waiting: those
-        run first, so that the generations still drafting reach this pass in time to share it."""
+        """Whether the pass may start (lock held): see `ready`."""
         if self.executor is None:
-            return len(self._waiting) >= self._active
-        peers = self.executor.batchers
-        if sum(len(peer._waiting) for peer in peers) < self._active:
-            return False
-        return not any(peer._waiting and peer._weight < self._weight for peer in peers if peer is not self)
+            return ready(self._active, len(self._waiting), self._weight, [])
+        others = [(len(peer._waiting), peer._weight) for peer in self.executor.batchers if peer is not self]
+        return ready(self._active, len(self._waiting), self._weight, others)
 
     def _take(self) -> list[_Request]:
-        """The next pass's requests (lock held): the first waiting one, and if it is a segment, every waiting
-        segment of the same view, in order, up to `max_rows` rows."""
-        first = self._waiting[0]
-        if first.segment is None:
-            batch = [first]
-        else:
-            batch, rows = [], 0
-            for request in self._waiting:
-                if (
-                    request.segment is not None
-                    and request.view is first.view
-                    and (not batch or rows + request.rows <= self.max_rows)
-                ):
-                    batch.append(request)
-                    rows += request.rows
+        """The next pass's requests (lock held): see `next_pass`."""
+        batch = next_pass(self._waiting, self.max_rows)
         for request in batch:
             self._waiting.remove(request)
         return batch
@@ -214,6 +197,35 @@ class PassBatcher:
             self.passes += 1
             for request in batch:
                 request.done = True
+
+
+def ready(active: int, waiting: int, weight: int, others: list[tuple[int, int]]) -> bool:
+    """Whether a batcher's pass may start, with `waiting` of `active` generations waiting at it and (waiting,
+    weight) at the other batchers of its executor: once every active generation waits somewhere, unless a cheaper
+    model (a drafter: fewer parameters) has passes waiting. Those run first, so that the generations still drafting
+    reach this pass in time to share it; the window (`PassBatcher._gather`) bounds the wait otherwise."""
+    if waiting + sum(count for count, _ in others) < active:
+        return False
+    return not any(count and other < weight for count, other in others)
+
+
+def next_pass(waiting: list[_Request], max_rows: int) -> list[_Request]:
+    """The requests of the next pass, from those waiting in arrival order: the oldest always (so none starves),
+    and if it is a segment, every waiting segment of the same view after it, in order, up to `max_rows` rows
+    (the oldest alone may exceed them)."""
+    first = waiting[0]
+    if first.segment is None:
+        return [first]
+    batch, rows = [], 0
+    for request in waiting:
+        if (
+            request.segment is not None
+            and request.view is first.view
+            and (not batch or rows + request.rows <= max_rows)
+        ):
+            batch.append(request)
+            rows += request.rows
+    return batch
 
 
 def batcher_of(model: nn.Module) -> PassBatcher | None:
