@@ -533,6 +533,64 @@ def test_sigterm_drains_the_in_flight_stream_then_exits(log_dir: Path) -> None:
         stop_server(server)
 
 
+PAIR_PROMPTS = [
+    "Translate to German: The cat sleeps on the warm windowsill.",
+    "Write a Python function that returns the largest of three numbers.",
+    "Summarize in one sentence: the meeting moved to Friday because the room was booked.",
+    "What is the boiling point of water at sea level, in Celsius?",
+    "List three primary colors.",
+    "Explain recursion to a child in two sentences.",
+    "def fibonacci(n):",
+    "Name a prime number between 10 and 20 and say why it is prime.",
+]
+
+
+@real
+def test_the_real_pair_served_to_eight_at_once_answers_each_as_alone(log_dir: Path) -> None:
+    """The default pair in the 4-bit fast mode (row-independent kernels), plain and speculative requests mixed,
+    streamed and not, eight at once through the official client: every text is the one it gets alone."""
+    methods = ["plain:quant=gguf", "sd:quant=gguf:drafter=hybrid:drafter_quant=int4a8"]
+    server = launch_server(
+        log_dir, "pair", "--target", "qwen2.5-coder-1.5b", "--dtype", "auto", "--methods", ",".join(methods),
+        "--max-active", "8", "--no-access-log",
+    )  # fmt: skip
+    try:
+        wait_healthy(server)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=300)
+
+        def ask(index: int) -> str:
+            request = {
+                "model": "qwen2.5-coder-1.5b",
+                "messages": [{"role": "user", "content": PAIR_PROMPTS[index]}],
+                "max_tokens": 24,
+                "temperature": 0,
+                "extra_body": {"method": methods[index % 2]},
+            }
+            if index % 3 == 0:
+                chunks = client.chat.completions.create(**request, stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return client.chat.completions.create(**request).choices[0].message.content or ""
+
+        alone = [ask(i) for i in range(8)]
+        together: list[str | None] = [None] * 8
+        start = threading.Barrier(8)
+
+        def run(index: int) -> None:
+            start.wait(timeout=60)
+            together[index] = ask(index)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert together == alone and all(alone)
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert sum(metric(text, "viasd_generations_total", method=m) for m in methods) == 16  # none lost
+    finally:
+        stop_server(server)
+
+
 # ------------------------------------------------------------------------- fast tests, no real model
 
 
