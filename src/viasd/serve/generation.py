@@ -68,7 +68,11 @@ class GenerationService:
         self.max_rows = max_rows
         self.adaptive_drafts = adaptive_drafts
         self.executor = executor  # with one, every pass runs on its thread and the workers keep OpenMP to themselves
-        self._executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix="viasd-generate")
+        self._workers = ThreadPoolExecutor(
+            max_workers=max_active,
+            thread_name_prefix="viasd-generate",
+            initializer=confine_openmp if executor is not None else None,  # once per worker thread
+        )
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(max_active):
             self._slots.put(slot)
@@ -140,8 +144,6 @@ class GenerationService:
         def work() -> GenerationResult:
             with self._lock:
                 self._running += 1
-            if self.executor is not None:
-                confine_openmp()
             try:
                 if cancel.is_set():
                     raise GenerationCancelled
@@ -175,7 +177,7 @@ class GenerationService:
 
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         try:
-            future = self._executor.submit(work)
+            future = self._workers.submit(work)
         except RuntimeError as error:  # executor shut down between the check above and now
             with self._lock:
                 self._pending -= 1
@@ -192,7 +194,7 @@ class GenerationService:
             self._closed = True
             for cancel in self._cancels:
                 cancel.set()
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._workers.shutdown(wait=wait, cancel_futures=True)
         if wait:
             for batcher in self._batchers:
                 batcher.detach()
