@@ -99,6 +99,13 @@ def bench(
     ] = None,
     count: Annotated[int, typer.Option(help="Questions per category, spread over it (0: none).")] = 5,
     humaneval: Annotated[int, typer.Option(help="HumanEval problems, spread over the 164 (0: none).")] = 0,
+    split: Annotated[
+        str,
+        typer.Option(
+            help="Tasks to draw from: all, calibration (the fixed quarter that task-outcome calibration tunes on) "
+            "or report (the rest); with --compare, the rows compared."
+        ),
+    ] = "all",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Token budget per turn.")] = 128,
     code_max_new_tokens: Annotated[
         int | None, typer.Option(help="Token budget for HumanEval answers (default: --max-new-tokens).")
@@ -149,6 +156,7 @@ def bench(
     from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, load_average, write_atomic, write_report
     from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
     from viasd.bench.sandbox import require_sandbox
+    from viasd.bench.splits import parse_split
     from viasd.bench.tasks import build_tasks, default_questions_path
     from viasd.engine import Engine
     from viasd.fileio import file_sha256
@@ -158,8 +166,9 @@ def bench(
     from viasd.verify.sampling import SamplingParams
 
     err = Console(stderr=True)
+    task_split = parse_split(split)
     if compare is not None:
-        _compare(out, compare)
+        _compare(out, compare, task_split)
         return
     if into is not None and not report_only:
         raise ViasdError("--into needs --report-only: it writes a finished run's summary into a document")
@@ -174,7 +183,7 @@ def bench(
         raise ViasdError(f"--code-max-new-tokens must be >= 1, got {code_max_new_tokens}")
     if not 0 < humaneval_timeout < float("inf"):  # NaN fails this too
         raise ViasdError(f"--humaneval-timeout must be a finite number of seconds > 0, got {humaneval_timeout}")
-    tasks = build_tasks(questions, parse_list(categories), count, humaneval)
+    tasks = build_tasks(questions, parse_list(categories), count, humaneval, task_split)
     questions_file = questions or default_questions_path()
     runs_code = any(t.source == "humaneval" for t in tasks)
     if runs_code and not allow_unsandboxed_code:
@@ -224,6 +233,7 @@ def bench(
         "categories": parse_list(categories),
         "count": count,
         "humaneval": humaneval,
+        "split": task_split,
         "tasks": len(tasks),
         "humaneval_sandbox": _sandbox_label(runs_code),
     }
@@ -381,14 +391,18 @@ def _report_only(err: Console, out: Path | None, into: Path | None) -> None:
         err.print(f"wrote the summary into {into}", highlight=False)
 
 
-def _compare(out: Path | None, pair: str) -> None:
-    """`--compare METHOD,BASELINE`: one line on standard output."""
+def _compare(out: Path | None, pair: str, split: Any = "all") -> None:
+    """`--compare METHOD,BASELINE`: a few lines on standard output, over the rows of `split`."""
     from viasd.bench.report import comparison
+    from viasd.bench.splits import in_split
 
     names = [name.strip() for name in pair.split(",")]
     if len(names) != 2 or not all(names):
         raise ViasdError(f"--compare takes two methods of the run, METHOD,BASELINE; got {pair!r}")
     _, rows = _load_run(out, "--compare", names)
+    rows = [r for r in rows if in_split(r["key"], split)]
+    if split != "all":
+        print(f"{split} split: {len({r['key'] for r in rows})} tasks")
     print(comparison(rows, names[0], names[1]))
 
 

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from viasd.bench.splits import Split, keep
 from viasd.errors import ViasdError
 
 DEFAULT_QUESTIONS = "question_dev.jsonl"
@@ -218,20 +219,27 @@ def build_tasks(
     categories: Sequence[str] | None = None,
     count: int | None = None,
     humaneval: int = 0,
+    split: Split = "all",
 ) -> list[Task]:
     """The benchmark's task list: selected Spec-Bench questions, then `humaneval` spread HumanEval problems.
 
-    The two lists are interleaved so that HumanEval problems are spread over the run as well.
+    The two lists are interleaved so that HumanEval problems are spread over the run as well. With a `split`,
+    tasks are chosen among that split's only (counts larger than the split take all of it).
     """
     if humaneval < 0:
         raise ViasdError(f"--humaneval must be >= 0, got {humaneval}")
     per_category = any(":" in c for c in categories or ())
-    spec = select(load_specbench(questions), categories, count) if count != 0 or per_category else []
-    code = spread(load_humaneval(), humaneval) if humaneval else []
+    questions_in_split = keep(load_specbench(questions), _key, split) if count != 0 or per_category else []
+    spec = select(questions_in_split, categories, count) if questions_in_split else []
+    code = spread(keep(load_humaneval(), _key, split), humaneval) if humaneval else []
     tasks = _merge_evenly(spec, code)
     if not tasks:
         raise ViasdError("no tasks selected: raise --count or --humaneval")
     return tasks
+
+
+def _key(task: Task) -> str:
+    return task.key
 
 
 def _merge_evenly(a: Sequence[Task], b: Sequence[Task]) -> list[Task]:

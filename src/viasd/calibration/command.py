@@ -53,6 +53,24 @@ def calibrate(
     what_if: Annotated[
         bool, typer.Option("--what-if", help="With --reselect: print what-if scenarios instead of writing a profile.")
     ] = False,
+    by_tasks: Annotated[
+        Path | None,
+        typer.Option(
+            "--by-tasks",
+            help="A `viasd bench --split calibration` run of via:profile=FILE candidates beside --reference: write "
+            "the fastest candidate within --quality-points of it on every category (no model is loaded).",
+        ),
+    ] = None,
+    reference: Annotated[
+        str, typer.Option(help="With --by-tasks: the exact method of the run that stands for the target.")
+    ] = "auto",
+    quality_points: Annotated[
+        float,
+        typer.Option(
+            help="With --by-tasks: the largest mean loss allowed per category, in points of its metric "
+            "(pass@1 and accuracies in percentage points); a loss significant at 5% fails too."
+        ),
+    ] = 1.0,
     objective: Annotated[str, typer.Option(help="Mask search objective: margin, kl or agreement.")] = "margin",
     skip_ratio: Annotated[
         str,
@@ -126,6 +144,14 @@ def calibrate(
     from viasd.calibration.settings import CalibrationSettings
 
     err = Console(stderr=True)
+    if by_tasks is not None:
+        from viasd.calibration.task_check import QualityBudget
+        from viasd.calibration.task_command import choose_by_tasks
+
+        if output is None:
+            raise ViasdError("--by-tasks needs --output: the profile file to write")
+        choose_by_tasks(by_tasks, reference, QualityBudget(points=quality_points), output)
+        return
     if sampler not in ("tpe", "gp"):
         raise ViasdError(f"--sampler must be tpe or gp, got {sampler!r}")
     if what_if and reselect is None:
