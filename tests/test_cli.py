@@ -146,3 +146,13 @@ def test_cli_sd_prints_the_same_greedy_text_as_plain_on_the_default_pair():
     assert sd["text"] == plain["text"] and sd["tokens"] == plain["tokens"]
     assert sd["stats"]["tokens_per_target_call"] > 1.0
     assert plain["stats"]["tokens_per_target_call"] == 1.0
+
+
+@pytest.mark.real
+def test_cli_via_says_what_share_of_its_tokens_the_target_never_checked():
+    prompt = "Write a Python function that checks whether a string is a palindrome."
+    run = viasd("generate", prompt, "--method", "via", "-n", "48")
+    assert run.returncode == 0, run.stderr
+    words = run.stderr.split()
+    share = words[words.index("never") - 3]  # "..., 62% of tokens never checked by the target"
+    assert share.endswith("%") and 0 < int(share[:-1]) <= 100, run.stderr

@@ -154,6 +154,8 @@ def generate(
             line += f", rejection rate {s.rejection_rate:.2f}"
         if s.tiers:
             line += ", tiers " + " ".join(f"{k}={v.decided}" for k, v in s.tiers.items())
+        if s.unchecked_tokens and s.new_tokens:  # relaxed tiers: what the full target never verified
+            line += f", {s.unchecked_tokens / s.new_tokens:.0%} of tokens never checked by the target"
         if len(s.sources) > 1:  # a hybrid drafter: what each part drafted and got kept
             line += ", drafts " + " ".join(f"{k}={v.rounds} rounds/{v.accepted} kept" for k, v in s.sources.items())
         err.print(f"[dim]{line}, finish: {s.finish_reason}[/]", highlight=False, soft_wrap=True)
