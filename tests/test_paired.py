@@ -50,3 +50,24 @@ def test_compare_prints_speed_then_quality_task_by_task():
     lost = sum(scores[("via", k)] < scores[("auto", k)] for k in keys)
     gained = sum(scores[("via", k)] > scores[("auto", k)] for k in keys)
     assert f"translation (bleu): lost {lost}, gained {gained} of {len(keys)} tasks" in text
+
+
+def test_a_run_without_plain_reports_against_its_first_method_with_a_task_by_task_table():
+    """A run of `auto` and `via` (no plain: too slow for 164 problems) reads as ratios to `auto`, and its summary
+    says per category what `via` lost and gained against it, with the p-value `--compare` gives."""
+    from viasd.bench.metrics import ALL, summarize
+    from viasd.bench.report import markdown, report_baseline
+
+    run = Path(__file__).parent.parent / "benchmarks" / "2026-12-02-cpu-zen5-tiles" / "results.jsonl"
+    rows = [json.loads(line) for line in run.read_text().splitlines()]
+    rows = [r for r in rows if r["method"] in ("auto", "via", "llama.cpp")]
+    env = {"settings": {"methods": ["plain", "auto", "via", "llama.cpp"]}}
+    assert report_baseline(rows, env) == "auto" and report_baseline(rows, {}) == rows[0]["method"]
+    text = markdown(summarize(rows, "auto"), env, rows, "auto")
+    via = next(s for s in summarize(rows, "auto") if s.method == "via" and s.category == ALL)
+    assert math.isclose(via.speedup, 1.231, abs_tol=5e-4)  # what --compare via,auto says of the same run
+    table = text[text.index("### Task by task against `auto`") :]
+    row = next(line for line in table.splitlines() if line.startswith("| via |"))
+    (translation,) = [p for p in paired(rows, "via", "auto") if p.category == "translation"]
+    assert f"-{translation.lost} / +{translation.gained} of {translation.tasks} (p {translation.p_value:.2f})" in row
+    assert "| auto |" not in table.split("## ")[0]  # the reference has no row of its own

@@ -300,7 +300,7 @@ def bench(
     write_atomic(env_path, json.dumps(env, indent=2) + "\n")
     if rows:
         paths = write_report(out_dir, rows, env, baseline="plain")
-        _print_overview(rows)
+        _print_overview(rows, env)
         err.print(f"summary: {paths['markdown']}\nplot: {paths['plot']}\nresults: {results_path}", highlight=False)
     if interrupted:
         err.print(f"interrupted: continue with --resume --out {out_dir}")
@@ -384,7 +384,7 @@ def _report_only(err: Console, out: Path | None, into: Path | None) -> None:
     env, rows = _load_run(out, "--report-only")
     assert out is not None
     paths = write_report(out, rows, env, baseline="plain")
-    _print_overview(rows)
+    _print_overview(rows, env)
     err.print(f"summary: {paths['markdown']}\nplot: {paths['plot']}", highlight=False)
     if into is not None:
         embed(into, out, paths["markdown"].read_text(encoding="utf-8"))
@@ -470,14 +470,17 @@ def _run_with_progress(
         )
 
 
-def _print_overview(rows: Sequence[Mapping[str, Any]]) -> None:
+def _print_overview(rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any]) -> None:
     """The overall table on standard output."""
     from viasd.bench.metrics import ALL, summarize
+    from viasd.bench.report import report_baseline
 
-    table = Table(title="viasd bench (all tasks)")
-    for column in ("method", "tasks", "tokens/s", "speedup", "tokens/full call", "rejection", "identical to plain"):
+    baseline = report_baseline(rows, env)
+    table = Table(title=f"viasd bench (all tasks; speedups over {baseline})")
+    columns = ("method", "tasks", "tokens/s", "speedup", "tokens/full call", "rejection", f"identical to {baseline}")
+    for column in columns:
         table.add_column(column)
-    for s in summarize(rows):
+    for s in summarize(rows, baseline):
         if s.category != ALL:
             continue
         table.add_row(

@@ -280,6 +280,7 @@ def markdown(
         names = [_METRIC_NAMES.get(str(metric_of[c]), str(metric_of[c])) for c in quality_categories]
         header = ["method"] + [f"{c} ({name})" for c, name in zip(quality_categories, names, strict=True)]
         out += _table(header, [[m] + [_quality_cell(by.get((m, c))) for c in quality_categories] for m in methods])
+        out += _paired_section(rows, methods, baseline)
     per_category: list[tuple[str, Any]] = [
         ("Speedup by category", _speedup),
         ("Tokens/s by category", lambda s: _num(s.tokens_per_second)),
@@ -297,6 +298,35 @@ def markdown(
         out += ["", "## Errors", "", f"{len(errors)} task(s) could not run:", ""]
         out += [f"- {r['key']} ({r['method']}): {r['error']}" for r in errors[:20]]
     return "\n".join(out) + "\n"
+
+
+def _paired_section(rows: Sequence[Mapping[str, Any]], methods: Sequence[str], baseline: str) -> list[str]:
+    """Quality task by task against the baseline (the first method when the run has no `baseline`): per category,
+    the tasks each method lost and gained and the exact sign test's p-value, so a small swing reads as one."""
+    from viasd.bench.paired import paired
+
+    reference = baseline if baseline in methods else (methods[0] if methods else None)
+    others = [m for m in methods if m != reference]
+    if reference is None or not others:
+        return []
+    good = [r for r in rows if not r.get("error")]
+    results = {m: {p.category: p for p in paired(good, m, reference)} for m in others}
+    categories = sorted({c for by_category in results.values() for c in by_category})
+    if not categories:
+        return []
+    out = [
+        "",
+        f"### Task by task against `{reference}`",
+        "",
+        "Tasks lost / gained against it (a lower or higher score on the same task) and the two-sided exact sign "
+        "test's p-value (McNemar's for pass/fail): `--compare METHOD," + reference + "` prints the same.",
+        "",
+    ]
+    cell = lambda p: f"-{p.lost} / +{p.gained} of {p.tasks} (p {p.p_value:.2f})"  # noqa: E731
+    return out + _table(
+        ["method", *categories],
+        [[m] + [cell(results[m][c]) if c in results[m] else "-" for c in categories] for m in others],
+    )
 
 
 def _sources(overall: Sequence[Summary], categories: Sequence[str], by: Mapping[tuple[str, str], Summary]) -> list[str]:
@@ -437,11 +467,22 @@ def _save(fig: Any, path: str | Path) -> None:
 # ------------------------------------------------------------------------------------------- report
 
 
+def report_baseline(rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any], baseline: str = "plain") -> str:
+    """The method speedups and task-by-task quality are measured against: `baseline` when the run has it, else the
+    run's first method (a run of `auto` and `via` variants reads as ratios to `auto`)."""
+    present = {r["method"] for r in rows}
+    if baseline in present:
+        return baseline
+    listed = [m for m in env.get("settings", {}).get("methods", []) if m in present]
+    return listed[0] if listed else (rows[0]["method"] if rows else baseline)
+
+
 def write_report(
     out: str | Path, rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any], baseline: str = "plain"
 ) -> dict[str, Path]:
     """Write summary.md, summary.json and plot.png for the rows of a run; returns the paths written."""
     directory = Path(out)
+    baseline = report_baseline(rows, env, baseline)
     summaries = summarize(rows, baseline=baseline)
     paths = {"markdown": directory / SUMMARY_MD, "json": directory / SUMMARY_JSON, "plot": directory / PLOT_PNG}
     write_atomic(paths["markdown"], markdown(summaries, env, rows, baseline))
