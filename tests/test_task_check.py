@@ -12,7 +12,7 @@ import pytest
 
 from viasd.bench.splits import in_split, parse_split, split_of
 from viasd.bench.tasks import build_tasks, load_humaneval
-from viasd.calibration.task_check import QualityBudget, binding_categories, choose, judge
+from viasd.calibration.task_check import QualityBudget, binding_categories, choose, judge, tasks_needed
 from viasd.calibration.task_command import choose_by_tasks
 from viasd.errors import ViasdError
 from viasd.profile import default_profile_path, load_profile
@@ -105,6 +105,9 @@ def test_by_tasks_writes_the_chosen_profile_with_what_was_measured(tmp_path):
     assert outcomes["split"] == "calibration" and outcomes["budget_points"] == 1.0
     assert {c["method"]: c["within"] for c in outcomes["candidates"]} == {names["loose"]: False, names["strict"]: True}
     assert any("over budget" in line for line in lines) and lines[-1].startswith(f"chose {names['strict']}")
+    # 40 problems cannot show a 1-point loss rate: the profile and the output say so.
+    assert outcomes["unresolvable_categories"] == ["humaneval"]
+    assert any(line.startswith("warning: humaneval has too few tasks") and "~299 needed" in line for line in lines)
 
 
 def test_by_tasks_refuses_runs_it_cannot_judge(tmp_path):
@@ -120,3 +123,20 @@ def test_by_tasks_refuses_runs_it_cannot_judge(tmp_path):
     with pytest.raises(ViasdError, match="points must be >= 0"):
         choose_by_tasks(run, "auto", QualityBudget(points=-1), tmp_path / "out.json")
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize(("points", "alpha"), [(1.0, 0.05), (2.5, 0.05), (5.0, 0.01), (0.5, 0.1)])
+def test_tasks_needed_is_the_least_n_at_which_a_loss_at_the_budget_rate_shows_up(points, alpha):
+    n = tasks_needed(points, alpha)
+    miss = lambda tasks: (1 - points / 100) ** tasks  # noqa: E731  (no loss seen, though each task loses at that rate)
+    assert miss(n) < alpha <= miss(n - 1)
+    assert tasks_needed(0.0, alpha) is None and tasks_needed(100.0, alpha) is None
+
+
+def test_a_category_is_resolvable_only_with_enough_pass_fail_tasks():
+    budget = QualityBudget(points=1.0)
+    few = judge(run_rows({"c": 0}, {"c": 12.0}, tasks=40), "c", "auto", budget)
+    many = judge(run_rows({"c": 0}, {"c": 12.0}, tasks=300), "c", "auto", budget)
+    by = lambda v: {c.category: c.resolvable for c in v.categories}  # noqa: E731
+    assert by(few) == {"humaneval": False, "summarization": True}  # ROUGE-L has no such count
+    assert by(many) == {"humaneval": True, "summarization": True}

@@ -10,6 +10,7 @@ accuracy), task by task: a category fails when its mean loss exceeds the budget,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -51,6 +52,12 @@ class CategoryVerdict:
     difference_points: float
     p_value: float
     within: bool
+    tasks_needed: int | None = None  # pass/fail metrics: tasks that could show a loss the size of the budget
+
+    @property
+    def resolvable(self) -> bool:
+        """Whether this many tasks could have shown a loss as large as the budget (None: not a pass/fail metric)."""
+        return self.tasks_needed is None or self.tasks >= self.tasks_needed
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,16 @@ def points(result: Paired) -> float:
     return result.mean_difference * scale
 
 
+def tasks_needed(points: float, alpha: float) -> int | None:
+    """Tasks a pass/fail category needs before a loss of `points` percentage points would show at all: with a
+    per-task loss rate of points/100, n tasks show no loss with probability (1 - rate)^n; below `alpha` takes
+    n >= log(alpha) / log(1 - rate). 1 point at 5%: 299 tasks (HumanEval has 164). None when points is 0 or >= 100."""
+    rate = points / 100.0
+    if not 0 < rate < 1:
+        return None
+    return math.ceil(math.log(alpha) / math.log1p(-rate))
+
+
 def category_verdict(result: Paired, budget: QualityBudget) -> CategoryVerdict:
     """Whether one category's paired result is within the budget."""
     difference = points(result)
@@ -89,6 +106,7 @@ def category_verdict(result: Paired, budget: QualityBudget) -> CategoryVerdict:
         difference_points=difference,
         p_value=result.p_value,
         within=difference >= -budget.points and not significant_loss,
+        tasks_needed=tasks_needed(budget.points, budget.alpha) if result.metric in FRACTION_METRICS else None,
     )
 
 
@@ -140,7 +158,14 @@ def record(
         "chosen": chosen.method if chosen else None,
         "binding_categories": binding_categories(verdicts, chosen),
         "candidates": [{**asdict(v), "within": v.within, **dict(profiles.get(v.method, {}))} for v in verdicts],
+        "unresolvable_categories": unresolvable(verdicts),
     }
+
+
+def unresolvable(verdicts: Sequence[CandidateVerdict]) -> list[str]:
+    """Pass/fail categories with too few tasks to show a loss the size of the budget: there a candidate that lost
+    nothing may still lose at the budget's rate (the choice rests on luck; say so rather than call it checked)."""
+    return sorted({c.category for v in verdicts for c in v.categories if not c.resolvable})
 
 
 def describe(verdict: CandidateVerdict) -> str:
@@ -152,5 +177,6 @@ def describe(verdict: CandidateVerdict) -> str:
         lines.append(
             f"  {c.category} ({c.metric}): {c.difference_points:+.1f} points, lost {c.lost}, gained {c.gained} "
             f"of {c.tasks}, p = {c.p_value:.2f}{'' if c.within else '  <- over budget'}"
+            + ("" if c.resolvable else f"  (too few to show a {c.metric} loss this small: ~{c.tasks_needed} needed)")
         )
     return "\n".join(lines)

@@ -82,6 +82,12 @@ def choose_by_tasks(
     outcomes["date"] = utc_now()
     calibration = {**profile.calibration, "task_outcomes": outcomes}
     save_profile(dataclasses.replace(profile, calibration=calibration), output)
+    for category in outcomes["unresolvable_categories"]:
+        needed = next(c.tasks_needed for v in verdicts for c in v.categories if c.category == category)
+        say(
+            f"warning: {category} has too few tasks to show a loss of {budget.points:g} points (~{needed} needed): "
+            "a candidate within budget there may still lose at that rate on other tasks"
+        )
     bound = outcomes["binding_categories"]
     say(
         f"chose {chosen.method} ({chosen.speedup:.2f}x {reference} on the calibration split)"
