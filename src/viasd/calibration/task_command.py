@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from viasd.bench.report import RESULTS_JSONL
 from viasd.bench.runner import read_rows
 from viasd.bench.splits import in_split
 from viasd.calibration.provenance import utc_now
@@ -20,8 +21,6 @@ from viasd.errors import ViasdError
 from viasd.fileio import file_sha256
 from viasd.methods import parse_method
 from viasd.profile import load_profile, save_profile
-
-RESULTS = "results.jsonl"
 
 
 def candidate_profiles(methods: list[str]) -> dict[str, Path]:
@@ -44,9 +43,9 @@ def choose_by_tasks(
     """Judge every candidate of the run against `reference` on its calibration-split rows, write the fastest within
     the budget to `output` (with `calibration.task_outcomes`), and return the path written."""
     budget.check()
-    path = run / RESULTS
+    path = run / RESULTS_JSONL
     if not path.is_file():
-        raise ViasdError(f"{run} holds no benchmark run ({RESULTS} missing): make one with bench --split calibration")
+        raise ViasdError(f"{run} holds no benchmark run ({path.name} missing): make one with bench --split calibration")
     rows, damaged = read_rows(path)
     if damaged:
         say(f"warning: {len(damaged)} damaged line(s) of {path} left out (the first: {damaged[0]})")
