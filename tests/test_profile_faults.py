@@ -28,6 +28,19 @@ def _valid() -> dict[str, Any]:
     ).to_dict()
 
 
+CODE_POLICY = {"gate": {"signal": "kl", "thresholds": [0.0, 0.5]}, "gamma": 3, "cap": 8, "pregate": 0.7, "stop": 0.3}
+
+
+def test_a_kinds_own_policy_round_trips_and_the_rest_keep_the_profiles(tmp_path: Path) -> None:
+    profile = load_profile(_write(tmp_path, {**_valid(), "kinds": {"code": CODE_POLICY}}))
+    code, prose = profile.policy("code"), profile.policy("prose")
+    assert (code.gate.thresholds, code.gamma, code.cap, code.pregate, code.stop) == ((0.0, 0.5), 3, 8, 0.7, 0.3)
+    assert prose == profile.policy() and prose.gate.thresholds == (0.05, 1.0)
+    assert profile.policy("code", gamma=5).gamma == 5 and list(profile.policies()) == ["code"]
+    again = load_profile(_write(tmp_path, profile.to_dict()))
+    assert again.policy("code") == code and "kinds" not in RoutingProfile.from_dict(_valid()).to_dict()
+
+
 def _write(tmp_path: Path, data: dict[str, Any] | str) -> Path:
     path = tmp_path / "profile.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data, allow_nan=True))
@@ -100,6 +113,12 @@ def test_deeply_nested_json_is_refused_in_one_line(tmp_path: Path, depth: int) -
         ({"stop": float("inf")}, "draft stop threshold must be a probability in [0, 1]"),
         ({"stop": 10**400}, "draft stop threshold must be a probability in [0, 1]"),
         ({"search": [1, 2]}, "search must be a JSON object"),
+        ({"kinds": [1]}, "kinds must be a JSON object"),
+        ({"kinds": {"sql": {}}}, "unknown task kind 'sql' in kinds; known: code, prose"),
+        ({"kinds": {"code": {**CODE_POLICY, "gamma": 0}}}, "kinds.code.gamma must be in 1..64"),
+        ({"kinds": {"code": {**CODE_POLICY, "pregate": 2}}}, "kinds.code.pregate must be a probability"),
+        ({"kinds": {"code": {**CODE_POLICY, "gate": None}}}, "kinds.code.gate must be a JSON object"),
+        ({"kinds": {"code": {**CODE_POLICY, "gate": {"signal": "kl", "thresholds": [0.1]}}}}, "need 2 gate thresholds"),
         ({"created": 20261202}, "created must be text"),
     ],
 )

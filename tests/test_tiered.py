@@ -250,3 +250,20 @@ def test_pregate_sends_doubtful_rounds_straight_to_the_full_target():
     assert always.stats.target_calls == sd.stats.target_calls + 1  # plus the prompt prefill
     free, some = via(0.0).generate(PROMPT, config), via(0.3).generate(PROMPT, config)
     assert 0 < some.stats.slim_calls < free.stats.slim_calls
+
+
+def test_a_task_kinds_own_policy_routes_its_requests():
+    """A profile's stricter policy for code: with the exact gate for code, a code request gets plain greedy decoding's
+    tokens with nothing unchecked, while prose requests keep the relaxed policy (and leave tokens unchecked)."""
+    target, tok, drafter = make("llama")
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config)
+    relaxed = RoundPolicy(Gate("confidence", (0.3, 0.9)), cap=16)
+    kinds = {"code": RoundPolicy(Gate.exact(), gamma=4)}
+    slims = [LayerMask.skipping(4, [1, 2])]
+    code = TieredDecoder(target, tok, drafter, slims, relaxed, kinds=kinds, kind="code").generate(PROMPT, config)
+    assert code.tokens == plain.tokens and code.stats.unchecked_tokens == 0 and code.stats.task_kind == "code"
+    prose = TieredDecoder(target, tok, drafter, slims, relaxed, kinds=kinds, kind="prose").generate(PROMPT, config)
+    assert prose.stats.unchecked_tokens > 0 and prose.stats.task_kind == "prose"
+    read = TieredDecoder(target, tok, drafter, slims, relaxed, kinds=kinds)  # no kind given: read from the prompt
+    assert read.routing(PROMPT) == ("prose", relaxed)  # the tiny vocabulary's words t0..t63 read as prose

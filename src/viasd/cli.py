@@ -154,6 +154,8 @@ def generate(
             line += f", rejection rate {s.rejection_rate:.2f}"
         if s.tiers:
             line += ", tiers " + " ".join(f"{k}={v.decided}" for k, v in s.tiers.items())
+        if s.task_kind:  # via with per-kind policies: which kind's policy routed the request
+            line += f", routed as {s.task_kind}"
         if s.unchecked_tokens and s.new_tokens:  # relaxed tiers: what the full target never verified
             line += f", {s.unchecked_tokens / s.new_tokens:.0%} of tokens never checked by the target"
         if len(s.sources) > 1:  # a hybrid drafter: what each part drafted and got kept

@@ -143,6 +143,15 @@ def _recipe(key: str, text: str) -> QuantRecipe:
         raise ViasdError(f"method option {key}: {error}") from None
 
 
+def _task_kind(key: str, text: str) -> str | None:
+    from viasd.task_kind import parse_kind
+
+    try:
+        return parse_kind(text)
+    except ViasdError as error:
+        raise ViasdError(f"method option {key}: {error}") from None
+
+
 @dataclass(frozen=True)
 class Option:
     """A setting a method variant may override."""
@@ -159,6 +168,11 @@ OPTIONS: dict[str, Option] = {
         Option("cap", _int_in(1, 1 << 16), "most tokens committed without the full target (via)"),
         Option("profile", _path, "routing profile JSON (via)"),
         Option("pregate", _fraction, "drafter confidence under which a round skips the slim pass (via)"),
+        Option(
+            "kind",
+            _task_kind,
+            "task kind whose round policy routes every request: code, prose, or auto (read from each prompt; via)",
+        ),
         Option(
             "quant",
             _recipe,
@@ -378,14 +392,15 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.views.view import View
 
     profile = parts.routing_profile(spec.get("profile"))
-    policy = profile.policy(
-        gamma=first_set(spec.get("gamma"), parts.spec.gamma),
-        cap=spec.get("cap"),
-        pregate=spec.get("pregate"),
-        stop=spec.get("stop"),
-    )
+    overrides = {
+        "gamma": first_set(spec.get("gamma"), parts.spec.gamma),
+        "cap": spec.get("cap"),
+        "pregate": spec.get("pregate"),
+        "stop": spec.get("stop"),
+    }
+    policy, kinds = profile.policy(**overrides), profile.policies(**overrides)
     if spec.base == "via-exact":
-        policy = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop)
+        policy, kinds = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop), {}
     target = parts.target
     slims = []
     for tier, mask in enumerate(profile.masks):  # each slim view: its layer mask, and quantized copies if any
@@ -398,7 +413,9 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
         drafter: Drafter = ModelDrafter(target.model, parts.quantized(target, recipe), name="self")
     else:
         drafter = _drafter(parts, spec, recipe)
-    return TieredDecoder(target.model, target.tokenizer, drafter, slims, policy, spec.name, profile.source)
+    return TieredDecoder(
+        target.model, target.tokenizer, drafter, slims, policy, spec.name, profile.source, kinds, spec.get("kind")
+    )
 
 
 METHODS: dict[str, Method] = {
@@ -433,7 +450,19 @@ METHODS: dict[str, Method] = {
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            ("gamma", "cap", "profile", "pregate", "stop", "drafter", "match", "copy", "budget", "drafter_quant"),
+            (
+                "gamma",
+                "cap",
+                "profile",
+                "pregate",
+                "kind",
+                "stop",
+                "drafter",
+                "match",
+                "copy",
+                "budget",
+                "drafter_quant",
+            ),
             uses_drafter=True,
             exact=False,
         ),

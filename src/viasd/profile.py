@@ -24,6 +24,7 @@ from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.models.fingerprint import model_fingerprint
+from viasd.task_kind import TASK_KINDS
 from viasd.verify.gates import SIGNALS, Gate
 from viasd.views.layer_skip import LayerMask
 from viasd.views.recipe import QuantRecipe
@@ -57,6 +58,9 @@ class RoutingProfile:
     pregate: float = 0.0  # drafter confidence under which a round skips the slim pass (0: off)
     stop: float = 0.0  # drafter confidence under which drafting stops for the round (0: off; older profiles)
     search: dict[str, Any] = field(default_factory=dict)  # how the masks were found
+    # Round policies for requests of one task kind (viasd.task_kind), each a full set of round settings ({"gate",
+    # "gamma", "cap", "pregate", "stop"}) used instead of the ones above: code may need a stricter gate than prose.
+    kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
     created: str = ""
     format: str = FORMAT
@@ -65,6 +69,8 @@ class RoutingProfile:
     def __post_init__(self) -> None:
         self.quant = [_recipe(q) for q in self.quant]
         self.policy()  # refuses a bad gamma, cap, pre-gate or stop threshold with one line
+        for kind in self.kinds:
+            self.policy(kind)
         if not self.gate.always_full and len(self.gate.thresholds) != len(self.masks) + 1:
             raise ViasdError(
                 f"routing profile: {len(self.masks)} slim mask(s) need {len(self.masks) + 1} gate thresholds, "
@@ -87,12 +93,27 @@ class RoutingProfile:
         """Whether the drafter is the target's own view (no second model)."""
         return bool(self.drafter and self.drafter.get("self"))
 
-    def policy(self, **overrides: Any) -> RoundPolicy:
-        """The round policy the profile describes, with some settings overridden (gamma=, cap=, pregate=, stop=;
+    def policy(self, kind: str | None = None, **overrides: Any) -> RoundPolicy:
+        """The round policy the profile describes for requests of task kind `kind` (its `kinds` entry, or the
+        profile's own settings where it has none), with some settings overridden (gamma=, cap=, pregate=, stop=;
         None leaves the profile's)."""
+        own = self.kinds.get(kind or "")
+        gate = own["gate"] if own else self.gate
         settings = {"gamma": self.gamma, "cap": self.cap, "pregate": self.pregate, "stop": self.stop}
+        if own:
+            settings.update({k: own[k] for k in settings})
         settings.update({k: v for k, v in overrides.items() if v is not None})
-        return RoundPolicy(self.gate, **settings)
+        policy = RoundPolicy(gate, **settings)
+        if not gate.always_full and len(gate.thresholds) != len(self.masks) + 1:
+            raise ViasdError(
+                f"routing profile: {len(self.masks)} slim mask(s) need {len(self.masks) + 1} gate thresholds, "
+                f"got {len(gate.thresholds)}" + (f" (kinds.{kind})" if own else "")
+            )
+        return policy
+
+    def policies(self, **overrides: Any) -> dict[str, RoundPolicy]:
+        """The round policy of every task kind the profile has its own settings for (`policy(kind, ...)`)."""
+        return {kind: self.policy(kind, **overrides) for kind in self.kinds}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -100,6 +121,9 @@ class RoutingProfile:
         data["masks"] = [m.to_dict() for m in self.masks]
         data["gate"] = {"signal": self.gate.signal, "thresholds": list(self.gate.thresholds)}
         data["quant"] = [None if q is None else q.name for q in self.quant]
+        data["kinds"] = {kind: _policy_dict(own) for kind, own in self.kinds.items()}
+        if not data["kinds"]:
+            del data["kinds"]  # profiles without per-kind policies stay as they were written
         return data
 
     @classmethod
@@ -121,6 +145,7 @@ class RoutingProfile:
             cap=_integer(data.get("cap", 32), "the cap on tokens committed without the full target", 1, MAX_CAP),
             pregate=_probability(data.get("pregate", 0.0), "the pre-gate"),
             stop=_probability(data.get("stop", 0.0), "the draft stop threshold"),
+            kinds=_kinds(data.get("kinds", {})),
             search=_object(data.get("search", {}), "search"),
             calibration=_object(data.get("calibration", {}), "calibration"),
             created=_text(data.get("created", ""), "created"),
@@ -262,9 +287,9 @@ def _masks(value: Any) -> list[LayerMask]:
     return [LayerMask.from_dict(mask) for mask in items]
 
 
-def _gate(value: Any) -> Gate:
+def _gate(value: Any, name: str = "gate") -> Gate:
     """The gate: a known signal and a list of finite thresholds, none under MIN_THRESHOLD."""
-    gate = _object(value, "gate")
+    gate = _object(value, name)
     signal = gate.get("signal", "kl")
     if signal not in SIGNALS:
         raise ViasdError(f"routing profile: unknown gate signal {_shown(signal)}; choose one of {', '.join(SIGNALS)}")
@@ -278,6 +303,33 @@ def _gate(value: Any) -> Gate:
             f"let every token through unchecked), got {list(built.thresholds)}"
         )
     return built
+
+
+def _kinds(value: Any) -> dict[str, dict[str, Any]]:
+    """Per-kind round policies: for each known task kind, a gate, gamma, cap, pre-gate and stop threshold, checked
+    like the profile's own (the gate's threshold count against the masks when the profile is built)."""
+    kinds = _object(value, "kinds")
+    for kind, own in kinds.items():
+        if kind not in TASK_KINDS:
+            raise ViasdError(
+                f"routing profile: unknown task kind {_shown(kind)} in kinds; known: {', '.join(TASK_KINDS)}"
+            )
+        where = f"kinds.{kind}"
+        own = _object(own, where)
+        kinds[kind] = {
+            "gate": _gate(own.get("gate"), f"{where}.gate"),
+            "gamma": _integer(own.get("gamma"), f"{where}.gamma", 1, MAX_GAMMA),
+            "cap": _integer(own.get("cap"), f"{where}.cap", 1, MAX_CAP),
+            "pregate": _probability(own.get("pregate"), f"{where}.pregate"),
+            "stop": _probability(own.get("stop"), f"{where}.stop"),
+        }
+    return kinds
+
+
+def _policy_dict(own: dict[str, Any]) -> dict[str, Any]:
+    """A per-kind round policy in its JSON form."""
+    gate: Gate = own["gate"]
+    return {**own, "gate": {"signal": gate.signal, "thresholds": list(gate.thresholds)}}
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:

@@ -53,6 +53,17 @@ def calibrate(
     what_if: Annotated[
         bool, typer.Option("--what-if", help="With --reselect: print what-if scenarios instead of writing a profile.")
     ] = False,
+    kind: Annotated[
+        str | None,
+        typer.Option(
+            help="With --reselect: select a round policy of the profile's own for requests of this task kind (code "
+            "or prose), from the calibration split of that kind's benchmark tasks (code: HumanEval's; never the "
+            "split `viasd bench --split report` reports), with --new-tokens per task; the rest of the profile kept."
+        ),
+    ] = None,
+    kind_tasks: Annotated[
+        int | None, typer.Option(help="With --kind: how many of that kind's calibration-split tasks (default: all).")
+    ] = None,
     by_tasks: Annotated[
         Path | None,
         typer.Option(
@@ -156,6 +167,7 @@ def calibrate(
         raise ViasdError(f"--sampler must be tpe or gp, got {sampler!r}")
     if what_if and reselect is None:
         raise ViasdError("--what-if needs --reselect PROFILE: the profile whose selection to question")
+    task_kind = _task_kind(kind, kind_tasks, reselect is not None, what_if)
     base: dict[str, Any] = {}
     if reselect is not None:
         from viasd.profile import load_profile
@@ -208,6 +220,9 @@ def calibrate(
         assert view is not None and view.linears is not None
         return view.linears
 
+    if reselect is not None and task_kind is not None:
+        _reselect_kind(reselect, out, task_kind, kind_tasks, pair, settings, work_file, log, err, progress, quantized)
+        return
     if reselect is not None:
         _reselect(reselect, out, what_if, pair, settings, work_file, log, err, progress, quantized)
         return
@@ -244,6 +259,67 @@ def _describe(profile: Any) -> str:
         f"gamma {profile.gamma}, stop {profile.stop:g}, cap {profile.cap}, pre-gate {profile.pregate:g}; predicted "
         f"{predicted['via']['tokens_per_second']:.2f} tok/s (error rate {predicted['via']['error_rate']:.3f}) "
         f"vs sd {predicted['sd']['tokens_per_second']:.2f}, plain {predicted['plain']['tokens_per_second']:.2f}"
+    )
+
+
+def _task_kind(kind: str | None, count: int | None, reselecting: bool, what_if: bool) -> str | None:
+    """`--kind` and `--kind-tasks`, checked before any model loads."""
+    from viasd.task_kind import parse_kind
+
+    if kind is None:
+        if count is not None:
+            raise ViasdError("--kind-tasks needs --kind")
+        return None
+    if not reselecting or what_if:
+        raise ViasdError("--kind needs --reselect PROFILE (and no --what-if): the profile to add the kind's policy to")
+    parsed = parse_kind(kind)
+    if parsed is None:
+        raise ViasdError("--kind: give code or prose (auto is how requests are read, not a kind to calibrate)")
+    if count is not None and count < 1:
+        raise ViasdError(f"--kind-tasks must be >= 1, got {count}")
+    return parsed
+
+
+def _reselect_kind(
+    source: Path,
+    out: Path,
+    kind: str,
+    count: int | None,
+    pair: tuple[Any, Any],
+    settings: Any,
+    work_file: Path,
+    log: Any,
+    err: Any,
+    progress: bool,
+    quantized: Any,
+) -> None:
+    """`--reselect P --kind K`: P with a round policy of its own for requests of task kind K."""
+    from viasd.calibration.reselection import reselect_kind
+    from viasd.fileio import file_sha256
+    from viasd.profile import load_profile, save_profile
+
+    profile = load_profile(source)
+    new = reselect_kind(
+        profile,
+        file_sha256(source),
+        *pair,
+        settings,
+        kind,
+        count,
+        work_file=work_file,
+        log=log,
+        progress=progress,
+        quantized=quantized,
+    )
+    save_profile(new, out)
+    own = new.policy(kind)
+    predicted = new.calibration["kinds"][kind]["predicted"]["via"]
+    err.print(
+        f"wrote {out}: for {kind}: gate {own.gate.signal} {list(own.gate.thresholds)}, gamma {own.gamma}, "
+        f"stop {own.stop:g}, cap {own.cap}, pre-gate {own.pregate:g}; predicted {predicted['tokens_per_second']:.2f} "
+        f"tok/s (error rate {predicted['error_rate']:.3f})",
+        highlight=False,
+        soft_wrap=True,
     )
 
 

@@ -21,24 +21,28 @@ Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, the target's greedy co
 def continuations(
     target: LoadedModel,
     drafter: LoadedModel,
-    texts: Sequence[str],
+    texts: Sequence[str | list[int]],
     new_tokens: int,
     work: WorkFile,
     resume: bool,
     progress: bool = False,
+    stop_strings: tuple[str, ...] = (),
 ) -> Pairs:
-    """(prompt ids, the target's greedy continuation) per prompt, generated with exact SD for speed and kept in
-    the work file (keyed by target, dtype, length and prompts) for `--resume` and `--reselect`."""
+    """(prompt ids, the target's greedy continuation) per prompt (a text, encoded as a chat turn, or prompt ids as
+    they are), generated with exact SD for speed and kept in the work file (keyed by target, dtype, length and
+    prompts) for `--resume` and `--reselect`. A continuation ends early at one of `stop_strings` (where the
+    benchmark stops the task too)."""
     param = next(target.model.parameters())
-    key = work_key("continuations", model_fingerprint(target.model), str(param.dtype), new_tokens, list(texts))
+    stops = [list(stop_strings)] if stop_strings else []  # keys of runs without stops stay as they were
+    key = work_key("continuations", model_fingerprint(target.model), str(param.dtype), new_tokens, list(texts), *stops)
     cached = work.get(key) if resume else None
     if isinstance(cached, list):
         return [(list(p), list(c)) for p, c in cached]
     decoder = SpeculativeDecoder(target.model, target.tokenizer, ModelDrafter(drafter.model, name="small"), gamma=4)
     pairs: Pairs = []
     for text in steps(texts, "continuations", progress):
-        ids = encode_prompt(target.tokenizer, text)
-        result = decoder.generate(ids, GenerationConfig(max_new_tokens=new_tokens))
+        ids = encode_prompt(target.tokenizer, text) if isinstance(text, str) else list(text)
+        result = decoder.generate(ids, GenerationConfig(max_new_tokens=new_tokens, stop_strings=stop_strings))
         if len(result.tokens) >= 2:
             pairs.append((ids, result.tokens))
     work.put(key, pairs)

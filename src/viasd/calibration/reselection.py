@@ -9,7 +9,7 @@ import os
 
 from viasd.calibration.candidate_records import records_for
 from viasd.calibration.candidates import DraftSource, Quantizer, SlimCandidate, drafter_name, quantize_plainly
-from viasd.calibration.continuations import continuations, teacher_sequences
+from viasd.calibration.continuations import Pairs, continuations, teacher_sequences
 from viasd.calibration.costs import CostTable
 from viasd.calibration.policy_choice import select_under, with_policy
 from viasd.calibration.progress import Log, silent
@@ -45,12 +45,24 @@ def profile_data(
     texts, new_tokens = profile_prompts(profile)
     log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
     pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
+    return records_of(profile, target, drafter, pairs, work, progress, quantized), [len(prompt) for prompt, _ in pairs]
+
+
+def records_of(
+    profile: RoutingProfile,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    pairs: Pairs,
+    work: WorkFile,
+    progress: bool = False,
+    quantized: Quantizer = quantize_plainly,
+) -> list[GateRecords]:
+    """The gate records of the profile's drafter and slim views along (prompt, the target's continuation) pairs."""
     sequences = teacher_sequences(target, pairs)
     chunk = int(profile.search.get("chunk", 8))
     source = DraftSource.make(drafter_name(profile), target, drafter, quantized)
     slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized) for i, m in enumerate(profile.masks)]
-    records = records_for(target, source, sequences, slims, chunk, work, True, progress)
-    return records, [len(prompt) for prompt, _ in pairs]
+    return records_for(target, source, sequences, slims, chunk, work, True, progress)
 
 
 def profile_records(
@@ -94,3 +106,59 @@ def reselect(
         "reselected": {"from_sha256": source_sha256, "date": utc_now()},
     }
     return with_policy(dataclasses.replace(profile, calibration=calibration), selection)
+
+
+def reselect_kind(
+    profile: RoutingProfile,
+    source_sha256: str,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    settings: CalibrationSettings,
+    kind: str,
+    count: int | None,
+    *,
+    work_file: str | os.PathLike[str] | None = None,
+    log: Log = silent,
+    progress: bool = False,
+    quantized: Quantizer = quantize_plainly,
+) -> RoutingProfile:
+    """`profile` with a round policy of its own for requests of task `kind`, selected under `settings` from the
+    gate records along the target's continuations of `count` calibration-split tasks of that kind (the profile's
+    masks, views and measured costs kept; its other policies untouched)."""
+    from viasd.bench.tasks import HUMANEVAL_STOP
+    from viasd.calibration.kind_prompts import kind_prompts
+    from viasd.task_kind import CODE
+
+    settings.check()
+    profile.check_models(target.model, None if profile.self_drafter else drafter.model)
+    costs = profile.calibration.get("costs", {})
+    table = CostTable.from_dict(costs)
+    index = int(costs.get("slim_mask_index", 0))
+    prompts, source = kind_prompts(target.tokenizer, kind, count)
+    stops = HUMANEVAL_STOP if kind == CODE else ()
+    work = WorkFile(work_file)
+    log(f"{kind}: the target's continuations of {source} ({settings.new_tokens} tokens at most), teacher-forced")
+    pairs = continuations(target, drafter, prompts, settings.new_tokens, work, True, progress, stops)
+    records = records_of(profile, target, drafter, pairs, work, progress, quantized)
+    log(f"{kind}: replaying rounds to pick gate thresholds, gamma, cap, pre-gate and draft stop threshold")
+    selection = select_under(records, table, index, settings, costs.get("drafter"))
+    chosen = selection.policy
+    own = {
+        "gate": chosen.gate,
+        "gamma": chosen.gamma,
+        "cap": chosen.cap,
+        "pregate": chosen.pregate,
+        "stop": chosen.stop,
+    }
+    recorded = {
+        "prompts": source,
+        "new_tokens": settings.new_tokens,
+        "stop_strings": list(stops),
+        **selection_fields(records, selection, settings),
+        "from_sha256": source_sha256,
+        "date": utc_now(),
+    }
+    kinds_recorded = {**profile.calibration.get("kinds", {}), kind: recorded}
+    return dataclasses.replace(
+        profile, kinds={**profile.kinds, kind: own}, calibration={**profile.calibration, "kinds": kinds_recorded}
+    )

@@ -52,6 +52,7 @@ class GenerationStats:
     finish_reason: str = ""
     tiers: dict[str, TierStats] = field(default_factory=dict)
     choice: dict[str, Any] | None = None  # what the `auto` method chose, and why
+    task_kind: str | None = None  # the task kind whose round policy routed a `via` request (viasd.task_kind)
     sources: dict[str, SourceStats] = field(default_factory=dict)  # per draft source, for drafting methods
 
     @property

@@ -17,7 +17,7 @@ entries only beyond F, as `pending` entries of their kept layers. Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.errors import ViasdError
 from viasd.passes.session import KVSession, upload_ids
+from viasd.task_kind import prompt_kind
 from viasd.verify.acceptance import check_token
 from viasd.verify.gates import Gate
 from viasd.verify.resident import STANDS, block_outcomes, host_values
@@ -53,21 +54,28 @@ class TieredDecoder(Decoder):
         policy: RoundPolicy,
         method: str | None = None,
         profile: str | None = None,
+        kinds: Mapping[str, RoundPolicy] | None = None,
+        kind: str | None = None,
     ) -> None:
+        """`policy` routes every request, except those of a task kind in `kinds` (viasd.task_kind), which that
+        kind's policy routes; `kind` fixes the kind of every request (None: read from each prompt)."""
         super().__init__(target, tokenizer)
         self.profile = profile  # where the routing profile came from, for the record
         views = [as_view(s) for s in slims]
-        if not policy.gate.always_full:
+        for rules in (policy, *(kinds or {}).values()):
+            if rules.gate.always_full:
+                continue
             if not views or any(v is None for v in views):
                 raise ViasdError("a tiered decoder needs at least one slim view")
-            if policy.slim_tiers != len(views):
+            if rules.slim_tiers != len(views):
                 raise ViasdError(
-                    f"{len(views)} slim tier(s) need {len(views) + 1} gate thresholds, "
-                    f"got {len(policy.gate.thresholds)}"
+                    f"{len(views)} slim tier(s) need {len(views) + 1} gate thresholds, got {len(rules.gate.thresholds)}"
                 )
         self.drafter = drafter
         self.slims: list[View] = [v for v in views if v is not None]  # cheapest first
         self.policy = policy
+        self.kinds = dict(kinds or {})
+        self.kind = kind
         self.session = KVSession(target)
         if method:
             self.method = method
@@ -81,17 +89,28 @@ class TieredDecoder(Decoder):
             "profile": self.profile,
             "gamma": policy.gamma,
             "cap": policy.cap,
+            **({"kinds": sorted(self.kinds)} if self.kinds else {}),
+            **({"kind": self.kind} if self.kind else {}),
         }
+
+    def routing(self, prompt: list[int]) -> tuple[str | None, RoundPolicy]:
+        """The task kind of a request and the round policy that routes it (the profile's own where it has none
+        for that kind). The kind is read from the prompt's text only when the profile has per-kind policies."""
+        if not self.kinds:
+            return self.kind, self.policy
+        kind = self.kind or prompt_kind(self.tokenizer.decode(prompt))
+        return kind, self.kinds.get(kind, self.policy)
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
         self.session.reset()
         self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
-        names = self.policy.tier_names
+        stats.task_kind, policy = self.routing(prompt)
+        names = policy.tier_names
         for name in names:
             stats.tier(name)
-        if len(prompt) > 1 and not self.policy.gate.always_full:
+        if len(prompt) > 1 and not policy.gate.always_full:
             # Prefill the prompt with the full target first: slim passes then attend to full-model KV for
             # the whole prompt instead of re-reading it themselves (a slim prefill would be thrown away by
             # the first full pass). The last prompt token stays out so the first round has a position to score.
@@ -101,9 +120,9 @@ class TieredDecoder(Decoder):
         unchecked = 0  # committed tokens the full target has not verified since its last pass
         while not sink.done:
             context = prompt + sink.tokens
-            k = draft_length(self.policy.gamma, sink.remaining, len(context), self.context_limit)
-            passes = _ModelPasses(self, context, params, generator, stats)
-            played = play_round(self.policy, passes, k, unchecked)  # one round (see decode.round)
+            k = draft_length(policy.gamma, sink.remaining, len(context), self.context_limit)
+            passes = _ModelPasses(self, policy, context, params, generator, stats)
+            played = play_round(policy, passes, k, unchecked)  # one round (see decode.round)
             taken = sink.push(played.committed)
             unchecked = 0 if played.full else unchecked + taken
             stats.record(played, taken, names, passes.proposal.source)
@@ -182,12 +201,14 @@ class _ModelPasses:
     def __init__(
         self,
         decoder: TieredDecoder,
+        policy: RoundPolicy,
         context: list[int],
         params: SamplingParams,
         generator: torch.Generator,
         stats: GenerationStats,
     ) -> None:
         self.decoder = decoder
+        self.policy = policy
         self.context = context
         self.params = params
         self.generator = generator
@@ -197,15 +218,13 @@ class _ModelPasses:
 
     def draft(self, k: int) -> tuple[list[int], float | None]:
         with self.stats.timed("draft"):
-            self.proposal = self.decoder.drafter.propose(
-                self.context, k, self.params, self.generator, self.decoder.policy.stop
-            )
+            self.proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator, self.policy.stop)
         block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
         slims = self.decoder.slims
         self.slim = SlimViews(
             self.proposal,
             lambda tier: session.extend_slim_to(block, slims[tier - 1], keep=keep),
-            self.decoder.policy.gate,
+            self.policy.gate,
             self.params,
             self.generator,
         )
