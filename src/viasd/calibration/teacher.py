@@ -25,6 +25,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.errors import ViasdError
+from viasd.passes.cache_argument import cache_argument
 from viasd.views.view import ViewLike, applied
 
 # Attention implementations that take a custom additive 4D mask as is.
@@ -76,7 +77,9 @@ def teacher_force(model: nn.Module, ids: Sequence[int], start: int) -> TeacherSe
     cache = DynamicCache(config=model.config)
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
     with torch.inference_mode():
-        out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=len(ids) - start)
+        out = model(
+            input_ids=input_ids, use_cache=True, logits_to_keep=len(ids) - start, **cache_argument(model, cache)
+        )
     return TeacherSequence(list(ids), start, out.logits[0].float().cpu(), cache)
 
 
@@ -138,9 +141,9 @@ def slim_logits(
                     input_ids=torch.tensor([seq.ids[seq.start :]], dtype=torch.long, device=device),
                     position_ids=torch.arange(seq.start, n, device=device)[None],
                     attention_mask=attention,
-                    cache=seq.cache,
                     use_cache=True,
                     logits_to_keep=m,
+                    **cache_argument(model, seq.cache),
                 )
                 return out.logits[0].float().cpu()
             pieces = []
@@ -150,9 +153,9 @@ def slim_logits(
                 ids = seq.ids[a : min(a + chunk, n)]
                 out = model(
                     input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-                    cache=seq.cache,
                     use_cache=True,
                     logits_to_keep=len(ids),
+                    **cache_argument(model, seq.cache),
                 )
                 pieces.append(out.logits[0].float().cpu())
             return torch.cat(pieces)

@@ -39,6 +39,7 @@ from transformers import DynamicCache
 
 from viasd.passes import loop
 from viasd.passes.batching import batcher_of
+from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import growing_cache
 from viasd.passes.loop import Segment
 from viasd.views.view import View, ViewLike, applied, as_view
@@ -219,7 +220,8 @@ class KVSession:
         with torch.inference_mode(), applied(self.model, view):
             if short:  # viasd's forward (passes/loop.py)
                 return loop.short_pass(self.model, input_ids, self.cache, keep)
-            return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
+            cache = cache_argument(self.model, self.cache)
+            return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **cache).logits
 
     def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
         """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the
