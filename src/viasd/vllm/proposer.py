@@ -170,4 +170,3 @@ class HybridProposer:
             self.sessions.started,
             self.sessions.dropped,
         )
-
