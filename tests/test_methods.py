@@ -36,7 +36,7 @@ def test_plain_names_and_variants_parse():
     [
         ("warp", "unknown method 'warp'"),
         ("sd:gamma", "write key=value"),
-        ("sd:depth=3", "key one of gamma, cap, profile, pregate, kind, quant, drafter_quant, lookup, stop, drafter, match"),
+        ("sd:depth=3", "key one of gamma, cap, profile, pregate, kind, quant, drafter_quant, lookup, stop"),
         (
             "sd:cap=4",
             "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, quant, drafter_quant)",
