@@ -52,6 +52,10 @@ class ConstructedRound:
 
         self.slim = SlimViews(prop, view, gate, GREEDY, GEN)
         self.signals, self.check, self.bonus = self.slim.signals, self.slim.check, self.slim.bonus
+        self.gate = gate
+
+    def judged(self):
+        return self.gate.judges(self.prop.soft)
 
     def draft(self, k):
         return self.prop.tokens[:k], draft_confidence(self.prop.soft)
@@ -267,3 +271,26 @@ def test_a_task_kinds_own_policy_routes_its_requests():
     assert prose.stats.unchecked_tokens > 0 and prose.stats.task_kind == "prose"
     read = TieredDecoder(target, tok, drafter, slims, relaxed, kinds=kinds)  # no kind given: read from the prompt
     assert read.routing(PROMPT) == ("prose", relaxed)  # the tiny vocabulary's words t0..t63 read as prose
+
+
+def test_a_kl_gate_sends_copied_drafts_to_the_full_target_without_a_slim_pass():
+    """Prompt lookup drafts have no distributions, so a KL gate cannot judge them: their rounds are classic SD (the
+    target's tokens, nothing unchecked) and spend no slim pass; a confidence gate needs only the slim view's."""
+    from viasd.drafters.prompt_lookup import PromptLookupDrafter
+
+    target, tok, _ = make("llama")
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config)
+    lookup = PromptLookupDrafter(3, 1)
+    slims = [LayerMask.skipping(4, [1])]
+    kl = TieredDecoder(target, tok, lookup, slims, RoundPolicy(Gate("kl", (0.5, 10.0)), gamma=4)).generate(
+        PROMPT, config
+    )
+    assert kl.stats.drafted > 0, "the lookup drafter must have drafted for this test to mean anything"
+    assert kl.tokens == plain.tokens and kl.stats.slim_calls == 0 and kl.stats.unchecked_tokens == 0
+    confidence = RoundPolicy(Gate("confidence", (0.3, 0.9)), gamma=4)
+    judged = TieredDecoder(target, tok, lookup, slims, confidence).generate(PROMPT, config)
+    assert judged.stats.slim_calls > 0
+    policy = RoundPolicy(Gate("kl", (0.5, 10.0)))
+    assert not policy.tries_lower_tiers(3, 0, None, judged=Gate("kl").judges(None))
+    assert Gate("confidence").judges(None) and Gate("kl").judges(torch.ones(1, 4))

@@ -58,6 +58,9 @@ class RecordedPasses:
         self.k = k
         return r.draft_ok[j : j + k], (min(tops) if tops else None)
 
+    def judged(self) -> bool:
+        return True  # the records are a model drafter's, with its distributions
+
     def signals(self) -> list[float]:
         return self.values[self.at : self.at + self.k]
 

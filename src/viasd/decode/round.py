@@ -88,13 +88,15 @@ class RoundPolicy:
     def tier_names(self) -> list[str]:
         return ["accept", "full"] if self.gate.always_full else tier_names(self.slim_tiers)
 
-    def tries_lower_tiers(self, drafted: int, unchecked: int, confidence: float | None) -> bool:
+    def tries_lower_tiers(self, drafted: int, unchecked: int, confidence: float | None, judged: bool = True) -> bool:
         """Whether a round runs the slim views at all; otherwise it goes straight to the full target.
 
         unchecked: tokens committed since the full target's last pass. confidence: the drafter's least top
         probability over the block (None: the drafter has no distributions, so the pre-gate cannot judge it).
+        judged: whether the gate's signal can judge the drafts at all (`Gate.judges`); if not, every token
+        would reach the full target and a slim pass would be wasted.
         """
-        if drafted == 0 or self.gate.always_full or self.cap - unchecked < 2:
+        if not judged or drafted == 0 or self.gate.always_full or self.cap - unchecked < 2:
             return False
         return not (self.pregate > 0.0 and confidence is not None and confidence < self.pregate)
 
@@ -105,6 +107,10 @@ class RoundParts(Protocol[T]):
     def draft(self, k: int) -> tuple[Sequence[T], float | None]:
         """Up to k draft tokens (fewer where the drafter stopped under the policy's `stop`), and the drafter's
         least top probability over them (None: unknown)."""
+        ...
+
+    def judged(self) -> bool:
+        """Whether the gate's signal can judge the drafts (a KL gate cannot without the drafter's distributions)."""
         ...
 
     def signals(self) -> Sequence[float]:
@@ -156,7 +162,7 @@ class Round(Generic[T]):
 def play_round(policy: RoundPolicy, parts: RoundParts[T], k: int, unchecked: int) -> Round[T]:
     """One round: draft -> slim views -> gate -> (settle below the full target | full verify)."""
     drafts, confidence = parts.draft(k)
-    if policy.tries_lower_tiers(len(drafts), unchecked, confidence):
+    if policy.tries_lower_tiers(len(drafts), unchecked, confidence, parts.judged()):
         signals = parts.signals()
         room = policy.cap - unchecked  # tokens this round may still commit without the full target
         committed: list[T] = []

@@ -230,6 +230,9 @@ class _ModelPasses:
         )
         return self.proposal.tokens, self.proposal.confidence
 
+    def judged(self) -> bool:
+        return self.policy.gate.judges(self.proposal.soft)
+
     def signals(self) -> list[float]:
         assert self.slim is not None
         with self.stats.timed("slim"):

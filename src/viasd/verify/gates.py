@@ -90,3 +90,8 @@ class Gate:
     @property
     def always_full(self) -> bool:
         return self.thresholds[-1] == -math.inf
+
+    def judges(self, draft: torch.Tensor | None) -> bool:
+        """Whether the signal can say anything of drafts with these distributions: KL needs the drafter's (prompt
+        lookup has none, so every copied token would go to the full target), confidence only the slim view's."""
+        return draft is not None or self.signal != "kl"
