@@ -480,6 +480,8 @@ def test_calibrate_command_reports_bad_options_in_one_line():
     for stops, message in (("0,2", "--stops must be in [0, 1]"), ("0,x", "--stops: expected comma-separated")):
         result = CliRunner().invoke(app, ["calibrate", "--stops", stops])
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["calibrate", "--kind-slim-quant", "int8"])
+    assert result.exit_code == 2 and "--kind-slim-quant needs --kind" in result.output
     assert NO_FULL > 1e6
 
 
@@ -600,3 +602,44 @@ def test_via_uses_the_shipped_int4a8_profile_only_where_its_kernel_runs():
     general, kernel = load_profile(anywhere), load_profile(fast)
     assert general.target == kernel.target and general.drafter["fingerprint"] == kernel.drafter["fingerprint"]
     assert profile_views(general) == ("int8", "int4") and "int4a8" in profile_views(kernel)[0]
+
+
+def test_a_kinds_own_policy_on_a_slim_view_of_its_own(tmp_path):
+    """`calibrate --reselect P --kind code --kind-slim-quant R`: the code policy is selected from records made with
+    the target's R view, on costs measured now for that view; the profile's own view and policy stay, and `via`
+    verifies code requests on the kind's view."""
+    from viasd.calibration.reselection import reselect_kind
+
+    target, drafter = (
+        loaded(tiny_model("qwen2", layers=4), "tiny-target"),
+        loaded(tiny_model("qwen2", layers=2, seed=1), "tiny-drafter"),
+    )
+    lengths = [1, 2, 3, 4, 5]
+    costs = {"lengths": lengths, "seconds": {"drafter": [0.01] * 5, "full": [0.1] * 5, "slim:0": [0.03] * 5}}
+    profile = RoutingProfile(
+        target={"name": "tiny-target", "fingerprint": model_fingerprint(target.model)},
+        drafter={"name": "tiny-drafter", "fingerprint": model_fingerprint(drafter.model)},
+        masks=[LayerMask.skipping(4, [2])],
+        gate=Gate("confidence", (0.0, 0.0)),
+        calibration={"costs": {**costs, "prefix_tokens": 8, "repeats": 1}},
+    )
+    settings = CalibrationSettings(gammas=(2, 3), caps=(8,), new_tokens=8, quality_budget=0.0)
+    new = reselect_kind(profile, "sha", target, drafter, settings, "code", 1, slim_quant=QuantRecipe.parse("int8"))
+    assert new.slim_quant(0, "code").name == "int8" and new.slim_quant(0) is None and new.own_views() == ["code"]
+    assert new.policy() == profile.policy() and new.policy("code").gamma in (2, 3)
+    measured = new.calibration["kinds"]["code"]["costs"]
+    assert measured["lengths"] == lengths and {"full", "slim:0", "drafter:model"} <= set(measured["seconds"])
+    assert measured["seconds"]["full"] != costs["seconds"]["full"]  # measured here, not copied
+    assert new.calibration["kinds"]["code"]["predicted"]["via"]["error_rate"] == 0.0
+    path = tmp_path / "p.json"
+    save_profile(new, path)
+    engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target, drafter=drafter)
+    via = engine.decoder("via")
+    assert via.kind_slims["code"][0].linears is not None and via.slims[0].linears is None
+    with pytest.raises(ViasdError, match="one slim view"):
+        two = dataclasses.replace(
+            profile,
+            masks=[LayerMask.skipping(4, [2]), LayerMask.skipping(4, [1])],
+            gate=Gate("confidence", (0.0, 0.0, 0.0)),
+        )
+        reselect_kind(two, "sha", target, drafter, settings, "code", 1, slim_quant=QuantRecipe.parse("int8"))

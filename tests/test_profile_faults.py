@@ -41,6 +41,19 @@ def test_a_kinds_own_policy_round_trips_and_the_rest_keep_the_profiles(tmp_path:
     assert again.policy("code") == code and "kinds" not in RoutingProfile.from_dict(_valid()).to_dict()
 
 
+def test_a_kind_may_name_its_own_slim_view_and_the_others_keep_the_profiles(tmp_path: Path) -> None:
+    own = {**CODE_POLICY, "quant": ["int4a8:gguf"]}
+    profile = load_profile(_write(tmp_path, {**_valid(), "kinds": {"code": own}}))
+    assert profile.slim_quant(0, "code").name == "int4a8:gguf" and profile.slim_quant(0, "code").gguf
+    assert profile.slim_quant(0, "prose").name == "int8" and profile.slim_quant(0).name == "int8"
+    assert profile.own_views() == ["code"]
+    again = load_profile(_write(tmp_path, profile.to_dict()))
+    assert again.to_dict()["kinds"]["code"]["quant"] == ["int4a8:gguf"] and again.policy("code") == profile.policy(
+        "code"
+    )
+    assert load_profile(_write(tmp_path, {**_valid(), "kinds": {"code": CODE_POLICY}})).own_views() == []
+
+
 def _write(tmp_path: Path, data: dict[str, Any] | str) -> Path:
     path = tmp_path / "profile.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data, allow_nan=True))
@@ -119,6 +132,9 @@ def test_deeply_nested_json_is_refused_in_one_line(tmp_path: Path, depth: int) -
         ({"kinds": {"code": {**CODE_POLICY, "pregate": 2}}}, "kinds.code.pregate must be a probability"),
         ({"kinds": {"code": {**CODE_POLICY, "gate": None}}}, "kinds.code.gate must be a JSON object"),
         ({"kinds": {"code": {**CODE_POLICY, "gate": {"signal": "kl", "thresholds": [0.1]}}}}, "need 2 gate thresholds"),
+        ({"kinds": {"code": {**CODE_POLICY, "quant": "int8"}}}, "kinds.code.quant must be a list"),
+        ({"kinds": {"code": {**CODE_POLICY, "quant": ["int8", "int8"]}}}, "kinds.code.quant has 2 entries for 1"),
+        ({"kinds": {"code": {**CODE_POLICY, "quant": ["int3"]}}}, "unknown quantization 'int3'"),
         ({"created": 20261202}, "created must be text"),
     ],
 )

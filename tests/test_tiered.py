@@ -294,3 +294,33 @@ def test_a_kl_gate_sends_copied_drafts_to_the_full_target_without_a_slim_pass():
     policy = RoundPolicy(Gate("kl", (0.5, 10.0)))
     assert not policy.tries_lower_tiers(3, 0, None, judged=Gate("kl").judges(None))
     assert Gate("confidence").judges(None) and Gate("kl").judges(torch.ones(1, 4))
+
+
+def test_a_task_kind_may_verify_on_slim_views_of_its_own():
+    """A kind's own slim view serves that kind's requests only: code checked by the full-mask view (the target
+    itself, so greedy output is the target's) while prose keeps the profile's skipping view (and differs)."""
+    target, tok, drafter = make("qwen2")
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config)
+    checked = RoundPolicy(Gate("kl", (-1.0, math.inf)), cap=16)  # no accept tier: every token checked by a view
+
+    def via(kind: str) -> TieredDecoder:
+        skipping, full = [LayerMask.skipping(4, [1, 2])], [LayerMask.full(4)]
+        return TieredDecoder(
+            target, tok, drafter, skipping, checked, kinds={"code": checked}, kind=kind, kind_slims={"code": full}
+        )
+
+    code, prose = via("code").generate(PROMPT, config), via("prose").generate(PROMPT, config)
+    assert code.tokens == plain.tokens and code.stats.tiers["slim"].decided > 0
+    assert prose.tokens != plain.tokens, "the skipping view must differ from the target for this test to mean anything"
+    assert "slim_views_code" in via("code").describe()
+    with pytest.raises(ViasdError, match=r"2 slim tier\(s\) need 3 gate thresholds, got 2"):
+        TieredDecoder(
+            target,
+            tok,
+            drafter,
+            [LayerMask.full(4)],
+            checked,
+            kinds={"code": checked},
+            kind_slims={"code": [LayerMask.full(4), LayerMask.full(4)]},
+        )

@@ -402,10 +402,17 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     if spec.base == "via-exact":
         policy, kinds = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop), {}
     target = parts.target
-    slims = []
-    for tier, mask in enumerate(profile.masks):  # each slim view: its layer mask, and quantized copies if any
-        quantized = parts.quantized(target, profile.slim_quant(tier))
-        slims.append(View(mask=mask, linears=quantized.linears if quantized else None))
+
+    def slim_views(kind: str | None = None) -> list[View]:
+        """Each slim view: its layer mask, and quantized copies if any (a kind's own where it names them)."""
+        views = []
+        for tier, mask in enumerate(profile.masks):
+            quantized = parts.quantized(target, profile.slim_quant(tier, kind))
+            views.append(View(mask=mask, linears=quantized.linears if quantized else None))
+        return views
+
+    slims = slim_views()
+    kind_slims = {kind: slim_views(kind) for kind in profile.own_views() if kind in kinds}
     recipe = first_set(_drafter_recipe(parts, spec), profile.drafter_quant)
     if profile.self_drafter:  # the profile's drafter is the target's own view
         from viasd.drafters.model_drafter import ModelDrafter
@@ -414,7 +421,16 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     else:
         drafter = _drafter(parts, spec, recipe)
     return TieredDecoder(
-        target.model, target.tokenizer, drafter, slims, policy, spec.name, profile.source, kinds, spec.get("kind")
+        target.model,
+        target.tokenizer,
+        drafter,
+        slims,
+        policy,
+        spec.name,
+        profile.source,
+        kinds,
+        spec.get("kind"),
+        kind_slims,
     )
 
 

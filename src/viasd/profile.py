@@ -60,6 +60,8 @@ class RoutingProfile:
     search: dict[str, Any] = field(default_factory=dict)  # how the masks were found
     # Round policies for requests of one task kind (viasd.task_kind), each a full set of round settings ({"gate",
     # "gamma", "cap", "pregate", "stop"}) used instead of the ones above: code may need a stricter gate than prose.
+    # An entry may also name its own slim views' quantization ("quant", one recipe per mask, parsed to recipes):
+    # a view that agrees with the target more often, for the kind that needs it.
     kinds: dict[str, dict[str, Any]] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)  # costs, gate statistics, quality budget
     created: str = ""
@@ -68,6 +70,14 @@ class RoutingProfile:
 
     def __post_init__(self) -> None:
         self.quant = [_recipe(q) for q in self.quant]
+        for kind, own in self.kinds.items():
+            if "quant" in own:
+                own["quant"] = [_recipe(q) for q in own["quant"]]
+                if len(own["quant"]) != len(self.masks):
+                    raise ViasdError(
+                        f"routing profile: kinds.{kind}.quant has {len(own['quant'])} entries for "
+                        f"{len(self.masks)} slim view(s)"
+                    )
         self.policy()  # refuses a bad gamma, cap, pre-gate or stop threshold with one line
         for kind in self.kinds:
             self.policy(kind)
@@ -79,9 +89,17 @@ class RoutingProfile:
         if self.quant and len(self.quant) != len(self.masks):
             raise ViasdError(f"routing profile: {len(self.masks)} slim view(s) but {len(self.quant)} quantizations")
 
-    def slim_quant(self, tier: int) -> QuantRecipe | None:
-        """The quantization recipe of slim view `tier` (0-based), or None."""
+    def slim_quant(self, tier: int, kind: str | None = None) -> QuantRecipe | None:
+        """The quantization recipe of slim view `tier` (0-based) for requests of task kind `kind` (that kind's own
+        where its entry names one, else the profile's), or None."""
+        own = self.kinds.get(kind or "", {})
+        if "quant" in own:
+            return own["quant"][tier]
         return self.quant[tier] if self.quant else None
+
+    def own_views(self) -> list[str]:
+        """The task kinds whose slim views differ from the profile's own (their entry names a quantization)."""
+        return [kind for kind, own in self.kinds.items() if "quant" in own]
 
     @property
     def drafter_quant(self) -> QuantRecipe | None:
@@ -323,13 +341,18 @@ def _kinds(value: Any) -> dict[str, dict[str, Any]]:
             "pregate": _probability(own.get("pregate"), f"{where}.pregate"),
             "stop": _probability(own.get("stop"), f"{where}.stop"),
         }
+        if own.get("quant") is not None:
+            kinds[kind]["quant"] = [_recipe(q) for q in _list(own["quant"], f"{where}.quant")]
     return kinds
 
 
 def _policy_dict(own: dict[str, Any]) -> dict[str, Any]:
     """A per-kind round policy in its JSON form."""
     gate: Gate = own["gate"]
-    return {**own, "gate": {"signal": gate.signal, "thresholds": list(gate.thresholds)}}
+    data = {**own, "gate": {"signal": gate.signal, "thresholds": list(gate.thresholds)}}
+    if "quant" in own:
+        data["quant"] = [None if q is None else q.name for q in own["quant"]]
+    return data
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:

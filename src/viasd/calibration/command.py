@@ -64,6 +64,13 @@ def calibrate(
     kind_tasks: Annotated[
         int | None, typer.Option(help="With --kind: how many of that kind's calibration-split tasks (default: all).")
     ] = None,
+    kind_slim_quant: Annotated[
+        str | None,
+        typer.Option(
+            help="With --kind: the kind's slim view as this quantization of the target instead of the profile's "
+            "(e.g. int4a8:gguf); its pass costs are measured here."
+        ),
+    ] = None,
     by_tasks: Annotated[
         Path | None,
         typer.Option(
@@ -168,6 +175,9 @@ def calibrate(
     if what_if and reselect is None:
         raise ViasdError("--what-if needs --reselect PROFILE: the profile whose selection to question")
     task_kind = _task_kind(kind, kind_tasks, reselect is not None, what_if)
+    if kind_slim_quant is not None and task_kind is None:
+        raise ViasdError("--kind-slim-quant needs --kind: the task kind whose slim view it is")
+    own_quant = QuantRecipe.parse(kind_slim_quant) if kind_slim_quant is not None else None
     base: dict[str, Any] = {}
     if reselect is not None:
         from viasd.profile import load_profile
@@ -221,7 +231,9 @@ def calibrate(
         return view.linears
 
     if reselect is not None and task_kind is not None:
-        _reselect_kind(reselect, out, task_kind, kind_tasks, pair, settings, work_file, log, err, progress, quantized)
+        _reselect_kind(
+            reselect, out, task_kind, kind_tasks, pair, settings, work_file, log, err, progress, quantized, own_quant
+        )
         return
     if reselect is not None:
         _reselect(reselect, out, what_if, pair, settings, work_file, log, err, progress, quantized)
@@ -292,8 +304,10 @@ def _reselect_kind(
     err: Any,
     progress: bool,
     quantized: Any,
+    slim_quant: QuantRecipe | None,
 ) -> None:
-    """`--reselect P --kind K`: P with a round policy of its own for requests of task kind K."""
+    """`--reselect P --kind K`: P with a round policy of its own for requests of task kind K (on a slim view of its
+    own with --kind-slim-quant)."""
     from viasd.calibration.reselection import reselect_kind
     from viasd.fileio import file_sha256
     from viasd.profile import load_profile, save_profile
@@ -310,13 +324,16 @@ def _reselect_kind(
         log=log,
         progress=progress,
         quantized=quantized,
+        slim_quant=slim_quant,
     )
     save_profile(new, out)
     own = new.policy(kind)
     predicted = new.calibration["kinds"][kind]["predicted"]["via"]
     err.print(
         f"wrote {out}: for {kind}: gate {own.gate.signal} {list(own.gate.thresholds)}, gamma {own.gamma}, "
-        f"stop {own.stop:g}, cap {own.cap}, pre-gate {own.pregate:g}; predicted {predicted['tokens_per_second']:.2f} "
+        f"stop {own.stop:g}, cap {own.cap}, pre-gate {own.pregate:g}"
+        + (f", slim view {slim_quant.name}" if slim_quant else "")
+        + f"; predicted {predicted['tokens_per_second']:.2f} "
         f"tok/s (error rate {predicted['error_rate']:.3f})",
         highlight=False,
         soft_wrap=True,

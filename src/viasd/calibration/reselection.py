@@ -10,7 +10,7 @@ import os
 from viasd.calibration.candidate_records import records_for
 from viasd.calibration.candidates import DraftSource, Quantizer, SlimCandidate, drafter_name, quantize_plainly
 from viasd.calibration.continuations import Pairs, continuations, teacher_sequences
-from viasd.calibration.costs import CostTable
+from viasd.calibration.costs import CostTable, measure_costs
 from viasd.calibration.policy_choice import select_under, with_policy
 from viasd.calibration.progress import Log, silent
 from viasd.calibration.provenance import selection_fields, utc_now
@@ -20,6 +20,7 @@ from viasd.calibration.workfile import WorkFile
 from viasd.errors import ViasdError
 from viasd.models.loading import LoadedModel
 from viasd.profile import RoutingProfile
+from viasd.views.recipe import QuantRecipe
 
 
 def profile_prompts(profile: RoutingProfile) -> tuple[list[str], int]:
@@ -108,6 +109,33 @@ def reselect(
     return with_policy(dataclasses.replace(profile, calibration=calibration), selection)
 
 
+def kind_costs(
+    viewed: RoutingProfile,
+    table: CostTable,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    pairs: Pairs,
+    seed: int,
+    quantized: Quantizer = quantize_plainly,
+) -> CostTable:
+    """The pass costs of `viewed`'s drafter, full target and slim view at the lengths of `table`, measured now in one
+    interleaved run (as calibration measures them) along the longest of the kind's sequences."""
+    source = DraftSource.make(drafter_name(viewed), target, drafter, quantized)
+    slim = SlimCandidate.make(viewed.masks[0], viewed.slim_quant(0), target, quantized)
+    longest = max((prompt + continuation for prompt, continuation in pairs), key=len)
+    model = target.model
+    return measure_costs(
+        model,
+        {source.name: (source.loaded.model, source.view)},
+        [slim.view],
+        longest,
+        table.lengths,
+        prefix=min(table.prefix or 100, max(len(longest) - 1, 1)),
+        repeats=table.repeats or 5,
+        seed=seed,
+    )
+
+
 def reselect_kind(
     profile: RoutingProfile,
     source_sha256: str,
@@ -121,10 +149,16 @@ def reselect_kind(
     log: Log = silent,
     progress: bool = False,
     quantized: Quantizer = quantize_plainly,
+    slim_quant: QuantRecipe | None = None,
 ) -> RoutingProfile:
     """`profile` with a round policy of its own for requests of task `kind`, selected under `settings` from the
     gate records along the target's continuations of `count` calibration-split tasks of that kind (the profile's
-    masks, views and measured costs kept; its other policies untouched)."""
+    masks, views and measured costs kept; its other policies untouched).
+
+    slim_quant: the kind's slim view as this quantization of the target instead of the profile's; its gate records
+    are made with it, and the pass costs (drafter, full target and that view) are measured again here, together,
+    as the profile's were, so that the replay weighs the view's real cost.
+    """
     from viasd.bench.tasks import HUMANEVAL_STOP
     from viasd.calibration.kind_prompts import kind_prompts
     from viasd.task_kind import CODE
@@ -134,12 +168,20 @@ def reselect_kind(
     costs = profile.calibration.get("costs", {})
     table = CostTable.from_dict(costs)
     index = int(costs.get("slim_mask_index", 0))
+    if slim_quant is not None and len(profile.masks) != 1:
+        raise ViasdError(f"a slim view of {kind}'s own needs a profile with one slim view, not {len(profile.masks)}")
+    viewed = profile if slim_quant is None else dataclasses.replace(profile, quant=[slim_quant], kinds={})
     prompts, source = kind_prompts(target.tokenizer, kind, count)
     stops = HUMANEVAL_STOP if kind == CODE else ()
     work = WorkFile(work_file)
     log(f"{kind}: the target's continuations of {source} ({settings.new_tokens} tokens at most), teacher-forced")
     pairs = continuations(target, drafter, prompts, settings.new_tokens, work, True, progress, stops)
-    records = records_of(profile, target, drafter, pairs, work, progress, quantized)
+    records = records_of(viewed, target, drafter, pairs, work, progress, quantized)
+    own_costs = {}
+    if slim_quant is not None:
+        log(f"{kind}: measuring drafter, full and {slim_quant.name} slim pass costs on this machine")
+        table = kind_costs(viewed, table, target, drafter, pairs, settings.seed, quantized)
+        index, own_costs = 0, {"costs": {**table.to_dict(), "slim_mask_index": 0, "drafter": drafter_name(viewed)}}
     log(f"{kind}: replaying rounds to pick gate thresholds, gamma, cap, pre-gate and draft stop threshold")
     selection = select_under(records, table, index, settings, costs.get("drafter"))
     chosen = selection.policy
@@ -149,8 +191,10 @@ def reselect_kind(
         "cap": chosen.cap,
         "pregate": chosen.pregate,
         "stop": chosen.stop,
+        **({"quant": [slim_quant]} if slim_quant is not None else {}),
     }
     recorded = {
+        **own_costs,
         "prompts": source,
         "new_tokens": settings.new_tokens,
         "stop_strings": list(stops),

@@ -56,25 +56,21 @@ class TieredDecoder(Decoder):
         profile: str | None = None,
         kinds: Mapping[str, RoundPolicy] | None = None,
         kind: str | None = None,
+        kind_slims: Mapping[str, Sequence[ViewLike]] | None = None,
     ) -> None:
         """`policy` routes every request, except those of a task kind in `kinds` (viasd.task_kind), which that
-        kind's policy routes; `kind` fixes the kind of every request (None: read from each prompt)."""
+        kind's policy routes (on that kind's own slim views where `kind_slims` has them); `kind` fixes the kind of
+        every request (None: read from each prompt)."""
         super().__init__(target, tokenizer)
         self.profile = profile  # where the routing profile came from, for the record
-        views = [as_view(s) for s in slims]
-        for rules in (policy, *(kinds or {}).values()):
-            if rules.gate.always_full:
-                continue
-            if not views or any(v is None for v in views):
-                raise ViasdError("a tiered decoder needs at least one slim view")
-            if rules.slim_tiers != len(views):
-                raise ViasdError(
-                    f"{len(views)} slim tier(s) need {len(views) + 1} gate thresholds, got {len(rules.gate.thresholds)}"
-                )
-        self.drafter = drafter
-        self.slims: list[View] = [v for v in views if v is not None]  # cheapest first
-        self.policy = policy
+        self.slims: list[View] = _slim_views(slims, policy)  # cheapest first
         self.kinds = dict(kinds or {})
+        self.kind_slims = {name: _slim_views(views, self.kinds[name]) for name, views in (kind_slims or {}).items()}
+        for name, rules in self.kinds.items():
+            if name not in self.kind_slims:
+                _slim_views(slims, rules)  # checks the kind's gate against the shared views
+        self.drafter = drafter
+        self.policy = policy
         self.kind = kind
         self.session = KVSession(target)
         if method:
@@ -86,6 +82,7 @@ class TieredDecoder(Decoder):
             **super().describe(),
             "drafter": self.drafter.describe(),
             "slim_views": [view.describe() for view in self.slims],
+            **{f"slim_views_{name}": [v.describe() for v in views] for name, views in self.kind_slims.items()},
             "profile": self.profile,
             "gamma": policy.gamma,
             "cap": policy.cap,
@@ -107,6 +104,7 @@ class TieredDecoder(Decoder):
         self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
         stats.task_kind, policy = self.routing(prompt)
+        slims = self.kind_slims.get(stats.task_kind or "", self.slims)
         names = policy.tier_names
         for name in names:
             stats.tier(name)
@@ -121,12 +119,25 @@ class TieredDecoder(Decoder):
         while not sink.done:
             context = prompt + sink.tokens
             k = draft_length(policy.gamma, sink.remaining, len(context), self.context_limit)
-            passes = _ModelPasses(self, policy, context, params, generator, stats)
+            passes = _ModelPasses(self, policy, slims, context, params, generator, stats)
             played = play_round(policy, passes, k, unchecked)  # one round (see decode.round)
             taken = sink.push(played.committed)
             unchecked = 0 if played.full else unchecked + taken
             stats.record(played, taken, names, passes.proposal.source)
         stats.drafter_calls = self.drafter.forward_passes - drafter_before
+
+
+def _slim_views(slims: Sequence[ViewLike], policy: RoundPolicy) -> list[View]:
+    """The slim views a policy routes to, checked against its gate (one view per slim tier)."""
+    views = [as_view(s) for s in slims]
+    if not policy.gate.always_full:
+        if not views or any(v is None for v in views):
+            raise ViasdError("a tiered decoder needs at least one slim view")
+        if policy.slim_tiers != len(views):
+            raise ViasdError(
+                f"{len(views)} slim tier(s) need {len(views) + 1} gate thresholds, got {len(policy.gate.thresholds)}"
+            )
+    return [v for v in views if v is not None]
 
 
 class SlimViews:
@@ -202,6 +213,7 @@ class _ModelPasses:
         self,
         decoder: TieredDecoder,
         policy: RoundPolicy,
+        slims: list[View],
         context: list[int],
         params: SamplingParams,
         generator: torch.Generator,
@@ -209,6 +221,7 @@ class _ModelPasses:
     ) -> None:
         self.decoder = decoder
         self.policy = policy
+        self.slims = slims
         self.context = context
         self.params = params
         self.generator = generator
@@ -220,7 +233,7 @@ class _ModelPasses:
         with self.stats.timed("draft"):
             self.proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator, self.policy.stop)
         block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
-        slims = self.decoder.slims
+        slims = self.slims
         self.slim = SlimViews(
             self.proposal,
             lambda tier: session.extend_slim_to(block, slims[tier - 1], keep=keep),
