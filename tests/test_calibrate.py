@@ -643,3 +643,30 @@ def test_a_kinds_own_policy_on_a_slim_view_of_its_own(tmp_path):
             gate=Gate("confidence", (0.0, 0.0, 0.0)),
         )
         reselect_kind(two, "sha", target, drafter, settings, "code", 1, slim_quant=QuantRecipe.parse("int8"))
+
+
+def test_a_kinds_own_view_that_cannot_be_made_leaves_that_kind_exact(tmp_path, capsys):
+    """A profile whose code policy verifies on a GGUF file's blocks, for a target that came from no GGUF file: code
+    requests are verified by the full target (one warning line), prose keeps the profile's policy."""
+    target, drafter = (
+        loaded(tiny_model("qwen2", layers=4), "tiny-target"),
+        loaded(tiny_model("qwen2", layers=2, seed=1), "tiny-drafter"),
+    )
+    own = {"gate": {"signal": "kl", "thresholds": [0.1, 1.0]}, "gamma": 3, "cap": 8, "pregate": 0.5, "stop": 0.2}
+    profile = RoutingProfile(
+        target={"name": "tiny-target", "fingerprint": model_fingerprint(target.model)},
+        drafter=None,
+        masks=[LayerMask.skipping(4, [2])],
+        gate=Gate("confidence", (0.0, 0.5)),
+        kinds={"code": {**own, "gate": Gate("kl", (0.1, 1.0)), "quant": ["int4a8:gguf"]}},
+    )
+    path = tmp_path / "p.json"
+    save_profile(profile, path)
+    engine = Engine(EngineSpec(target="tiny-target", profile=str(path)), target=target, drafter=drafter)
+    via = engine.decoder("via")
+    code = via.kinds["code"]
+    assert code.gate.always_full and (code.gamma, code.cap, code.stop) == (3, 8, 0.2) and not via.kind_slims
+    assert via.policy == profile.policy()
+    err = capsys.readouterr().err
+    assert "int4a8:gguf takes the blocks of the GGUF file" in err and "code requests are verified by the full" in err
+    assert len(err.strip().splitlines()) == 1

@@ -412,7 +412,14 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
         return views
 
     slims = slim_views()
-    kind_slims = {kind: slim_views(kind) for kind in profile.own_views() if kind in kinds}
+    kind_slims = {}
+    for kind in (k for k in profile.own_views() if k in kinds):
+        try:
+            kind_slims[kind] = slim_views(kind)
+        except ViasdError as exc:  # e.g. no GGUF file to take a gguf view's blocks from
+            own = kinds[kind]  # its gate was calibrated on that view alone: verify exactly rather than guess
+            kinds[kind] = RoundPolicy(Gate.exact(), own.gamma, own.cap, stop=own.stop)
+            print(f"via: {exc}; {kind} requests are verified by the full target instead", file=sys.stderr)
     recipe = first_set(_drafter_recipe(parts, spec), profile.drafter_quant)
     if profile.self_drafter:  # the profile's drafter is the target's own view
         from viasd.drafters.model_drafter import ModelDrafter
