@@ -4,6 +4,7 @@ runner with resume, and the report files. Tiny random models only."""
 import json
 import math
 import os
+import re
 import tempfile
 
 import pytest
@@ -312,12 +313,31 @@ def test_multi_turn_answers_are_carried_over_per_method():
         assert row["stats"]["new_tokens"] == 2 * len(answer) and row["stats"]["target_calls"] == 2
 
 
-def test_humaneval_answers_can_get_their_own_budget():
+def test_categories_can_get_their_own_budget():
+    from viasd.bench.command import parse_category_budgets
+
     prose = Task("t/1", "specbench", "writing", ("t3",))
+    maths = Task("t/2", "specbench", "math_reasoning", ("t3",))
     code = Task("h/1", "humaneval", "humaneval", ("t3",))
-    settings = RunSettings(methods=["a"], max_new_tokens=8, code_max_new_tokens=20)
-    assert settings.budget(prose) == 8 and settings.budget(code) == 20
+    present = ["writing", "math_reasoning", "humaneval"]
+    budgets = parse_category_budgets("math_reasoning=256", 20, present)
+    assert budgets == {"math_reasoning": 256, "humaneval": 20}
+    settings = RunSettings(methods=["a"], max_new_tokens=8, category_max_new_tokens=budgets)
+    assert [settings.budget(t) for t in (prose, maths, code)] == [8, 256, 20]
     assert RunSettings(methods=["a"], max_new_tokens=8).budget(code) == 8
+    assert parse_category_budgets(" humaneval=5 , writing=3", None, present) == {"humaneval": 5, "writing": 3}
+    for text, code_budget, message in [
+        ("math_reasoning", None, "takes CATEGORY=N"),
+        ("math_reasoning=0", None, "takes CATEGORY=N"),
+        ("math_reasoning=-3", None, "takes CATEGORY=N"),
+        ("=4", None, "takes CATEGORY=N"),
+        ("math_reasoning=2,math_reasoning=3", None, "names math_reasoning twice"),
+        ("math=256", None, "names math, which no task of this run has (it has: humaneval, math_reasoning, writing)"),
+        ("humaneval=30", 20, "HumanEval's budget is given twice"),
+        (None, 0, "--code-max-new-tokens must be >= 1"),
+    ]:
+        with pytest.raises(ViasdError, match=re.escape(message)):
+            parse_category_budgets(text, code_budget, present)
 
 
 def test_rotation_and_pending_order():
@@ -495,6 +515,15 @@ def test_resuming_compares_the_shipped_profile_by_place_and_content():
         check_resumable(here, {**here, "profile": "/home/a/my-profile.json"})
 
 
+def test_resuming_reads_the_budgets_of_runs_that_recorded_humaneval_s_alone():
+    from viasd.bench.command import check_resumable
+
+    before = {"target": "t", "code_max_new_tokens": 192}  # the record of runs before per-category budgets
+    check_resumable(before, {"target": "t", "category_max_new_tokens": {"humaneval": 192}})
+    with pytest.raises(ViasdError, match="category_max_new_tokens"):
+        check_resumable(before, {"target": "t", "category_max_new_tokens": {"humaneval": 192, "math_reasoning": 256}})
+
+
 def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     from viasd.cli import app
     from viasd.models.loading import LoadedModel
@@ -527,6 +556,8 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
         "1",
         "-n",
         "5",
+        "--category-max-new-tokens",
+        "writing=3",
         "--out",
         str(out),
         "--no-warmup",
@@ -547,11 +578,13 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not any(r.get("error") for r in rows)
     assert [len(r["turns"]) for r in rows if r["key"] == "specbench/2"] == [2, 2, 2, 2]
+    turn_lengths = {r["category"]: {len(t["tokens"]) for t in r["turns"]} for r in rows}
+    assert turn_lengths["writing"] == {3} and turn_lengths["translation"] == {5}  # the category's own budget
     texts = {(r["key"], r["method"]): [t["text"] for t in r["turns"]] for r in rows}
     for key in ("specbench/1", "specbench/2"):  # the variant of an exact method is labelled as written and exact
         assert texts[key, "sd:gamma=2"] == texts[key, "plain"]
     summary = (out / "summary.md").read_text()
-    assert "| sd:gamma=2 |" in summary
+    assert "| sd:gamma=2 |" in summary and "max new tokens: 5 (writing 3)," in summary
     # The shipped profile is named by its place in the package, not this checkout's absolute path.
     assert "routing profile: `viasd/profiles/" in summary and "(shipped with the package), sha256 " in summary
     assert all(r["quality"]["metric"] == "bleu" for r in rows if r["key"] == "specbench/1")

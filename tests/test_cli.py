@@ -44,6 +44,11 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         # (a bench that wrongly accepted these would fail fast on the missing model, not run)
         (["bench", "--target", NO_MODEL, "--humaneval-timeout", "nan"], None, "--humaneval-timeout must be a finite"),
         (["bench", "--target", NO_MODEL, "--gamma", "-2"], None, "--gamma must be >= 1"),
+        (
+            ["bench", "--target", NO_MODEL, "--count", "1", "--category-max-new-tokens", "maths=8"],
+            None,
+            "--category-max-new-tokens names maths, which no task of this run has",
+        ),
     ],
 )
 def test_invalid_input_gives_one_line_error(args, stdin, message):

@@ -37,13 +37,41 @@ from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
 # Settings that must be the same for rows of a resumed run to be comparable with the new ones.
 RESUME_KEYS = (
-    "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "code_max_new_tokens", "temperature",
+    "target", "drafter", "profile", "dtype", "device", "max_new_tokens", "temperature",
     "top_p", "top_k", "seed", "gamma", "chat", "quant", "drafter_quant",
 )  # fmt: skip
 
 
 def parse_list(text: str | None) -> list[str] | None:
     return [c.strip() for c in text.split(",") if c.strip()] if text else None
+
+
+def parse_category_budgets(text: str | None, code_budget: int | None, categories: Sequence[str]) -> dict[str, int]:
+    """`--category-max-new-tokens CATEGORY=N,...` and `--code-max-new-tokens N`, checked once at the edge against
+    the categories the run's tasks have."""
+    from viasd.bench.tasks import HUMANEVAL_CATEGORY
+
+    budgets: dict[str, int] = {}
+    for item in parse_list(text) or []:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
+            raise ViasdError(f"--category-max-new-tokens takes CATEGORY=N with N >= 1, got {item!r}")
+        if name in budgets:
+            raise ViasdError(f"--category-max-new-tokens names {name} twice")
+        if name not in categories:
+            known = ", ".join(sorted(set(categories))) or "none"
+            raise ViasdError(f"--category-max-new-tokens names {name}, which no task of this run has (it has: {known})")
+        budgets[name] = int(value)
+    if code_budget is not None:
+        if code_budget < 1:
+            raise ViasdError(f"--code-max-new-tokens must be >= 1, got {code_budget}")
+        if HUMANEVAL_CATEGORY in budgets:
+            raise ViasdError(
+                "HumanEval's budget is given twice: --code-max-new-tokens and humaneval= in --category-max-new-tokens"
+            )
+        budgets[HUMANEVAL_CATEGORY] = code_budget
+    return budgets
 
 
 def default_out_dir(now: dt.datetime | None = None) -> Path:
@@ -65,8 +93,12 @@ def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> 
 
     The profile's content is compared by hash where both runs recorded one.
     """
+    from viasd.bench.report import recorded_budgets
+
     keys = [*RESUME_KEYS, *(["profile_sha256"] if previous.get("profile_sha256") else [])]
     differing = [k for k in keys if _comparable(k, previous.get(k)) != _comparable(k, current.get(k))]
+    if recorded_budgets(previous) != recorded_budgets(current):
+        differing.append("category_max_new_tokens")
     if differing:
         detail = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing)
         raise ViasdError(f"cannot resume: the run was made with other settings ({detail})")
@@ -109,6 +141,13 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Token budget per turn.")] = 128,
     code_max_new_tokens: Annotated[
         int | None, typer.Option(help="Token budget for HumanEval answers (default: --max-new-tokens).")
+    ] = None,
+    category_max_new_tokens: Annotated[
+        str | None,
+        typer.Option(
+            help="Token budgets of single categories, CATEGORY=N[,CATEGORY=N] (e.g. math_reasoning=256: a worked "
+            "answer needs more room than a short prose one); the others get --max-new-tokens."
+        ),
     ] = None,
     temperature: Annotated[float, typer.Option(help="0 means greedy (the default, as in Spec-Bench).")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -179,11 +218,10 @@ def bench(
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if max_new_tokens < 1:
         raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if code_max_new_tokens is not None and code_max_new_tokens < 1:
-        raise ViasdError(f"--code-max-new-tokens must be >= 1, got {code_max_new_tokens}")
     if not 0 < humaneval_timeout < float("inf"):  # NaN fails this too
         raise ViasdError(f"--humaneval-timeout must be a finite number of seconds > 0, got {humaneval_timeout}")
     tasks = build_tasks(questions, parse_list(categories), count, humaneval, task_split)
+    budgets = parse_category_budgets(category_max_new_tokens, code_max_new_tokens, [t.category for t in tasks])
     questions_file = questions or default_questions_path()
     runs_code = any(t.source == "humaneval" for t in tasks)
     if runs_code and not allow_unsandboxed_code:
@@ -219,7 +257,7 @@ def bench(
         "dtype": dtype,
         "device": device,
         "max_new_tokens": max_new_tokens,
-        "code_max_new_tokens": code_max_new_tokens,
+        "category_max_new_tokens": budgets,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
@@ -268,7 +306,7 @@ def bench(
     run_settings = RunSettings(
         methods=method_list,
         max_new_tokens=max_new_tokens,
-        code_max_new_tokens=code_max_new_tokens,
+        category_max_new_tokens=budgets,
         sampling=sampling,
         chat=chat,
         warmup=warmup,

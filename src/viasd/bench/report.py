@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from viasd.bench.metrics import ALL, COST_PARTS, Summary, summarize
+from viasd.bench.tasks import HUMANEVAL_CATEGORY
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.profile import shipped_place
@@ -102,6 +103,20 @@ def command_line(env: Mapping[str, Any]) -> str:
     return " ".join(["viasd", *(f"'{a}'" if not a or " " in a else a for a in argv[1:])])
 
 
+def recorded_budgets(settings: Mapping[str, Any]) -> dict[str, int]:
+    """The per-category token budgets a run's recorded settings name (runs before 2026-12-03 name HumanEval's
+    alone, as `code_max_new_tokens`)."""
+    budgets = dict(settings.get("category_max_new_tokens") or {})
+    if settings.get("code_max_new_tokens"):
+        budgets.setdefault(HUMANEVAL_CATEGORY, int(settings["code_max_new_tokens"]))
+    return budgets
+
+
+def _budgets_note(budgets: Mapping[str, int]) -> str:
+    """` (humaneval 192, math_reasoning 256)`: the categories with budgets of their own, or nothing."""
+    return f" ({', '.join(f'{name} {n}' for name, n in sorted(budgets.items()))})" if budgets else ""
+
+
 def _machine_line(env: Mapping[str, Any]) -> str:
     m, v = env.get("machine", {}), env.get("versions", {})
     memory = f"{m['memory_bytes'] / 2**30:.0f} GiB" if m.get("memory_bytes") else "memory -"
@@ -188,7 +203,7 @@ def markdown(
         f"dtype {models.get('dtype', '-')}, device {models.get('device', '-')}",
         f"- routing profile: {_profile_label(models.get('profile'), settings.get('profile_sha256'))}",
         f"- tasks: {tasks}, methods: {', '.join(methods)}, max new tokens: {settings.get('max_new_tokens', '-')}"
-        + (f" (HumanEval {settings['code_max_new_tokens']})" if settings.get("code_max_new_tokens") else "")
+        + _budgets_note(recorded_budgets(settings))
         + ", "
         f"temperature: {settings.get('temperature', 0)}, gamma: {settings.get('gamma') or 'default'}",
         _machine_line(env),

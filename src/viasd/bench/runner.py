@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from viasd.bench.memory import PeakMemory
 from viasd.bench.metrics import QUALITY_METRICS, combine_stats, text_score
 from viasd.bench.sandbox import check_humaneval
-from viasd.bench.tasks import HUMANEVAL_CATEGORY, Task
+from viasd.bench.tasks import Task
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
 from viasd.errors import ViasdError
 from viasd.prompting import Message, encode_messages, encode_text
@@ -35,8 +35,9 @@ class RunSettings:
 
     methods: Sequence[str]
     max_new_tokens: int = 128
-    # HumanEval answers are whole functions: they may get a larger budget than prose turns (None: the same).
-    code_max_new_tokens: int | None = None
+    # Budgets of single categories: a HumanEval answer is a whole function and a worked maths answer a chain
+    # of steps, both longer than a short prose turn (a category not named gets max_new_tokens).
+    category_max_new_tokens: Mapping[str, int] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chat: bool = True
     warmup: bool = True
@@ -46,9 +47,7 @@ class RunSettings:
 
     def budget(self, task: Task) -> int:
         """Token budget per turn of `task`."""
-        if task.category == HUMANEVAL_CATEGORY and self.code_max_new_tokens is not None:
-            return self.code_max_new_tokens
-        return self.max_new_tokens
+        return self.category_max_new_tokens.get(task.category, self.max_new_tokens)
 
 
 def rotation(methods: Sequence[str], index: int) -> list[str]:
