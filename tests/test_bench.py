@@ -503,6 +503,28 @@ def test_report_with_only_errors(tmp_path):
 # ---------------------------------------------------------------------------------------- command
 
 
+def test_the_quality_panel_draws_tasks_gained_up_and_lost_down():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from viasd.bench.paired import Paired
+    from viasd.bench.report import _lost_and_gained
+
+    quality = {
+        "via": [Paired("humaneval", "pass@1", 124, 2, 1, -0.008, 1.0), Paired("rag", "match", 20, 0, 3, 0.15, 0.25)],
+        "sd": [Paired("rag", "match", 20, 4, 0, -0.2, 0.125)],
+    }
+    fig, ax = plt.subplots()
+    _lost_and_gained(ax, quality, "auto")
+    heights = [round(bar.get_height()) for bar in ax.patches]
+    plt.close(fig)
+    # Per method: gained bars then lost bars, over the categories humaneval, rag (a category it lacks draws 0).
+    assert heights == [1, 3, -2, 0, 0, 0, 0, -4]
+    assert "against auto" in ax.get_title()
+
+
 def test_resuming_compares_the_shipped_profile_by_place_and_content():
     from viasd.bench.command import check_resumable
 

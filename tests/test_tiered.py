@@ -324,3 +324,5 @@ def test_a_task_kind_may_verify_on_slim_views_of_its_own():
             kinds={"code": checked},
             kind_slims={"code": [LayerMask.full(4), LayerMask.full(4)]},
         )
+    with pytest.raises(ViasdError, match="without a policy of their own: maths"):
+        TieredDecoder(target, tok, drafter, [LayerMask.full(4)], checked, kind_slims={"maths": [LayerMask.full(4)]})

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from viasd.bench.metrics import ALL, COST_PARTS, Summary, summarize
+from viasd.bench.paired import Paired, paired
 from viasd.bench.tasks import HUMANEVAL_CATEGORY
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
@@ -318,7 +319,6 @@ def markdown(
 def _paired_section(rows: Sequence[Mapping[str, Any]], methods: Sequence[str], baseline: str) -> list[str]:
     """Quality task by task against the baseline (the first method when the run has no `baseline`): per category,
     the tasks each method lost and gained and the exact sign test's p-value, so a small swing reads as one."""
-    from viasd.bench.paired import paired
 
     reference = baseline if baseline in methods else (methods[0] if methods else None)
     others = [m for m in methods if m != reference]
@@ -401,8 +401,14 @@ def _sources(overall: Sequence[Summary], categories: Sequence[str], by: Mapping[
 _TIER_COLOURS = {"accept": "#4daf4a", "slim": "#377eb8", "full": "#ff7f00"}
 
 
-def plot(summaries: Sequence[Summary], path: str | Path) -> None:
-    """Speedup and rejection rate per method and category; tier fractions and the cost split per method."""
+def plot(
+    summaries: Sequence[Summary],
+    path: str | Path,
+    baseline: str = "plain",
+    quality: Mapping[str, Sequence[Paired]] | None = None,
+) -> None:
+    """Speedup and rejection rate per method and category; tier fractions and the cost split per method; and
+    where tasks have a metric, the tasks each method lost and gained against the baseline, per category."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -417,11 +423,14 @@ def plot(summaries: Sequence[Summary], path: str | Path) -> None:
         fig.text(0.5, 0.5, "no successful generations to plot", ha="center", va="center")
         _save(fig, path)
         return
-    fig, axes = plt.subplots(4, 1, figsize=(max(10, 0.9 * len(categories) * max(1, len(methods)) / 3), 17))
+    quality = {m: list(results) for m, results in (quality or {}).items() if results}
+    panels = 5 if quality else 4
+    width_in = max(10, 0.9 * len(categories) * max(1, len(methods)) / 3)
+    fig, axes = plt.subplots(panels, 1, figsize=(width_in, 17 + (4 if quality else 0)))
     width = 0.8 / max(1, len(methods))
     xs = range(len(categories))
     for ax, attr, title, ref in (
-        (axes[0], "speedup", "speedup over plain decoding (geometric mean, 10th-90th percentile)", 1.0),
+        (axes[0], "speedup", f"speedup over {baseline} (geometric mean over tasks, 10th-90th percentile)", 1.0),
         (axes[1], "rejection_rate", "rejection rate", None),
     ):
         for j, method in enumerate(methods):
@@ -465,8 +474,33 @@ def plot(summaries: Sequence[Summary], path: str | Path) -> None:
     ax.set_ylabel("seconds per token")
     ax.set_title("where the time goes: seconds per generated token by component (all tasks)")
     ax.legend(fontsize="small")
+    if quality:
+        _lost_and_gained(axes[4], quality, baseline)
     fig.tight_layout()
     _save(fig, path)
+
+
+def _lost_and_gained(ax: Any, quality: Mapping[str, Sequence[Paired]], baseline: str) -> None:
+    """Per category and method, tasks gained (up) and lost (down) against the baseline, with the sign test's p."""
+    categories = sorted({p.category for results in quality.values() for p in results})
+    width = 0.8 / len(quality)
+    for j, (method, results) in enumerate(quality.items()):
+        by_category = {p.category: p for p in results}
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(categories))]
+        rows = [by_category.get(c) for c in categories]
+        gained = [p.gained if p else 0 for p in rows]
+        lost = [-p.lost if p else 0 for p in rows]
+        bars = ax.bar(xs, gained, width, label=f"{method}: gained")
+        ax.bar(xs, lost, width, color=bars.patches[0].get_facecolor(), alpha=0.45, label=f"{method}: lost")
+        for x, p in zip(xs, rows, strict=True):
+            if p is not None:
+                ax.annotate(f"p {p.p_value:.2f}\nof {p.tasks}", (x, p.gained), ha="center", va="bottom", fontsize=7)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.margins(y=0.25)  # room for the labels above the tallest bar
+    ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+    ax.set_ylabel("tasks")
+    ax.set_title(f"quality, task by task: tasks gained (up) and lost (down) against {baseline} (exact sign test p)")
+    ax.legend(fontsize="small", ncol=min(2 * len(quality), 6))
 
 
 def _save(fig: Any, path: str | Path) -> None:
@@ -502,7 +536,10 @@ def write_report(
     paths = {"markdown": directory / SUMMARY_MD, "json": directory / SUMMARY_JSON, "plot": directory / PLOT_PNG}
     write_atomic(paths["markdown"], markdown(summaries, env, rows, baseline))
     write_atomic(paths["json"], json.dumps([asdict(s) for s in summaries], indent=2) + "\n")
-    plot(summaries, paths["plot"])
+    good = [r for r in rows if not r.get("error")]
+    others = [s.method for s in summaries if s.category == ALL and s.method != baseline]
+    quality = {m: paired(good, m, baseline) for m in others} if baseline in {r["method"] for r in good} else {}
+    plot(summaries, paths["plot"], baseline, quality)
     return paths
 
 
@@ -513,7 +550,7 @@ def comparison(rows: Sequence[Mapping[str, Any]], method: str, baseline: str) ->
     """One method against another over the tasks both ran: geometric mean of per-task speed ratios, their
     10th-90th percentile, and on how many tasks the method was faster."""
     from viasd.bench.metrics import per_prompt_speedups
-    from viasd.bench.paired import describe, paired
+    from viasd.bench.paired import describe
 
     methods = {r["method"] for r in rows}
     missing = [m for m in (method, baseline) if m not in methods]

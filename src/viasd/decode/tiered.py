@@ -65,6 +65,9 @@ class TieredDecoder(Decoder):
         self.profile = profile  # where the routing profile came from, for the record
         self.slims: list[View] = _slim_views(slims, policy)  # cheapest first
         self.kinds = dict(kinds or {})
+        strays = sorted(set(kind_slims or {}) - set(self.kinds))
+        if strays:
+            raise ViasdError(f"slim views given for task kind(s) without a policy of their own: {', '.join(strays)}")
         self.kind_slims = {name: _slim_views(views, self.kinds[name]) for name, views in (kind_slims or {}).items()}
         for name, rules in self.kinds.items():
             if name not in self.kind_slims:
