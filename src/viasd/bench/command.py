@@ -96,11 +96,15 @@ def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> 
     from viasd.bench.report import recorded_budgets
 
     keys = [*RESUME_KEYS, *(["profile_sha256"] if previous.get("profile_sha256") else [])]
-    differing = [k for k in keys if _comparable(k, previous.get(k)) != _comparable(k, current.get(k))]
+    differing = {
+        k: (previous.get(k), current.get(k))
+        for k in keys
+        if _comparable(k, previous.get(k)) != _comparable(k, current.get(k))
+    }
     if recorded_budgets(previous) != recorded_budgets(current):
-        differing.append("category_max_new_tokens")
+        differing["category_max_new_tokens"] = (recorded_budgets(previous), recorded_budgets(current))
     if differing:
-        detail = ", ".join(f"{k}: {previous.get(k)!r} -> {current.get(k)!r}" for k in differing)
+        detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differing.items())
         raise ViasdError(f"cannot resume: the run was made with other settings ({detail})")
 
 

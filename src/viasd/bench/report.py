@@ -319,7 +319,6 @@ def markdown(
 def _paired_section(rows: Sequence[Mapping[str, Any]], methods: Sequence[str], baseline: str) -> list[str]:
     """Quality task by task against the baseline (the first method when the run has no `baseline`): per category,
     the tasks each method lost and gained and the exact sign test's p-value, so a small swing reads as one."""
-
     reference = baseline if baseline in methods else (methods[0] if methods else None)
     others = [m for m in methods if m != reference]
     if reference is None or not others:
