@@ -240,11 +240,11 @@ EARLY_EXITS = {
     "sys.exit from a module-level line": "    return a - b\nimport sys\nsys.exit(0)\n",
     "an atexit hook that hides a failure": "    import atexit, os\n    atexit.register(os._exit, 0)\n    return 0\n",
     "an atexit hook at module level": "    return a - b\nimport atexit, os\natexit.register(lambda: os._exit(0))\n",
-    "a forged marker": "    import os\n    print('PASSED')\n    print('0' * 32)\n    os._exit(0)\n",
+    "a forged marker": "    import os\n    print('PASSED')\n    print('0' * 32, flush=True)\n    os._exit(0)\n",
     "a marker searched for in its files and environment": (
         "    import os, re\n    for name in os.listdir('.'):\n"
         "        print(*re.findall('[0-9a-f]{32}', open(name).read()), sep='\\n')\n"
-        "    print(*os.environ.values(), sep='\\n')\n    os._exit(0)\n"
+        "    print(*os.environ.values(), sep='\\n', flush=True)\n    os._exit(0)\n"
     ),
     "a thread that exits for the process": (
         "    import os, threading\n    threading.Thread(target=os._exit, args=(0,)).start()\n"
@@ -270,18 +270,14 @@ def test_programs_that_run_to_their_end_pass(isolate: bool) -> None:
     assert wrong.status == "failed" and "AssertionError" in wrong.detail
 
 
-def test_the_capture_keeps_head_and_tail_and_finds_a_marker_across_chunks() -> None:
-    capture = Capture(limit=100, marker=b"NONCE-1234")
+def test_the_capture_keeps_head_and_tail() -> None:
+    capture = Capture(limit=100)
     capture.feed(b"a" * 1000 + b"NON")
     capture.feed(b"CE-12")
     capture.feed(b"34" + b"z" * 1000 + b"\nlast line\n")
-    assert capture.found and len(capture.head) + len(capture.tail) == 100
+    assert len(capture.head) + len(capture.tail) == 100
     assert capture.dropped == 1000 + 10 + 1000 + 11 - 100
     assert capture.text().startswith("a" * 50) and capture.text().endswith("last line\n")
-    other = Capture(limit=100, marker=b"NONCE-1234")
-    other.feed(b"NONCE-123")
-    other.feed(b"x4")
-    assert not other.found
 
 
 FLOOD = "import sys\nchunk = b'x' * (1 << 20)\nfor _ in range(300):\n    sys.{stream}.buffer.write(chunk)\n"

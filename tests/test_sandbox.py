@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from importlib import resources
@@ -38,6 +39,79 @@ __main__._BLOCKED = ()
 __main__._PATHS = ()
 __main__._inside = lambda path: True
 """
+
+
+# Every forgery runs under bubblewrap (where it works) and under the guard alone with the reaper.
+MODES = [
+    pytest.param(True, id="bubblewrap", marks=needs_bwrap),
+    pytest.param(False, id="guard-only"),
+]
+
+ADD = {
+    "prompt": 'def add(a, b):\n    """Sum of a and b."""\n',
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+    "entry_point": "add",
+}
+# Each completion prints every value it can reach along one route into the interpreter that runs it, then exits 0
+# before the tests run: whatever proves that a program ran to its end must not be among them.
+SHOW = """
+def show(names):
+    print(*[v for v in dict(names).values() if isinstance(v, (str, bytes, int))], sep="\\n")
+"""
+FORGERIES = {
+    "the calling frames' locals": """
+frame = sys._getframe(1)
+while frame is not None:
+    show(frame.f_locals)
+    show(frame.f_globals)
+    frame = frame.f_back
+""",
+    "a traceback's frames": """
+try:
+    raise ValueError
+except ValueError as error:
+    frame = error.__traceback__.tb_frame
+while frame is not None:
+    show(frame.f_locals)
+    frame = frame.f_back
+""",
+    "inspect.stack()": """
+for info in inspect.stack():
+    show(info.frame.f_locals)
+""",
+    "every object the collector tracks": """
+for thing in gc.get_objects():
+    if isinstance(thing, dict):
+        show(thing)
+    elif isinstance(thing, (list, tuple)):
+        show(enumerate(thing))
+""",
+    "its standard input and open files": """
+for name in os.listdir("/proc/self/fd"):
+    try:
+        os.set_blocking(int(name), False)
+        print(os.read(int(name), 4096))
+    except OSError:
+        pass
+""",
+}
+
+
+def forgery(route: str, end: str) -> str:
+    """A completion of ADD that runs `route` from inside the function, then `end`."""
+    body = "import gc, inspect, os, sys\n" + SHOW + FORGERIES[route] + end
+    return textwrap.indent(body, "    ")
+
+
+@pytest.mark.parametrize("isolate", MODES)
+@pytest.mark.parametrize("route", list(FORGERIES))
+def test_the_proof_of_a_run_to_its_end_cannot_be_read_by_the_program(route: str, isolate: bool) -> None:
+    """The proof that the tests ran is out of the program's reach: printing all it can find and exiting 0 fails."""
+    exit_early = "sys.stdout.flush()\nos._exit(0)\n"
+    result = check_humaneval(ADD, forgery(route, exit_early), timeout=20.0, isolate=isolate)
+    assert not result.passed, (route, result)
+    assert result.status == "failed", result
+    assert check_humaneval(ADD, forgery(route, "return a + b\n"), timeout=20.0, isolate=isolate).passed, route
 
 
 def humaneval_problems(count: int) -> list[dict[str, str]]:

@@ -6,14 +6,21 @@ It is not a security boundary: its state lives in the interpreter the program co
 can undo it. Inside bubblewrap (see `isolation.py`) the operating system is the boundary; without it this
 guard is all there is, and the benchmark refuses to run it unless the user accepts that.
 
-It also proves that a program ran to its end: it reads the run's random nonce from standard input before the
-program starts and prints it only after the program has returned, so an early exit cannot pass.
+It also reports that a program ran to its end: only once the program has returned does it write DONE on the
+report pipe, a descriptor of its own that the harness reads, never the program's output. There is no secret
+in the interpreter for the program to find (its frames, tracebacks, `inspect.stack()`, the collector's objects,
+its files and environment hold nothing that passes when printed), and an early exit, in any way, leaves the
+report empty. The report is not a boundary either: code written against this harness can write on that pipe
+itself, as it can return an object equal to everything; the check is against accidents and output that
+merely looks like a pass.
 """
 
 from __future__ import annotations
 
-# Runs first in the child: reads the run's nonce from standard input, installs the audit hook, executes the
-# program file given as argv[1], and prints the nonce when the program has run to its end.
+DONE = b"ran to its end\n"  # what the guard writes on the report pipe once the program has returned
+
+# Runs first in the child: installs the audit hook, executes the program file given as argv[1], and writes DONE on
+# the report pipe, the descriptor given as argv[2], when the program has run to its end.
 GUARD = r"""
 import os, sys
 _ROOT = os.path.realpath(os.getcwd())
@@ -49,13 +56,10 @@ def _hook(event, args):
             raise PermissionError(f"sandbox: {event} outside the sandbox is not allowed")
 
 def _main():
-    # The harness writes this run's nonce on standard input; it is printed only after the program has run to its
-    # end, so an early exit (sys.exit, os._exit, an atexit hook turning a failure into status 0) cannot pass.
-    nonce = sys.stdin.readline().strip()
-    quiet = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(quiet, 0)
-    os.close(quiet)
+    # The report is written only after the program has run to its end, so an early exit (sys.exit, os._exit, an
+    # atexit hook turning a failure into status 0) leaves it empty.
     program = open(sys.argv[1], encoding="utf-8").read()
+    report = int(sys.argv[2])
     sys.addaudithook(_hook)
     del sys.argv[1:]
     try:
@@ -65,7 +69,8 @@ def _main():
         sys.stderr.write(f"SystemExit({stop.code!r}) before the tests completed\n")
         sys.stderr.flush()
         os._exit(3)
-    os.write(1, ("\n" + nonce + "\n").encode())
+    os.write(report, __DONE__)
+    os.close(report)
 
 _main()
-"""
+""".replace("__DONE__", repr(DONE))

@@ -63,7 +63,7 @@ signal.signal(signal.SIGTERM, stop)
 subreaper()
 status = -signal.SIGKILL
 try:
-    program = subprocess.Popen(sys.argv[1:])
+    program = subprocess.Popen(sys.argv[1:], close_fds=False)  # the program keeps the guard's report pipe
     status = program.wait()
 except Stop:
     pass

@@ -10,9 +10,10 @@ accepts the risk (`isolate=None`, `viasd bench --allow-unsandboxed-code`): then 
 which deliberate code can undo, under a reaper (`reaper.py`) that kills whatever the program started, and
 the benchmark warns once (a `SandboxWarning`).
 
-A program passes only when it exits with status 0 *and* has printed this run's random nonce, which the guard
-prints after the program has run to its end: exiting early, in any way, is a failure. Its standard output
-and error are read as they come, but only their first and last bytes are kept (MAX_CAPTURE in all).
+A program passes only when it exits with status 0 *and* the guard has reported, on a pipe of its own that is
+not the program's output, that the program ran to its end: exiting early, in any way, is a failure, and
+nothing the program can read or print stands in for that report (see `guard.py`). Its standard output and
+error are read as they come, but only their first and last bytes are kept (MAX_CAPTURE in all).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import secrets
 import selectors
 import signal
 import subprocess
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from viasd.bench.guard import GUARD
+from viasd.bench.guard import DONE, GUARD
 from viasd.bench.isolation import SCRATCH, bwrap_command, find_bubblewrap
 from viasd.bench.reaper import REAPER
 from viasd.errors import ViasdError
@@ -73,26 +73,19 @@ def require_sandbox() -> None:
 
 
 class Capture:
-    """The first and last bytes of a stream (at most `limit` in all), and whether `marker` occurred anywhere in it.
+    """The first and last bytes of a stream (at most `limit` in all).
 
     Memory stays bounded whatever the program writes: the middle of a long stream is counted, not kept.
     """
 
-    def __init__(self, limit: int = MAX_CAPTURE, marker: bytes = b"") -> None:
+    def __init__(self, limit: int = MAX_CAPTURE) -> None:
         self.limit = limit
-        self.marker = marker
-        self.found = False
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
-        self._carry = b""
 
     def feed(self, data: bytes) -> None:
         """Take the next chunk of the stream."""
-        if self.marker and not self.found:
-            window = self._carry + data
-            self.found = self.marker in window
-            self._carry = window[len(window) - len(self.marker) + 1 :] if len(self.marker) > 1 else b""
         half = self.limit // 2
         room = max(0, half - len(self.head))
         self.head += data[:room]
@@ -128,11 +121,13 @@ def _limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
             resource.setrlimit(limit, (value, value))
 
 
-def _command(tmp: str, isolate: bool | None) -> tuple[list[str], dict[str, str], bool]:
-    """The command that runs guard.py on solution.py in `tmp`, its environment, and whether a reaper leads it."""
+def _command(tmp: str, isolate: bool | None, report: int) -> tuple[list[str], dict[str, str], bool]:
+    """The command that runs guard.py on solution.py in `tmp`, reporting on descriptor `report`, its environment,
+    and whether a reaper leads it."""
     bwrap, reason = find_bubblewrap()
+    guard = ["guard.py", "solution.py", str(report)]
     if isolate is not False and bwrap is not None:
-        argv = [sys.executable, "-I", "-B", "guard.py", "solution.py"]
+        argv = [sys.executable, "-I", "-B", *guard]
         env = {"PATH": "/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": SCRATCH, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
         return bwrap_command(bwrap, tmp, argv, env), {"PATH": "/usr/bin:/bin"}, False
     if isolate:
@@ -145,7 +140,7 @@ def _command(tmp: str, isolate: bool | None) -> tuple[list[str], dict[str, str],
             SandboxWarning,
             stacklevel=3,
         )
-    argv = [sys.executable, "-I", "-B", "-c", REAPER, sys.executable, "-I", "-B", "guard.py", "solution.py"]
+    argv = [sys.executable, "-I", "-B", "-c", REAPER, sys.executable, "-I", "-B", *guard]
     return argv, {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}, True
 
 
@@ -164,38 +159,67 @@ def run_program(
     """
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise ViasdError(f"the HumanEval timeout must be a finite number of seconds > 0, got {timeout}")
-    nonce = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="viasd-exec-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="viasd-exec-") as tmp, contextlib.closing(ReportPipe()) as report:
         (Path(tmp) / "solution.py").write_text(program, encoding="utf-8")
         (Path(tmp) / "guard.py").write_text(GUARD, encoding="utf-8")
-        command, env, reaper = _command(tmp, isolate)
+        command, env, reaper = _command(tmp, isolate, report.write_end)
         cpu = max(1, math.ceil(timeout) + 1)
         deadline = time.monotonic() + timeout
         proc = subprocess.Popen(
             command,
             cwd=tmp,
             env=env,
-            stdin=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            pass_fds=(report.write_end,),
             start_new_session=True,
             preexec_fn=lambda: _limits(cpu, memory_bytes, file_bytes),
         )
-        out, err = Capture(marker=nonce.encode()), Capture()
+        report.handed_over()
+        out, err = Capture(), Capture()
         finished = False
         try:
-            _send_nonce(proc, nonce)
             finished = _collect(proc, deadline, out, err) and _wait(proc, deadline)
         finally:
             _stop(proc, reaper and not finished)
+        received = report.received()
     if not finished:
         return ExecutionResult(False, "timed out", f"no result within {timeout:g} s")
-    return _verdict(proc.returncode, out, err)
+    return _verdict(proc.returncode, received, err)
 
 
-def _verdict(returncode: int, out: Capture, err: Capture) -> ExecutionResult:
-    """Passed only with exit status 0 and the nonce on standard output: the program ran to its end."""
-    if returncode == 0 and out.found:
+class ReportPipe:
+    """The pipe on which the guard reports that the program ran to its end; the harness keeps its read end."""
+
+    def __init__(self) -> None:
+        self.read_end, self.write_end = os.pipe()
+
+    def handed_over(self) -> None:
+        """Close the harness's copy of the write end once the child holds it."""
+        os.close(self.write_end)
+        self.write_end = -1
+
+    def received(self) -> bytes:
+        """What the guard wrote by the time the program ended. Never waits for the pipe to close: a process the
+        program left behind may still hold it."""
+        os.set_blocking(self.read_end, False)
+        try:
+            return os.read(self.read_end, len(DONE) + 1)
+        except BlockingIOError:
+            return b""
+
+    def close(self) -> None:
+        """Close what is still open."""
+        for fd in (self.read_end, self.write_end):
+            if fd >= 0:
+                os.close(fd)
+        self.read_end = self.write_end = -1
+
+
+def _verdict(returncode: int, report: bytes, err: Capture) -> ExecutionResult:
+    """Passed only with exit status 0 and the guard's report that the program ran to its end."""
+    if returncode == 0 and report == DONE:
         return ExecutionResult(True, "passed")
     if returncode < 0 and -returncode in (signal.SIGXCPU, signal.SIGKILL):
         return ExecutionResult(False, "timed out", f"killed by signal {-returncode}")
@@ -204,15 +228,6 @@ def _verdict(returncode: int, out: Capture, err: Capture) -> ExecutionResult:
         why = "exit status 0, but the program did not run to its end (an early exit)"
         return ExecutionResult(False, "failed", f"{lines[-1][:300]} ({why})" if lines else why)
     return ExecutionResult(False, "failed", lines[-1][:300] if lines else f"exit status {returncode}")
-
-
-def _send_nonce(proc: subprocess.Popen[bytes], nonce: str) -> None:
-    """Give the guard this run's nonce on standard input, then close it (the program reads nothing there)."""
-    assert proc.stdin is not None
-    with contextlib.suppress(OSError):  # a child that died at once: its status tells why
-        proc.stdin.write(nonce.encode() + b"\n")
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
 
 
 def _collect(proc: subprocess.Popen[bytes], deadline: float, out: Capture, err: Capture) -> bool:
