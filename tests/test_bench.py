@@ -650,3 +650,33 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     for pair, message in (("sd", "two methods"), ("sd,warp", "no rows for warp")):
         bad = runner.invoke(app, ["bench", "--out", str(out), "--compare", pair])
         assert bad.exit_code == 2 and message in bad.output
+
+
+def test_a_resume_with_other_questions_is_refused_but_not_a_copy_of_them(tmp_path, tiny_pair, monkeypatch):
+    """Rows are keyed by question id: a resume with another file's questions under the same ids would keep the old
+    answers as if they were the new questions'. The content decides, not the file's name."""
+    from viasd.cli import app
+    from viasd.models.loading import LoadedModel
+
+    target, drafter, tok = tiny_pair
+    models = {"tiny-target": target, "tiny-drafter": drafter}
+    monkeypatch.setattr("viasd.engine.load_model", lambda name, **_: LoadedModel(models[name], tok, name, name))
+    first, other, copy = tmp_path / "first.jsonl", tmp_path / "other.jsonl", tmp_path / "copy.jsonl"
+    first.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["t3 t4"]}) + "\n")
+    other.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["t9 t8 t7"]}) + "\n")
+    copy.write_bytes(first.read_bytes())
+    out = tmp_path / "run"
+    args = ["bench", "--target", "tiny-target", "--drafter", "tiny-drafter", "--dtype", "fp32", "--device", "cpu"]
+    args += ["--methods", "plain", "--count", "1", "-n", "2", "--no-warmup", "--out", str(out)]
+    runner = CliRunner()
+    assert runner.invoke(app, [*args, "--questions", str(first)]).exit_code == 0
+    results = (out / "results.jsonl").read_bytes()
+    env = (out / "environment.json").read_bytes()
+    refused = runner.invoke(app, [*args, "--questions", str(other), "--resume"])
+    assert refused.exit_code == 2, refused.output
+    assert "cannot resume" in refused.output and "0 to run" not in refused.output
+    assert str(first) in refused.output and str(other) in refused.output
+    assert len(refused.output.strip().splitlines()) == 1
+    assert (out / "results.jsonl").read_bytes() == results and (out / "environment.json").read_bytes() == env
+    resumed = runner.invoke(app, [*args, "--questions", str(copy), "--resume"])
+    assert resumed.exit_code == 0 and "0 to run" in resumed.output, resumed.output

@@ -91,7 +91,8 @@ def _comparable(key: str, value: Any) -> Any:
 def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """Refuse to resume a run made with different models or generation settings.
 
-    The profile's content is compared by hash where both runs recorded one.
+    The profile's content is compared by hash where both runs recorded one, and so is the questions file's: rows
+    are keyed by question id, so other questions under the same ids would keep the old answers (its name may change).
     """
     from viasd.bench.report import recorded_budgets
 
@@ -103,9 +104,17 @@ def check_resumable(previous: Mapping[str, Any], current: Mapping[str, Any]) -> 
     }
     if recorded_budgets(previous) != recorded_budgets(current):
         differing["category_max_new_tokens"] = (recorded_budgets(previous), recorded_budgets(current))
+    old_questions, new_questions = previous.get("questions_sha256"), current.get("questions_sha256")
+    if old_questions and new_questions and old_questions != new_questions:
+        differing["questions"] = (_questions_label(previous), _questions_label(current))
     if differing:
         detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differing.items())
         raise ViasdError(f"cannot resume: the run was made with other settings ({detail})")
+
+
+def _questions_label(settings: Mapping[str, Any]) -> str:
+    """A run's questions file as a refused resume names it: its path and the start of its content's hash."""
+    return f"{settings.get('questions')} (sha256 {str(settings.get('questions_sha256'))[:12]})"
 
 
 def read_environment(path: Path) -> dict[str, Any]:
