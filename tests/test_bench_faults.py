@@ -179,12 +179,33 @@ def test_report_and_compare_refuse_a_damaged_line_that_hides_a_row(tmp_path: Pat
 @pytest.mark.parametrize(
     ("content", "message"),
     [
+        (b'{"settings": {"seed": ' + b"1" * 5000 + b"}}", "an integer longer than 4300 digits"),
+        (b'{"settings": ' + b"[" * 100_000, "JSON nested deeper than the parser can read"),
+        (b'{"settings": ', "not JSON"),
+    ],
+)
+@pytest.mark.parametrize("command", [["--report-only"], ["--resume"]])
+def test_a_damaged_environment_record_is_one_line_and_exit_2(
+    tmp_path: Path, content: bytes, message: str, command: list[str]
+) -> None:
+    out = _run_dir(tmp_path, [_row("q/0", "plain")], damage=None)
+    (out / "environment.json").write_bytes(content)
+    result = CliRunner().invoke(app, ["bench", "--out", str(out), "--methods", "plain", *command])
+    assert result.exit_code == 2, result.output
+    assert f"{out / 'environment.json'} is damaged ({message}" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
         (b'{"question_id": 1, "category": "qa", "turns": ["caf\xe9"]}\n', "line 1: not UTF-8 text (byte 0xe9)"),
         (b'{"question_id": 1, "category": "qa", "turns": ["a"]}\n\xff\n', "line 2: not UTF-8 text"),
         (b'{"question_id": 1, "category": ["qa"], "turns": ["a"]}\n', "line 1: 'category' must be"),
         (b'{"question_id": null, "category": "qa", "turns": ["a"]}\n', "line 1: 'question_id' must be"),
         (b'{"question_id": 1, "category": "qa", "turns": ["\\ud800"]}\n', "line 1: 'turns' must be"),
-        (b"[" * 100_000 + b"\n", "line 1: not a question record"),
+        (b"[" * 100_000 + b"\n", "line 1: JSON nested deeper than the parser can read"),
+        (b'{"question_id": ' + b"7" * 5000 + b', "category": "qa", "turns": ["a"]}\n', "line 1: an integer longer"),
         (b'["a question"]\n', "line 1: expected a JSON object"),
     ],
 )

@@ -90,6 +90,16 @@ def test_deeply_nested_json_is_refused_in_one_line(tmp_path: Path, depth: int) -
     assert "nested deeper than" in _refused(_write(tmp_path, text))
 
 
+@pytest.mark.parametrize("where", ["gamma", "calibration"])
+def test_an_integer_past_pythons_digit_limit_is_one_line(tmp_path: Path, where: str) -> None:
+    """CPython refuses to read integers of more than 4300 digits (a ValueError of its own, not a JSON error)."""
+    text = json.dumps({**_valid(), where: 0}).replace(f'"{where}": 0', f'"{where}": {"9" * 5000}')
+    assert "an integer longer than 4300 digits" in _refused(_write(tmp_path, text))
+    result = CliRunner().invoke(app, ["calibrate", "--reselect", str(tmp_path / "profile.json")])
+    assert result.exit_code == 2 and "an integer longer than 4300 digits" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -23,6 +23,7 @@ from viasd.decode import MAX_GAMMA
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
+from viasd.jsonio import JSONFault, parse_json
 from viasd.models.fingerprint import model_fingerprint
 from viasd.task_kind import TASK_KINDS
 from viasd.verify.gates import SIGNALS, Gate
@@ -381,13 +382,12 @@ def _read_bounded(path: str | os.PathLike[str]) -> bytes:
 def load_profile(path: str | os.PathLike[str]) -> RoutingProfile:
     """Read a profile file; a missing, unreadable, oversized, too deeply nested or malformed file, or one with a
     field of the wrong type or out of range, gives a one-line ViasdError."""
-    raw = _read_bounded(path)
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = parse_json(_read_bounded(path).decode("utf-8"))
+    except UnicodeDecodeError as exc:
         raise ViasdError(f"cannot read routing profile {path}: {exc}") from exc
-    except RecursionError:
-        raise ViasdError(f"cannot read routing profile {path}: nested deeper than {MAX_DEPTH} levels") from None
+    except JSONFault as exc:
+        raise ViasdError(f"cannot read routing profile {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ViasdError(f"cannot read routing profile {path}: not a JSON object")
     profile = RoutingProfile.from_dict(data)

@@ -32,6 +32,7 @@ from viasd.cli_options import (
     engine_spec,
 )
 from viasd.errors import ViasdError
+from viasd.jsonio import JSONFault, parse_json
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
@@ -120,8 +121,8 @@ def _questions_label(settings: Mapping[str, Any]) -> str:
 def read_environment(path: Path) -> dict[str, Any]:
     """A run's environment record, or a one-line error when it is unreadable, not JSON or not a record."""
     try:
-        env = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        env = parse_json(path.read_bytes())
+    except (OSError, JSONFault) as error:
         raise ViasdError(f"{path} is damaged ({error}); move the run elsewhere or pick another --out") from None
     if not isinstance(env, dict) or not isinstance(env.get("settings", {}), dict):
         raise ViasdError(f"{path} is damaged (not a run's environment record); pick another --out")

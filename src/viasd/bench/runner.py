@@ -23,6 +23,7 @@ from viasd.bench.sandbox import check_humaneval
 from viasd.bench.tasks import Task
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
 from viasd.errors import ViasdError
+from viasd.jsonio import JSONFault, parse_json
 from viasd.prompting import Message, encode_messages, encode_text
 from viasd.verify.sampling import SamplingParams
 
@@ -113,8 +114,8 @@ def row_problem(row: Any) -> str | None:
 def _parse_line(line: bytes) -> tuple[dict[str, Any] | None, str]:
     """One line as a result row, or None and why it is not one."""
     try:
-        row = json.loads(line)
-    except (ValueError, RecursionError):  # ValueError covers JSONDecodeError and bytes that are not UTF-8
+        row = parse_json(line)
+    except JSONFault:
         return None, "not JSON" + ("" if line.endswith(b"\n") else " (a torn last line: an interrupted write)")
     problem = row_problem(row)
     return (None, problem) if problem else (row, "")

@@ -17,6 +17,7 @@ from typing import Any
 
 from viasd.bench.splits import Split, keep
 from viasd.errors import ViasdError
+from viasd.jsonio import JSONFault, parse_json
 
 DEFAULT_QUESTIONS = "question_dev.jsonl"
 HUMANEVAL_CATEGORY = "humaneval"
@@ -95,11 +96,9 @@ def parse_specbench(lines: Iterable[str], name: str = "questions") -> list[Task]
             continue
         where = f"{name} line {number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ViasdError(f"{where}: not JSON ({error.msg})") from None
-        except RecursionError:
-            raise ViasdError(f"{where}: not a question record (JSON nested too deeply)") from None
+            record = parse_json(line)
+        except JSONFault as error:
+            raise ViasdError(f"{where}: {error}") from None
         if not isinstance(record, dict):
             raise ViasdError(f"{where}: expected a JSON object")
         task = parse_specbench_record(record, where)

@@ -19,6 +19,7 @@ import typer
 
 from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, TargetOpt, engine_spec
 from viasd.errors import ViasdError
+from viasd.jsonio import JSONFault, parse_json
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 TOLERANCE = 0.10  # a projected speedup within 10% of the measured one counts as matching
@@ -214,10 +215,10 @@ def _policy(policy: Any) -> dict[str, Any]:
 def _read_json(path: Path, what: str, kind: type = dict, missing: str | None = None) -> Any:
     """The JSON value in `path`, which must be a `kind`; one-line errors naming `what` (or `missing`)."""
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_bytes())
     except FileNotFoundError:
         raise ViasdError(missing or f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, JSONFault) as exc:
         raise ViasdError(f"cannot read {what} {path}: {exc}") from None
     if not isinstance(data, kind):
         raise ViasdError(f"cannot read {what} {path}: not a {what}")
