@@ -1,6 +1,7 @@
 """The quantized Linear layers a view swaps in for a model's own: int8 with int8 activations (torch's fbgemm, or
-`torch._int_mm`), int8 and int4 weight-only (torch's kernels), int4 x int8 and 6-bit x int8 (viasd's kernels,
-kernels/w4a8.py and kernels/w6a8.py), and `Siblings`, layers that take the same input computed as one product.
+`torch._int_mm`), int8 and int4 weight-only (torch's kernels, their operands checked first: views/torch_kernels.py),
+int4 x int8 and 6-bit x int8 (viasd's kernels, kernels/w4a8.py and kernels/w6a8.py), and `Siblings`, layers that
+take the same input computed as one product.
 
 The modules are new ones with their own (smaller) tensors; the model's own weights are never changed or copied
 whole: one Linear at a time is read while its quantized copy is made (views/quantize.py).
@@ -18,6 +19,13 @@ from torch import nn
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8, w6a8
 from viasd.kernels.cpu import cpu_flags
+from viasd.views.torch_kernels import (
+    int4_weight_only,
+    int4_weights,
+    int8_weight_only,
+    int8_weight_only_fault,
+    int8_weights,
+)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -173,18 +181,34 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("weight", weight)  # [out, in] int8
         self.register_buffer("scale", scale)  # [out], the activations' dtype
         self.register_buffer("bias", bias)
+        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers torch's kernel was checked on
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        fault = int8_weight_only_fault(linear.in_features)
+        if fault is not None:
+            raise ViasdError(f"int8wo: {fault}")
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale.to(linear.weight.dtype), bias)
 
+    def prepare(self) -> None:
+        """Check the weights for torch's kernel now (see `QuantizedLinears.prepare`), not in the first pass."""
+        self._sound()
+
+    def _sound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as torch's kernel takes them (views/torch_kernels.py), checked again whenever the buffers
+        are other tensors (a copy read from the cache, a move to another device), else as checked last."""
+        if self._checked is None or self._checked[0] is not self.weight or self._checked[1] is not self.scale:
+            self.weight, self.scale = int8_weights(self.weight, self.scale)
+            self._checked = (self.weight, self.scale)
+        return self._checked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = flat(x)
-        out = torch.ops.aten._weight_int8pack_mm(rows.to(self.scale.dtype), self.weight, self.scale)
+        weight, scale = self._sound()
+        out = int8_weight_only(flat(x).to(scale.dtype), weight, scale)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -199,6 +223,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros)  # [in / group, out, 2] bf16
         self.register_buffer("bias", bias)
         self.group_size = group_size
+        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers torch's kernel was checked on
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4WeightOnlyLinear:
@@ -215,9 +240,20 @@ class Int4WeightOnlyLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(packed, scales_zeros.to(torch.bfloat16), group_size, bias)
 
+    def prepare(self) -> None:
+        """Check the weights for torch's kernel now (see `QuantizedLinears.prepare`), not in the first pass."""
+        self._sound()
+
+    def _sound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weights as torch's kernel takes them (as `Int8WeightOnlyLinear._sound`)."""
+        if self._checked is None or self._checked[0] is not self.packed or self._checked[1] is not self.scales_zeros:
+            self.packed, self.scales_zeros = int4_weights(self.packed, self.group_size, self.scales_zeros)
+            self._checked = (self.packed, self.scales_zeros)
+        return self._checked
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = flat(x).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_zeros)
+        packed, scales_zeros = self._sound()
+        out = int4_weight_only(flat(x).to(torch.bfloat16), packed, self.group_size, scales_zeros)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
