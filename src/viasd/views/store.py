@@ -1,11 +1,16 @@
 """Quantize once: a model's quantized Linear copies kept on disk, keyed by the model's fingerprint, its dtype and the
 recipe.
 
-The file (safetensors) is written atomically and checked on load: its format, model fingerprint, dtype and recipe,
-every module's tensors, and every tensor's bytes against the xxh3-128 digest recorded when it was written (a flipped
-bit in a weight would be a wrong answer, never an error). A file that fails a check is not used: the copies are
-made again and the file replaced, with a line on stderr saying so. A cache folder that cannot be written (read-only,
-not a directory) costs the cache, never the run: the copies are made in memory, with one line on stderr.
+The file (safetensors) is laid out so that its tensors, read back mapped from the file, start at 64-byte boundaries
+as the copies made in memory do (views/tensor_file.py); one that does not (a file of another writer) is copied into
+memory torch allocated. torch's int8 weight-only kernel reads its weights with aligned vector loads: a copy read from
+a file that safetensors wrote itself, 8 bytes past a boundary, killed the process on AVX-512 CPUs.
+
+The file is written atomically and checked on load: its format, model fingerprint, dtype and recipe, every module's
+tensors, and every tensor's bytes against the xxh3-128 digest recorded when it was written (a flipped bit in a weight
+would be a wrong answer, never an error). A file that fails a check is not used: the copies are made again and the
+file replaced, with a line on stderr saying so. A cache folder that cannot be written (read-only, not a directory)
+costs the cache, never the run: the copies are made in memory, with one line on stderr.
 
 What the digest check adds to making a view from its cached copy: hashing the tensors just read, which are in
 memory by then. Measured on the development machine (AMD EPYC, 2 shared cores) on the default models' copies:
@@ -34,7 +39,6 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as save_bytes
 from torch import nn
 
 from viasd.cache import cache_folder
@@ -51,12 +55,15 @@ from viasd.views.linears import (
 )
 from viasd.views.quantize import QuantizedLinears, quantizable, quantize
 from viasd.views.recipe import QuantRecipe
+from viasd.views.tensor_file import to_bytes
+from viasd.views.torch_kernels import aligned
 
 if TYPE_CHECKING:
     from viasd.views.gguf import GgufWeights
 
-# 2: a gguf recipe's 6-bit layers are the file's own blocks; 3: low-bit tiles; 4: a digest per tensor, the dtype
-FORMAT = "viasd-quantized/4"
+# 2: a gguf recipe's 6-bit layers are the file's own blocks; 3: low-bit tiles; 4: a digest per tensor, the dtype;
+# 5: tensors at 64-byte boundaries (a file of 4 is made again, not copied tensor by tensor at every load)
+FORMAT = "viasd-quantized/5"
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
 SMOOTHING_TEXTS = (
     "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
@@ -113,7 +120,7 @@ def _to_bytes(linears: QuantizedLinears, model: nn.Module) -> bytes:
         "recipe": linears.recipe.name,
         "digests": json.dumps({key: _digest(tensor) for key, tensor in tensors.items()}, sort_keys=True),
     }
-    return save_bytes(tensors, metadata=metadata)
+    return to_bytes(tensors, metadata)
 
 
 def _check_digests(tensors: dict[str, torch.Tensor], recorded: str | None) -> None:
@@ -156,7 +163,7 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
             stored = tensors.get(f"{name}/{key}")
             if stored is None or stored.shape != expected.shape or stored.dtype != expected.dtype:
                 raise DamagedCache(f"tensor {name}/{key} is missing or of another shape")
-            setattr(probe, key, stored)
+            setattr(probe, key, aligned(stored))  # as a copy made in memory is: kernels may rely on it
         if not isinstance(probe, _CLASSES[kind]):
             raise DamagedCache(f"{name}: unexpected module kind")
         out.modules[name] = probe
