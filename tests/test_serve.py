@@ -610,6 +610,60 @@ def tiny_app() -> Iterator[TestClient]:
         yield test_client
 
 
+def tiny_model_dir(directory: Path) -> Path:
+    """A tiny random model with a chat tokenizer saved where `viasd serve --target` loads it; its context is long
+    (RoPE has no table to outgrow), so that a generation can outlast a drain."""
+    import torch
+
+    from tiny import tiny_chat_tokenizer, tiny_model
+
+    tiny_model(vocab_size=320, dtype=torch.float32).save_pretrained(directory)
+    tiny_chat_tokenizer(320).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1 << 20}))
+    return directory
+
+
+def test_requests_still_running_when_the_drain_ends_are_told_so(tmp_path: Path) -> None:
+    """SIGTERM while a stream and a plain request run longer than --shutdown-timeout: at its end the stream gets an
+    error event and [DONE] (not a cut connection) and the plain request a 503, and the log says so in one line."""
+    model = tiny_model_dir(tmp_path / "model")
+    server = launch_server(
+        tmp_path, "drain-ends", "--target", str(model), "--device", "cpu", "--methods", "plain",
+        "--max-tokens-limit", "1000000", "--shutdown-timeout", "1.5", "--no-access-log",
+    )  # fmt: skip
+    body = {"prompt": "hello", "max_tokens": 1000000, "temperature": 0, "ignore_eos": True}
+    answers: list[httpx.Response] = []
+    try:
+        wait_healthy(server)
+        plain = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=60))
+        )
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as got:
+            lines = sse_payloads(got.iter_lines())
+            plain.start()
+            next(lines), next(lines)
+            time.sleep(0.5)  # the plain request is running too
+            server.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = list(lines)  # a cut connection raises here
+            ended = time.monotonic() - signalled
+        plain.join(timeout=30)
+        assert rest[-1] == "[DONE]", rest[-3:]
+        error = json.loads(rest[-2])["error"]
+        assert error["code"] == "shutting_down" and "--shutdown-timeout" in error["message"], error
+        assert all("choices" in json.loads(p) for p in rest[:-2])  # text until then, no finish reason
+        assert 1.5 <= ended < 15, ended  # the drain lasted --shutdown-timeout
+        assert_error(answers[0], 503, "--shutdown-timeout")
+        assert answers[0].json()["error"]["code"] == "shutting_down"
+        assert server.process.wait(timeout=30) is not None
+        log = server.log.read_text(errors="replace")
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+        assert len([line for line in log.splitlines() if "--shutdown-timeout" in line]) == 1, log[-3000:]
+    finally:
+        stop_server(server)
+
+
 def test_in_process_app_serves_streams_and_counts(tiny_app: TestClient) -> None:
     body = {"prompt": "t3 t4 t5 t3 t4", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     plain = tiny_app.post("/v1/completions", json={**body, "method": "plain"}).json()
@@ -702,6 +756,8 @@ def test_settings_and_requests_are_validated() -> None:
         {"methods": ("sd",), "default_max_tokens": 10, "max_tokens_limit": 5},
         {"methods": ("sd",), "api_key": " "},
         {"methods": ("sd",), "max_queue": -1},
+        {"methods": ("sd",), "shutdown_timeout": -1},
+        {"methods": ("sd",), "shutdown_timeout": float("nan")},
     ):
         with pytest.raises(ViasdError):
             ServeSettings(model_id="m", **bad)

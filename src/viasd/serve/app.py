@@ -30,6 +30,7 @@ from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.passes.executor import PassExecutor
 from viasd.prompting import Message, encode_messages
+from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
 from viasd.serve.metrics import Metrics
@@ -138,6 +139,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         settings.adaptive_drafts,
         executor,
     )
+    # When --shutdown-timeout is over, the requests still running are told so and their generations stopped.
+    drain = Drain(settings.shutdown_timeout, on_end=lambda: service.close(wait=False))
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-tokenize")
     watchers: set[asyncio.Task[None]] = set()
     created = int(time.time())
@@ -146,6 +149,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        drain.bind(asyncio.get_running_loop())
         try:
             yield
         finally:
@@ -161,6 +165,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         docs_url=None,
         redoc_url=None,
     )
+    app.state.drain = drain  # begun by `viasd serve` on SIGTERM or Ctrl-C
     served = Served(
         model_id=settings.model_id,
         methods=settings.methods,
@@ -294,9 +299,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         return job
 
     async def finish(job: Job) -> GenerationResult:
-        """The job's result; a failure becomes an API error."""
+        """The job's result; a failure, or the end of a shutdown's drain, becomes an API error."""
         try:
-            return await job.result
+            with drain.running():
+                return await drain.race(asyncio.shield(job.result))
+        except Drained as error:
+            raise APIError(503, drain.message, code="shutting_down") from error
         except GenerationCancelled as error:
             raise APIError(499, "the client closed the request", code="cancelled") from error
         except ViasdError as error:
@@ -321,14 +329,20 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         finish_event: Callable[[str], str],
         usage_event: Callable[[Usage], str] | None,
     ) -> AsyncIterator[str]:
-        """The SSE body: text pieces as they are committed, the finish reason, usage if asked, [DONE]."""
+        """The SSE body: text pieces as they are committed, the finish reason, usage if asked, [DONE]. A stream the
+        end of a shutdown's drain cuts short ends with an error event and [DONE], so that its client knows."""
         try:
             if first is not None:
                 yield first
-            while (piece := await job.pieces.get()) is not None:
-                yield piece_event(piece)
             try:
-                result = await job.result
+                with drain.running():
+                    while (piece := await drain.race(job.pieces.get())) is not None:
+                        yield piece_event(piece)
+                    result = await drain.race(asyncio.shield(job.result))
+            except Drained:
+                yield sse(error_body(503, drain.message, "shutting_down"))
+                yield sse("[DONE]")
+                return
             except GenerationCancelled:
                 return
             except Exception as error:

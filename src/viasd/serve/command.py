@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from viasd.passes.executor import PassExecutor
+    from viasd.serve.drain import Drain
 
 API_KEY_ENV = "VIASD_API_KEY"
 
@@ -119,8 +120,12 @@ def serve(
         int, typer.Option(help="Requests that may wait while --max-active generate; more are refused with 503.")
     ] = 16,
     shutdown_timeout: Annotated[
-        int, typer.Option(help="Seconds to let in-flight requests finish on Ctrl-C or SIGTERM.")
-    ] = 30,
+        float,
+        typer.Option(
+            help="Seconds to let in-flight requests finish on Ctrl-C or SIGTERM; those still running then end "
+            "with a shutting_down error (a stream: an error event and [DONE]). A second signal ends them at once."
+        ),
+    ] = 30.0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = "auto",
     device_map: DeviceMapOpt = None,
@@ -137,8 +142,6 @@ def serve(
     err = Console(stderr=True)
     if not 0 <= port <= 65535:
         raise ViasdError(f"--port must be in [0, 65535] (0 picks a free one), got {port}")
-    if shutdown_timeout < 0:
-        raise ViasdError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
     if log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
         raise ViasdError(f"unknown --log-level {log_level!r} (debug, info, warning or error)")
     settings = ServeSettings(
@@ -153,6 +156,7 @@ def serve(
         max_rows=max_rows,
         adaptive_drafts=adaptive_drafts,
         max_queue=max_queue,
+        shutdown_timeout=shutdown_timeout,
     )
     sock = bind_socket(host, port)
     try:
@@ -161,6 +165,7 @@ def serve(
         from viasd.engine import Engine
         from viasd.passes.executor import PassExecutor
         from viasd.serve.app import create_app
+        from viasd.serve.drain import UVICORN_MARGIN
 
         spec = engine_spec(
             target,
@@ -192,7 +197,8 @@ def serve(
             port=sock.getsockname()[1],
             log_level=log_level.lower(),
             access_log=access_log,
-            timeout_graceful_shutdown=shutdown_timeout,
+            # The app ends what still runs at --shutdown-timeout itself (serve/drain.py); uvicorn only backs it up.
+            timeout_graceful_shutdown=shutdown_timeout + UVICORN_MARGIN,
             lifespan="on",
         )
         server = uvicorn.Server(config)
@@ -204,24 +210,29 @@ def serve(
             highlight=False,
             soft_wrap=True,
         )
-        serve_with_passes_here(server, sock, executor)
+        serve_with_passes_here(server, sock, executor, app.state.drain)
     finally:
         sock.close()
     if not server.started:
         raise ViasdError("the server did not start (see the log above)")
 
 
-def serve_with_passes_here(server: uvicorn.Server, sock: socket.socket, executor: PassExecutor) -> None:
+def serve_with_passes_here(
+    server: uvicorn.Server, sock: socket.socket, executor: PassExecutor, drain: Drain | None = None
+) -> None:
     """Run the HTTP server on a thread of its own and the model passes on this one (the main thread, which loaded
     the models; passes/executor.py says why one thread) until the HTTP server has shut down.
 
     Python runs signal handlers on the main thread, so Ctrl-C and SIGTERM are caught here and handed to uvicorn,
-    which drains the requests in flight as when it owns the signals; afterwards they are raised again, as uvicorn
-    does, so the process ends the way the signal asks."""
+    which drains the requests in flight as when it owns the signals, and to the app's `drain`, which ends those
+    still running when --shutdown-timeout is over; afterwards they are raised again, as uvicorn does, so the
+    process ends the way the signal asks."""
     caught: list[int] = []
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         caught.append(sig)
+        if drain is not None:
+            drain.begin()
         server.handle_exit(sig, frame)
 
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="viasd-http")

@@ -154,7 +154,10 @@ class GenerationService:
                 finally:
                     self._slots.put(slot)
             except GenerationCancelled:
-                log.info("stopped a %s generation: its client went away", method)
+                if self._closed:  # the drain's end or the app's shutdown: they say so, once for all
+                    log.debug("stopped a %s generation: the server is shutting down", method)
+                else:
+                    log.info("stopped a %s generation: its client went away", method)
                 self.metrics.record_cancelled(method)
                 raise
             except Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from viasd.errors import ViasdError
@@ -26,6 +27,7 @@ class ServeSettings:
     adaptive_drafts: bool = True  # speculative requests draft fewer tokens as the batch grows (decode/load.py)
     max_queue: int = 16  # requests that may wait while `max_active` generate; more get 503
     default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
+    shutdown_timeout: float = 30.0  # seconds requests in flight may run on after SIGTERM or Ctrl-C (serve/drain.py)
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -45,6 +47,8 @@ class ServeSettings:
         for name, value in positive.items():
             if value < 1:
                 raise ViasdError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.shutdown_timeout < math.inf:  # NaN fails this too
+            raise ViasdError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
         if self.max_queue < 0:
             raise ViasdError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens > self.max_tokens_limit:
