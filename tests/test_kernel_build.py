@@ -5,7 +5,9 @@ a damaged or foreign library, an unusable cache folder) ends in one line, never 
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,36 @@ def test_a_compiler_that_hangs_is_stopped(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(build, "BUILD_SECONDS", 1)
     why = build.load(CHOSEN)
     assert why == f"compiling viasd's kernels ({CHOSEN.name}) took over 1 s; stopped"
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("term", ["ends on SIGTERM", "ignores SIGTERM"])
+def test_a_compiler_that_hangs_is_stopped_with_the_processes_it_started(cache, tmp_path, monkeypatch, term):
+    if isinstance(CHOSEN, str) or not Path("/proc/self/stat").exists():
+        pytest.skip(CHOSEN if isinstance(CHOSEN, str) else "no /proc here")
+    ignore = "trap '' TERM\n" if term == "ignores SIGTERM" else ""
+    body = f'{ignore}sleep 60 &\necho $! > "{tmp_path}/child"\nwait'  # as cc runs cc1, as and ld
+    monkeypatch.setenv("CC", str(counting_compiler(tmp_path, body)))
+    monkeypatch.setattr(build, "BUILD_SECONDS", 1)
+    monkeypatch.setattr(build, "STOP_SECONDS", 0.5)
+    why = build.load(CHOSEN)
+    child = int((tmp_path / "child").read_text())
+    try:
+        assert why == f"compiling viasd's kernels ({CHOSEN.name}) took over 1 s; stopped"
+        deadline = time.monotonic() + 5
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the compiler's child runs on after the compiler was stopped"
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)
 
 
 @needs_build

@@ -19,8 +19,10 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -39,6 +41,7 @@ SOURCES = ("lowbit.c", "w4a8.c", "w6a8.c", "bf16.c", "attention.c", "fused_layer
 HEADERS = (HEADER, "lowbit.h", "bf16_vectors.h")
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-Wno-psabi")
 BUILD_SECONDS = 180  # a compiler that takes longer is stuck (the build takes a few seconds)
+STOP_SECONDS = 5.0  # how long a stuck compiler's processes get to end after SIGTERM, before SIGKILL
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ def _compile(cc: str, build: Build, into: Path) -> str | None:
             (Path(work) / name).write_bytes(resources.files("viasd.kernels").joinpath(name).read_bytes())
         command = [cc, *COMMON_FLAGS, *build.flags, *SOURCES, "-o", "kernels.so"]
         try:
-            result = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=BUILD_SECONDS)
+            result = _run_compiler(command, work)
         except subprocess.TimeoutExpired:
             return f"compiling viasd's kernels ({build.name}) took over {BUILD_SECONDS} s; stopped"
         except OSError as error:
@@ -143,6 +146,38 @@ def _compile(cc: str, build: Build, into: Path) -> str | None:
             return f"compiling viasd's kernels ({build.name}) failed: {last.strip()}"
         os.replace(Path(work) / "kernels.so", into)
     return None
+
+
+def _run_compiler(command: list[str], cwd: str) -> subprocess.CompletedProcess[str]:
+    """Run the compiler in a process group of its own for up to BUILD_SECONDS (subprocess.TimeoutExpired past
+    that). A compiler stopped (past its time, or this process interrupted) is stopped with every process it
+    started, as coreutils' timeout and make stop a job: its group, not only itself, else cc1, as, ld or a
+    wrapper's children run on."""
+    with subprocess.Popen(
+        command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=BUILD_SECONDS)
+        except BaseException:
+            _stop_group(process)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _stop_group(process: subprocess.Popen[str]) -> None:
+    """SIGTERM to the process's group; SIGKILL to whatever of it is left after STOP_SECONDS."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_SECONDS
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                os.killpg(process.pid, 0)  # ProcessLookupError once no process of the group is left
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _open(path: Path, build: Build) -> Library | str:
