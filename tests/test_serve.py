@@ -716,6 +716,71 @@ def test_numeric_edge_values_are_served_or_refused_never_500(tiny_app: TestClien
     assert metric(text, "viasd_http_requests_total", path="/v1/completions", status="500") == 0
 
 
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t3 t4"}], "max_tokens": 2})
+TEXT = ("/v1/completions", {"prompt": "t3 t4", "max_tokens": 2})
+
+
+@pytest.mark.parametrize(
+    ("request_", "field", "value", "words"),
+    [
+        (TEXT, "max_tokens", True, "max_tokens must be an integer, got true"),
+        (TEXT, "max_tokens", "8", 'max_tokens must be an integer, got "8"'),
+        (TEXT, "max_tokens", 8.5, "max_tokens must be an integer, got 8.5"),
+        (CHAT, "max_completion_tokens", "8", "max_completion_tokens must be an integer"),
+        (TEXT, "n", True, "n must be an integer"),
+        (TEXT, "seed", "7", "seed must be an integer"),
+        (TEXT, "top_k", False, "top_k must be an integer"),
+        (CHAT, "temperature", "0", 'temperature must be a number, got "0"'),
+        (TEXT, "top_p", True, "top_p must be a number"),
+        (TEXT, "stream", "true", 'stream must be a boolean (true or false), got "true"'),
+        (TEXT, "ignore_eos", 1, "ignore_eos must be a boolean"),
+        (TEXT, "stream_options", {"include_usage": "yes"}, "stream_options.include_usage must be a boolean"),
+        (TEXT, "model", 7, "model must be a string, got 7"),
+        (TEXT, "prompt", [True], "prompt"),
+        (CHAT, "messages", [{"role": "user", "content": 5}], "messages.0.content"),
+        (CHAT, "top_logprobs", 2, "log probabilities are not supported"),
+        (CHAT, "top_logprobs", 0, "top_logprobs: needs logprobs"),
+        (CHAT, "tool_choice", "required", "tools are not supported"),
+        (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}, "tools are not supported"),
+        (CHAT, "function_call", {"name": "f"}, "functions are not supported"),
+        (CHAT, "audio", {"voice": "alloy", "format": "wav"}, "audio output is not supported"),
+        (CHAT, "modalities", ["text", "audio"], "only text output is supported"),
+        (CHAT, "prediction", {"type": "content", "content": "t3"}, "predicted outputs are not supported"),
+        (CHAT, "reasoning_effort", "low", "this model does not reason"),
+        (CHAT, "verbosity", "low", "verbosity is not supported"),
+        (CHAT, "web_search_options", {}, "web search is not supported"),
+        (CHAT, "store", True, "completions are not stored"),
+        (CHAT, "service_tier", "priority", "service tiers are not offered"),
+    ],
+)
+def test_a_field_of_another_type_or_a_parameter_not_honoured_is_refused_naming_it(
+    tiny_app: TestClient, request_: tuple[str, dict[str, Any]], field: str, value: Any, words: str
+) -> None:
+    """OpenAI's types, strictly (no true as 1, no "8" as 8), and no OpenAI parameter is ignored: each is honoured or
+    refused with a 400 whose `param` names it."""
+    path, body = request_
+    error = assert_error(tiny_app.post(path, json={**body, field: value}), 400, words)
+    assert error["param"] is not None and error["param"].split(".")[0] == field, error
+
+
+@pytest.mark.parametrize(
+    ("request_", "extra"),
+    [
+        (CHAT, {"temperature": 1, "top_p": 1, "top_logprobs": None, "logprobs": False, "n": 1}),
+        (CHAT, {"tool_choice": "none", "parallel_tool_calls": False, "function_call": "auto", "modalities": ["text"]}),
+        (CHAT, {"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": None}),
+        (CHAT, {"user": "u", "prompt_cache_key": "c", "safety_identifier": "s", "stream_options": None}),
+        (TEXT, {"temperature": 0, "seed": -1, "stream": False, "ignore_eos": True, "logprobs": 0}),
+    ],
+)
+def test_parameters_at_their_openai_types_and_honoured_values_are_served(
+    tiny_app: TestClient, request_: tuple[str, dict[str, Any]], extra: dict[str, Any]
+) -> None:
+    path, body = request_
+    response = tiny_app.post(path, json={**body, **extra})
+    assert response.status_code == 200, response.text
+
+
 def test_metrics_render_tiers_and_escape_labels() -> None:
     from viasd.decode.stats import GenerationStats, TierStats
     from viasd.serve.metrics import Metrics

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -62,6 +63,18 @@ log = logging.getLogger("viasd.serve")
 PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 # pydantic error types about a number out of its range (or not finite), answered with the field's whole range
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
+# pydantic error types about a value of another JSON type than the field's (strict: true is no integer) -> its type
+_TYPE_ERRORS = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean (true or false)",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a JSON object",
+    "model_type": "a JSON object",
+}
+# A union member in a pydantic error location: a builtin type, a model (CamelCase) or a generic (`list[int]`).
+_UNION_MEMBER = re.compile(r"str|int|float|bool|dict|list|none|[A-Z]\w*|\w+\[.*\]")
 _DISCONNECT_POLL_SECONDS = 0.25
 # our finish reasons -> OpenAI's
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -90,23 +103,35 @@ def validation_message(errors: Sequence[Any], model: type[BaseModel] | None = No
         if item.get("type") == "json_invalid":
             detail = str(item.get("msg", "")).removeprefix("Invalid JSON: ")
             return f"the request body is not valid JSON ({detail})" if detail else "the request body is not valid JSON"
-        loc = [str(part) for part in item.get("loc", ()) if part != "body"]
+        loc = field_path(item.get("loc", ()))
         where = ".".join(loc) or "body"
         message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
         bounds = field_range(model, loc[0]) if model is not None and len(loc) == 1 else None
         if item.get("type") in _RANGE_ERRORS and bounds:
             problems.append(f"{where} must be {bounds}, got {_shown(item.get('input'))}")
+        elif item.get("type") in _TYPE_ERRORS:
+            problems.append(f"{where} must be {_TYPE_ERRORS[item['type']]}, got {_shown(item.get('input'))}")
         else:
             problems.append(f"{where}: {message}")
     more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
     return "invalid request: " + "; ".join(problems[:5]) + more
 
 
+def field_path(loc: Sequence[Any]) -> list[str]:
+    """The request field a pydantic error is about, as the client names it: without the members of a union pydantic
+    adds to the location (`prompt.list[int].0` is `prompt.0`, `stop.str` is `stop`)."""
+    return [str(part) for part in loc if part != "body" and not _UNION_MEMBER.fullmatch(str(part))]
+
+
 def _shown(value: Any) -> str:
-    """A rejected input as the client wrote it in JSON: NaN and Infinity by their JSON names."""
+    """A rejected input as the client wrote it in JSON, cut short: NaN and Infinity by their JSON names."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN (not a number)" if math.isnan(value) else f"{'-' if value < 0 else ''}Infinity"
-    return json.dumps(value) if isinstance(value, (int, float, str)) else repr(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
@@ -118,7 +143,7 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
         return model.model_validate_json(body)
     except ValidationError as error:
         errors = error.errors()
-        first = [str(part) for part in errors[0].get("loc", ())] if errors else []
+        first = field_path(errors[0].get("loc", ())) if errors else []
         param = ".".join(first) or None
         raise APIError(400, validation_message(errors, model), code="invalid_request", param=param) from error
 

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-Requests accept the OpenAI fields we can honour and refuse, with a clear message, the ones we cannot
-(n > 1, penalties, logprobs, tools): a silently ignored parameter would give the client wrong output.
-Unknown fields are ignored, as OpenAI clients send many optional ones. Extensions: `method`, `top_k`,
+Every parameter of OpenAI's API is declared with OpenAI's type, checked strictly as OpenAI checks it (`true` is
+not 1, `"8"` is not 8, `8.0` is not an integer), and is either honoured or refused with a message that names it
+(n > 1, penalties, logprobs, tools, audio, predicted outputs...): a silently ignored parameter would give the
+client wrong output. Fields OpenAI does not define are ignored, as vLLM does. Extensions: `method`, `top_k`,
 `ignore_eos`, and `usage.speculative` in responses.
 
 `logprobs` has OpenAI's type on each endpoint, checked strictly so that the validation and the published schema
@@ -16,7 +17,7 @@ import json
 from typing import Any, Literal
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
@@ -25,6 +26,8 @@ MAX_STOP_STRINGS = 16
 # enforce them with messages that say why.
 _ONLY_ZERO: dict[str, Any] = {"enum": [0, None], "description": "only 0 is supported"}
 _ONLY_FALSE: dict[str, Any] = {"enum": [False, None], "description": "not supported: false or leave it out"}
+_LEAVE_OUT: dict[str, Any] = {"enum": [None], "description": "not supported: leave it out"}
+_NO_TOOL: dict[str, Any] = {"enum": ["none", "auto", None], "description": "no tools here: none, auto or leave it out"}
 _EMPTY: dict[str, Any] = {"maxItems": 0, "maxProperties": 0}
 _TEXT = {"type": "string", "pattern": r"\S"}  # not empty or blank: an empty prompt is refused
 _PROMPT_SCHEMA: dict[str, Any] = {
@@ -64,11 +67,11 @@ def _integer_logprobs(value: Any) -> Any:
         raise ValueError(f"must be an integer in text completions (as in OpenAI's API), got {_shown(value)}")
     if value:
         raise ValueError("log probabilities are not supported (send 0 or leave logprobs out)")
-    return value
+    return None if value is None else int(value)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
@@ -76,7 +79,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -138,14 +141,14 @@ class _Request(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["type", "text"]})
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"required": ["type", "text"]})
 
     type: str = Field(json_schema_extra={"enum": ["text"]}, description="only text parts are supported")
     text: str | None = Field(default=None, json_schema_extra={"type": "string"})
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
@@ -182,6 +185,16 @@ _SOME_TEXT = {
 }
 
 
+# Why each chat parameter that has no neutral value is refused whenever it is given.
+_NOT_HONOURED = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model does not reason",
+    "verbosity": "verbosity is not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra=_SOME_TEXT)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -193,11 +206,69 @@ class ChatCompletionRequest(_Request):
         json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
         description="only type 'text' is supported",
     )
+    top_logprobs: int | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    tool_choice: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
+    function_call: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
+    parallel_tool_calls: bool | None = Field(default=None, description="no tools here: nothing is called")
+    audio: dict[str, Any] | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    modalities: list[str] | None = Field(default=None, json_schema_extra={"items": {"enum": ["text"]}})
+    prediction: dict[str, Any] | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    reasoning_effort: str | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    verbosity: str | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    web_search_options: dict[str, Any] | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    store: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
+    metadata: dict[str, str] | None = Field(default=None, description="accepted; nothing is stored")
+    service_tier: str | None = Field(default=None, json_schema_extra={"enum": ["auto", "default", None]})
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs(cls, value: Any) -> Any:
         return _boolean_logprobs(value)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("needs logprobs: true, and log probabilities are not supported (leave top_logprobs out)")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None, info: ValidationInfo) -> str | dict[str, Any] | None:
+        if value not in (None, "none", "auto"):
+            kind = "tools" if info.field_name == "tool_choice" else "functions"
+            raise ValueError(f"{kind} are not supported (none, auto or leave {info.field_name} out)")
+        return value
+
+    @field_validator("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+    @classmethod
+    def _left_out(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{_NOT_HONOURED[info.field_name or '']} (leave {info.field_name} out)")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise ValueError('only text output is supported (["text"] or leave modalities out)')
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("completions are not stored on this server (false or leave store out)")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"service tiers are not offered here (auto, default or leave it out), got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
