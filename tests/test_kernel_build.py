@@ -1,21 +1,29 @@
 """viasd's kernel library (kernels/build.py): built once per machine, compiler and sources, kept in a private cache
 folder, checked by content before every load; every fault (no compiler, a bad CC, a compiler that hangs or fails,
-a damaged or foreign library, an unusable cache folder) ends in one line, never in a crash."""
+a damaged or foreign library, an unusable cache folder) ends in one line, never in a crash, and is said on stderr
+once per process; a compiler stopped past its time is stopped with the processes it started."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from tiny import tiny_model, tiny_tokenizer
 from viasd.errors import ViasdError
-from viasd.kernels import build
+from viasd.kernels import attention, bf16, build, fused_layers, notice, w4a8, w6a8
 from viasd.kernels.build import Build, Library
 from viasd.kernels.cpu import cpu_flags
+from viasd.kernels.state import kernel_states
 from viasd.kernels.switch import KERNELS, parse
 
 CHOSEN = build.choose_build(build.BUILDS, cpu_flags())
@@ -64,7 +72,7 @@ def test_built_once_into_a_private_folder_with_its_digest_then_reused(cache, tmp
 
 @needs_build
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
-def test_a_damaged_or_foreign_library_is_built_again_not_loaded(cache, tmp_path, monkeypatch, damage):
+def test_a_damaged_or_foreign_library_is_built_again_not_loaded(cache, tmp_path, monkeypatch, capsys, damage):
     monkeypatch.setenv("CC", str(counting_compiler(tmp_path)))
     assert isinstance(build.load(CHOSEN), Library)
     (library,) = cache.glob("*.so")
@@ -76,9 +84,14 @@ def test_a_damaged_or_foreign_library_is_built_again_not_loaded(cache, tmp_path,
     else:  # a library planted under the expected name: its code must never run
         planted.write_bytes(b"\x7fELF" + os.urandom(2000))
     planted.replace(library)
+    capsys.readouterr()
     again = build.load(CHOSEN)
     assert isinstance(again, Library) and runs(tmp_path) == 2
     assert build._sha256(library) == next(cache.glob("*.sha256")).read_text().strip()
+    # Said on stderr, in one line: a rebuild takes seconds, and a planted library is worth knowing of.
+    assert capsys.readouterr().err == (
+        f"viasd: the compiled kernels {library} are not the ones built there (damaged or replaced): building again\n"
+    )
 
 
 def test_no_compiler_and_a_bad_cc_say_so_in_one_line(cache, monkeypatch):
@@ -147,6 +160,61 @@ def test_a_compiler_that_hangs_is_stopped_with_the_processes_it_started(cache, t
     finally:
         if _running(child):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.fixture
+def fresh_process() -> Iterator[None]:
+    """The kernels as a new process finds them: nothing loaded or checked, nothing said yet (and so again after)."""
+
+    def forget() -> None:
+        for cached in (build.library, w4a8.compiled, w6a8.compiled, bf16.compiled, attention.compiled,
+                       fused_layers.compiled, notice.warn_once):  # fmt: skip
+            cached.cache_clear()
+
+    forget()
+    yield
+    forget()
+
+
+@pytest.mark.parametrize("fault", ["no compiler", "a compiler that hangs", "a compiler that fails"])
+def test_kernels_that_fall_back_for_a_fault_of_the_build_say_why_once(cache, tmp_path, monkeypatch, capsys,
+                                                                      fresh_process, fault):  # fmt: skip
+    if isinstance(CHOSEN, str):
+        pytest.skip(CHOSEN)
+    if fault == "no compiler":
+        monkeypatch.setenv("CC", "no-such-compiler-anywhere")
+    else:
+        monkeypatch.setenv("CC", str(counting_compiler(tmp_path, "sleep 5" if "hangs" in fault else "exit 1")))
+        monkeypatch.setattr(build, "BUILD_SECONDS", 1)
+        monkeypatch.setattr(build, "STOP_SECONDS", 0.5)
+    monkeypatch.delenv("VIASD_KERNELS", raising=False)
+    states = [kernel_states() for _ in range(2)]  # what a generation consults, and --json records
+    weights = w4a8.random_weights(16, 64, torch.Generator().manual_seed(0))
+    w4a8.product(torch.randn(2, 64), weights)  # a low-bit product on torch's ops: its own notice is this one
+    why = build.library()
+    assert isinstance(why, str) and all(why in state for state in states[0].values()) and states[0] == states[1]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"viasd: viasd's C kernels are not used, torch computes in their place (slower): {why}"]
+
+
+def test_generation_without_a_compiler_says_so_in_one_line(tmp_path):
+    """A whole generation, in a process of its own: every kernel falls back, one line says why."""
+    directory = tmp_path / "model"
+    tiny_model("llama", dtype=torch.bfloat16).save_pretrained(directory)
+    tiny_tokenizer(64).save_pretrained(directory)
+    env = {**os.environ, "VIASD_CACHE_DIR": str(tmp_path / "cache"), "CC": "no-such-compiler-anywhere"}
+    env.pop("VIASD_KERNELS", None)
+    command = [sys.executable, "-m", "viasd", "generate", "t3 t4 t5", "--target", str(directory), "--method", "plain",
+               "-n", "3", "--dtype", "bf16", "--json"]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    said = [line for line in run.stderr.splitlines() if line.startswith("viasd:")]
+    if isinstance(CHOSEN, str):
+        assert said == []  # a CPU the kernels are not for: no fault, nothing to say
+        return
+    why = "the C compiler CC='no-such-compiler-anywhere' is not found"
+    assert said == [f"viasd: viasd's C kernels are not used, torch computes in their place (slower): {why}"]
+    assert json.loads(run.stdout)["setup"]["kernels"]["bf16"] == why
 
 
 @needs_build

@@ -4,7 +4,10 @@ of `viasd_kernels.h`.
 
 All of viasd's C sources go into one library, in the widest build this CPU runs (`BUILDS`). Nothing here raises:
 every way a build can fail (no compiler, a bad `CC`, a compiler that hangs, an unwritable cache, a damaged or
-foreign library under the expected name) comes back as a one-line reason, and the callers use torch instead.
+foreign library under the expected name) comes back as a one-line reason, and the callers use torch instead. Each
+is also said on stderr, one line once per process, as a library found damaged and built again is: torch's ops are
+slower, and a reason kept only in `--json` leaves a slow run unexplained. A CPU the kernels are not for is no fault
+and says nothing here.
 
 The cache holds, per key (sources, headers, compiler flags, and the compiler itself): the library, a record of its
 SHA-256 written when it was built and checked before every load (a truncated library would kill the process with
@@ -210,6 +213,7 @@ def load(build: Build) -> Library | str:
             sound = False
         if sound:
             return _open(library, build)
+        warn_once(f"the compiled kernels {library} are not the ones built there (damaged or replaced): building again")
         library.unlink(missing_ok=True)  # damaged, or not ours: built again below
     try:
         problem = _compile(cc, build, library)
@@ -235,9 +239,21 @@ def _load_uncached(cc: str, build: Build, why: str) -> Library | str:
 
 @functools.cache
 def library() -> Library | str:
-    """The kernel library in the widest build this CPU runs, loaded once per process; or why there is none."""
+    """The kernel library in the widest build this CPU runs, loaded once per process; or why there is none (said
+    on stderr where it is a fault of the build, see `build_fault`)."""
     build = choose_build(BUILDS, cpu_flags())
-    return build if isinstance(build, str) else load(build)
+    if isinstance(build, str):
+        return build
+    found = load(build)
+    if isinstance(found, str):
+        warn_once(f"viasd's C kernels are not used, torch computes in their place (slower): {found}")
+    return found
+
+
+def build_fault() -> str | None:
+    """Why the kernel library failed to build or load on a CPU it is for (said on stderr already), or None."""
+    found = library()
+    return found if isinstance(found, str) and not isinstance(choose_build(BUILDS, cpu_flags()), str) else None
 
 
 def checked(kernel: str, check: Callable[[Library], str | None]) -> Library | str:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from viasd.kernels.build import Library
+from viasd.kernels.build import Library, build_fault
 from viasd.kernels.notice import warn_once
 from viasd.kernels.switch import OFF
 
@@ -51,12 +51,13 @@ def product(
     name: str,
 ) -> torch.Tensor:
     """x [rows, in] @ W^T + bias in x's dtype, computed in float32 and rounded once: by `run` with the kernel
-    `found` on a CPU where it is there, else by `reference`, saying once why (unless switched off)."""
+    `found` on a CPU where it is there, else by `reference`, saying once why (unless switched off, or said already
+    as the fault of the kernels' build)."""
     if x.device.type == "cpu":
         if isinstance(found, Library):
             b = None if bias is None else bias.float().contiguous()
             return run(found, kernel_input(x), weights, torch.get_num_threads(), b).to(x.dtype)
-        if found != OFF:
+        if found != OFF and found != build_fault():
             warn_once(f"{name} products run on torch ops, slowly: {found}")
     out = reference(x.float(), weights)
     return (out if bias is None else out + bias.float()).to(x.dtype)
