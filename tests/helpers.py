@@ -143,6 +143,9 @@ class Recording:
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.drafter.reset(prompt_length, budget)
 
+    def follow(self, target: object) -> None:
+        self.drafter.follow(target)  # type: ignore[arg-type]
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
     ) -> Proposal:

@@ -258,5 +258,10 @@ from viasd.calibration.project_command import project  # noqa: E402  (light: hea
 app.command("project")(user_errors(project))
 
 
+from viasd.training.command import train_drafter  # noqa: E402  (light: heavy imports happen inside the command)
+
+app.command("train-drafter")(user_errors(train_drafter))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()

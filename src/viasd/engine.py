@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
+    from viasd.heads.file import HeadFile
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
     from viasd.views.layer_skip import LayerMask
@@ -40,6 +41,7 @@ class Engine:
         self._decoders: dict[tuple[str, int], Decoder] = {}
         self._profiles: dict[str, RoutingProfile] = {}
         self._views: dict[tuple[int, QuantRecipe], View] = {}
+        self._heads: dict[str | None, HeadFile] = {}
 
     def _load(self, name: str) -> LoadedModel:
         from viasd.passes.prepare import prepare
@@ -70,6 +72,17 @@ class Engine:
             self._views[key] = quantized_view(model, recipe)
             self.setup_seconds[f"view {model.name} {recipe.name}"] = time.perf_counter() - start
         return self._views[key]
+
+    def draft_head(self, path: str | None = None) -> HeadFile:
+        """The target's draft head: `path`, else the one `viasd train-drafter` made here, else a shipped one; read
+        (and checked against the target) once."""
+        if path not in self._heads:
+            from viasd.heads.find import find_head
+
+            start = time.perf_counter()
+            self._heads[path] = find_head(self.target.model, path)
+            self.setup_seconds["draft head"] = time.perf_counter() - start
+        return self._heads[path]
 
     @property
     def drafter(self) -> LoadedModel:

@@ -23,12 +23,15 @@ from viasd.views.recipe import QuantRecipe
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
     from viasd.drafters.base import Drafter
+    from viasd.heads.file import HeadFile
     from viasd.models.loading import LoadedModel
     from viasd.profile import RoutingProfile
     from viasd.spec import EngineSpec
     from viasd.views.layer_skip import LayerMask
     from viasd.views.view import View
-DRAFTERS = ("model", "lookup", "hybrid")  # what the `drafter` option of sd and via may name
+# What the `drafter` option of sd and via may name; the head ones need no drafter model (heads/, drafters/head.py).
+DRAFTERS = ("model", "lookup", "hybrid", "head", "lookup+head")
+HEAD_DRAFTERS = ("head", "lookup+head")
 # sd's draft stop threshold, chosen from counts on the development prompts (BENCHMARKS.md, "Drafts that adapt"):
 # it cuts the drafts that no verifier looks at from 21.5% to 7.3% and is estimated 1.11x faster in decoding.
 DEFAULT_STOP = 0.5
@@ -75,6 +78,10 @@ class Parts(Protocol):
 
     def quantized(self, model: LoadedModel, recipe: QuantRecipe | None) -> View | None:
         """The quantized view of `model` by `recipe` (None: no view), made once and cached."""
+        ...
+
+    def draft_head(self, path: str | None = None) -> HeadFile:
+        """The target's draft head (`path`, else the one trained here, else a shipped one), read once."""
         ...
 
 
@@ -189,8 +196,10 @@ OPTIONS: dict[str, Option] = {
         Option(
             "drafter",
             _choice(*DRAFTERS),
-            "model (the small drafter), lookup (prompt lookup) or hybrid (lookup when it matches, else the model)",
+            "model (the small drafter), lookup (prompt lookup), hybrid (lookup when it matches, else the model), head "
+            "(the target's draft head: viasd train-drafter) or lookup+head (lookup when it matches, else the head)",
         ),
+        Option("head", _path, "the draft head file of drafter=head (default: the one trained here, or shipped)"),
         Option(
             "match",
             _int_in(1, 16),
@@ -225,7 +234,7 @@ class MethodSpec:
     @property
     def uses_drafter(self) -> bool:
         """Whether the variant needs the small drafter model (`sd:drafter=lookup` does not)."""
-        return self.method.uses_drafter and self.options.get("drafter") != "lookup"
+        return self.method.uses_drafter and self.options.get("drafter") not in ("lookup", *HEAD_DRAFTERS)
 
     @property
     def exact(self) -> bool:
@@ -286,6 +295,13 @@ def _drafter(parts: Parts, spec: MethodSpec, recipe: QuantRecipe | None = None) 
     kind = spec.get("drafter") or "model"
     if kind == "lookup":
         return _lookup_drafter(spec, LOOKUP_MATCH)
+    if kind in HEAD_DRAFTERS:
+        head = _head_drafter(parts, spec)
+        if head is not None:
+            return head if kind == "head" else HybridDrafter(_lookup_drafter(spec, HYBRID_MATCH), head, 0.0)
+        kind = "model" if kind == "head" else "hybrid"  # the next-best drafter, said in one line
+        if parts.drafter_fits() is False:
+            return _lookup_drafter(spec, LOOKUP_MATCH)
     small = parts.drafter
     view = parts.quantized(small, first_set(recipe, _drafter_recipe(parts, spec)))
     model = ModelDrafter(small.model, view, name="model")
@@ -293,6 +309,18 @@ def _drafter(parts: Parts, spec: MethodSpec, recipe: QuantRecipe | None = None) 
         return model
     budget = spec.get("budget")
     return HybridDrafter(_lookup_drafter(spec, HYBRID_MATCH), model, HYBRID_BUDGET if budget is None else budget)
+
+
+def _head_drafter(parts: Parts, spec: MethodSpec) -> Drafter | None:
+    """The target's draft head as a drafter, or None (said in one line on stderr) when it has none that fits."""
+    from viasd.drafters.head import HeadDrafter
+
+    try:
+        found = parts.draft_head(spec.get("head"))
+    except ViasdError as error:
+        print(f"{spec.name}: {error}; drafting with the next-best drafter instead", file=sys.stderr)
+        return None
+    return HeadDrafter(found.head, parts.target.model)
 
 
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -454,7 +482,7 @@ METHODS: dict[str, Method] = {
             "sd",
             "classic speculative decoding with the small drafter model (exact)",
             _sd,
-            ("gamma", "stop", "drafter", "match", "copy", "budget", "quant", "drafter_quant"),
+            ("gamma", "stop", "drafter", "match", "copy", "budget", "head", "quant", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
@@ -484,6 +512,7 @@ METHODS: dict[str, Method] = {
                 "match",
                 "copy",
                 "budget",
+                "head",
                 "drafter_quant",
             ),
             uses_drafter=True,
@@ -493,7 +522,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd)",
             _via,
-            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget", "drafter_quant"),
+            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget", "head", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
@@ -547,10 +576,14 @@ def _check_drafter_options(name: str, method: Method, options: Mapping[str, Any]
         return
     drafter = options.get("drafter", "model")
     for key in ("match", "copy"):
-        if key in options and drafter == "model":
-            raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup or drafter=hybrid")
+        if key in options and drafter in ("model", "head"):
+            raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup, hybrid or lookup+head")
     if "budget" in options and drafter != "hybrid":
         raise ViasdError(f"method {name!r}: option 'budget' needs drafter=hybrid")
+    if "head" in options and drafter not in HEAD_DRAFTERS:
+        raise ViasdError(f"method {name!r}: option 'head' needs drafter=head or drafter=lookup+head")
+    if "drafter_quant" in options and drafter in HEAD_DRAFTERS:
+        raise ViasdError(f"method {name!r}: option 'drafter_quant' needs a drafter model (a head has none)")
     if "stop" in options and drafter == "lookup":
         raise ViasdError(f"method {name!r}: option 'stop' needs a model drafter (drafter=model or drafter=hybrid)")
 

@@ -71,6 +71,7 @@ class SpeculativeDecoder(Decoder):
         self.gamma = gamma
         self.stop = check_stop(stop)
         self.session = KVSession(target, view)
+        drafter.follow(self.session)
         if method:
             self.method = method
 

@@ -76,6 +76,7 @@ class TieredDecoder(Decoder):
         self.policy = policy
         self.kind = kind
         self.session = KVSession(target)
+        drafter.follow(self.session)
         if method:
             self.method = method
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from viasd.verify.gates import draft_confidence
 from viasd.verify.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from viasd.passes.session import KVSession
 
 
 def stops_after(confidence: float, stop: float) -> bool:
@@ -74,6 +77,9 @@ class Drafter(Protocol):
     def describe(self) -> str:
         """What drafts, in a few words (statistics and run records name it so)."""
         ...
+
+    def follow(self, target: KVSession) -> None:
+        """The decoder's KV session of the target, whose passes a draft head drafts from (others ignore it)."""
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0

@@ -23,12 +23,16 @@ stays exact.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from viasd.drafters.base import Proposal
-from viasd.drafters.model_drafter import ModelDrafter
+from viasd.drafters.base import Drafter, Proposal
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.verify.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from viasd.passes.session import KVSession
 
 
 def uses_model(prompt_length: int, budget: int | None, ratio: float) -> bool:
@@ -43,7 +47,7 @@ class HybridDrafter:
     budget: budget tokens per prompt token for a generation to use the model drafter (`uses_model`; 0: always).
     """
 
-    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter, budget: float = 0.0, name: str = "hybrid"):
+    def __init__(self, lookup: PromptLookupDrafter, model: Drafter, budget: float = 0.0, name: str = "hybrid"):
         if not budget >= 0.0:  # NaN fails too
             raise ValueError("need budget >= 0")
         self.name = name
@@ -65,6 +69,9 @@ class HybridDrafter:
 
     def describe(self) -> str:
         return f"hybrid: {self.lookup.describe()}, else {self.model.describe()}"
+
+    def follow(self, target: KVSession) -> None:
+        self.model.follow(target)
 
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.lookup.reset()

@@ -45,6 +45,9 @@ class ModelDrafter:
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.session.reset()
 
+    def follow(self, target: KVSession) -> None:
+        """A model drafter reads the tokens, not the target's passes."""
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
     ) -> Proposal:

@@ -51,6 +51,9 @@ class PromptLookupDrafter:
     def describe(self) -> str:
         return f"prompt lookup ({self.min_ngram}-{self.max_ngram}-grams)"
 
+    def follow(self, target: object) -> None:
+        """Prompt lookup reads the tokens, not the target's passes."""
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
     ) -> Proposal:

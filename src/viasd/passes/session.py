@@ -41,6 +41,7 @@ from viasd.passes import loop
 from viasd.passes.batching import batcher_of
 from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import growing_cache
+from viasd.passes.features import FeatureStore, head_inputs
 from viasd.passes.loop import Segment
 from viasd.views.view import View, ViewLike, applied, as_view
 
@@ -91,6 +92,9 @@ class KVSession:
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
         self.short_passes = loop.covers(model)  # viasd's forward for passes of a few tokens (passes/loop.py)
+        # The features (final hidden states) of the positions whose logits passes computed, for a draft head that
+        # follows this session (drafters/head.py); None: not recorded.
+        self.features: FeatureStore | None = None
 
     def _stacks(self, view: View) -> bool:
         """Whether a pass of `view` may go on top of pending entries (it runs every mask-size layer)."""
@@ -128,12 +132,16 @@ class KVSession:
         self._unread = []
         self.pending = []
         self.pending_view = None
+        if self.features is not None:
+            self.features.reset()
 
     def _crop_layers(self, length: int) -> None:
         for layer in self.cache.layers:
             extra = layer.get_seq_length() - length
             if extra > 0:
                 layer.crop(-extra)
+        if self.features is not None:
+            self.features.cut(length)
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` committed tokens; drop every pending token."""
@@ -217,11 +225,21 @@ class KVSession:
         """Logits [1, keep, V] of one pass of this session alone: viasd's loop where it applies, else the model's
         own forward."""
         short = self._short(view, input_ids.shape[1])
+        start = self.cache.layers[0].get_seq_length()
         with torch.inference_mode(), applied(self.model, view):
-            if short:  # viasd's forward (passes/loop.py)
-                return loop.short_pass(self.model, input_ids, self.cache, keep)
-            cache = cache_argument(self.model, self.cache)
-            return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **cache).logits
+            if self.features is None:
+                return self._model_pass(input_ids, keep, short)
+            with head_inputs(self.model) as seen:
+                logits = self._model_pass(input_ids, keep, short)
+            if seen:  # the head read the kept positions' features: the last `keep` of this pass
+                self.features.write(start + input_ids.shape[1] - keep, seen[-1][-keep:])
+            return logits
+
+    def _model_pass(self, input_ids: torch.Tensor, keep: int, short: bool) -> torch.Tensor:
+        if short:  # viasd's forward (passes/loop.py)
+            return loop.short_pass(self.model, input_ids, self.cache, keep)
+        cache = cache_argument(self.model, self.cache)
+        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **cache).logits
 
     def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
         """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the

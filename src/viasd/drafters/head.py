@@ -1,0 +1,107 @@
+"""Drafting with a draft head: a chain of tokens from the target's own features, with no model pass of its own.
+
+The head follows the target's KV session (`follow`): the session records the features its passes computed
+(passes/features.py), and each proposal starts from the latest feature that the committed tokens still vouch for,
+folds in the tokens after it (normally one: the target's correction or bonus token), and drafts step by step with
+the head (heads/network.py). Exactness is untouched: the head only proposes, and its distributions are proper ones
+over the whole vocabulary (zero outside the head's), as speculative sampling needs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from viasd.drafters.base import Proposal, stops_after
+from viasd.heads.network import DraftHead
+from viasd.passes.features import FeatureStore
+from viasd.passes.session import KVSession, common_prefix_length
+from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
+
+CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; more: the round goes to the target
+
+
+class HeadDrafter:
+    """A draft head on one target: its embeddings and the head's rows of its output head, shared, not copied
+    (the rows are gathered once)."""
+
+    def __init__(self, head: DraftHead, target: nn.Module, name: str = "head") -> None:
+        self.name = name
+        self.head = head
+        self.embeddings = target.get_input_embeddings()  # type: ignore[operator]
+        rows = target.get_output_embeddings().weight  # type: ignore[operator]
+        dtype = next(head.parameters()).dtype
+        self.rows = rows.detach()[head.token_ids.to(rows.device)].to(dtype).contiguous()  # [vocab, hidden]
+        self.vocab_size = int(rows.shape[0])
+        self.target: KVSession | None = None
+        self.forward_passes = 0  # head steps
+        self.pass_seconds = 0.0
+
+    def describe(self) -> str:
+        config = self.head.config
+        return f"{self.name} (draft head: {config.blocks} x {config.width}, {config.vocab} tokens)"
+
+    def follow(self, target: KVSession) -> None:
+        """Draft from the features of `target`'s passes (the decoder's session of the target)."""
+        self.target = target
+        if target.features is None:
+            target.features = FeatureStore()
+
+    def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
+        pass
+
+    def _start(self, context: list[int]) -> torch.Tensor | None:
+        """The head's state after the last token of `context`, from the latest feature that still holds."""
+        session = self.target
+        if session is None or session.features is None or len(context) < 2:
+            return None
+        held = session.tokens + session.pending
+        valid = min(common_prefix_length(held, context), len(context) - 1)  # rows [0, valid) describe `context`
+        position = session.features.latest(valid - 1)
+        if position is None or len(context) - 1 - position > CATCH_UP:
+            return None
+        state = session.features.row(position).to(self.rows.dtype)
+        for token in context[position + 1 :]:
+            state = self.head.step(state, self.embeddings.weight[token].to(self.rows.dtype))
+            self.forward_passes += 1
+        return state
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
+    ) -> Proposal:
+        """Up to k tokens; none when no feature of the target describes the context yet (the round is then a
+        target step, whose pass records one)."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            state = self._start(context) if k > 0 else None
+            if state is None:
+                return Proposal([], source=self.name)
+            tokens: list[int] = []
+            probs: list[torch.Tensor] = []
+            soft: list[torch.Tensor] = []
+            tops: list[float] = []
+            for i in range(k):
+                logits = self._logits(state)
+                soft.append(soft_probs(logits, params))
+                if params.greedy:
+                    token = int(logits.argmax())
+                else:
+                    probs.append(warp_probs(logits, params))
+                    token = sample(probs[-1][0], generator)
+                tokens.append(token)
+                tops.append(float(soft[-1].max()))
+                if i + 1 == k or (stop > 0 and stops_after(tops[-1], stop)):
+                    break
+                state = self.head.step(state, self.embeddings.weight[token].to(self.rows.dtype))
+                self.forward_passes += 1
+        self.pass_seconds += time.perf_counter() - start
+        return Proposal(tokens, torch.cat(probs) if probs else None, torch.cat(soft), self.name, tops)
+
+    def _logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] over the whole vocabulary: the head's rows' scores, -inf for tokens outside its vocabulary."""
+        scores = (self.rows @ state).float()
+        full = torch.full((1, self.vocab_size), float("-inf"), device=scores.device)
+        full[0, self.head.token_ids] = scores
+        return full

@@ -1,0 +1,89 @@
+"""`viasd train-drafter`: write the target's own training data, then train its draft head, both resumable and
+bounded in time. Registered in cli.py; heavy imports happen inside the command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from viasd.cli_options import TargetOpt, engine_spec
+from viasd.errors import ViasdError
+from viasd.models.catalog import DEFAULT_TARGET
+
+
+def train_drafter(
+    target: TargetOpt = DEFAULT_TARGET,
+    data_minutes: Annotated[
+        float, typer.Option(help="Time for writing training data (resumes where it stopped).")
+    ] = 60,
+    train_minutes: Annotated[float, typer.Option(help="Time for training, over all runs of this training.")] = 60,
+    tokens: Annotated[int, typer.Option(help="Stop writing data once it holds this many tokens.")] = 400_000,
+    quant: Annotated[
+        str | None,
+        typer.Option(help="The target's view that writes the data (default: gguf for a GGUF model, else int4a8)."),
+    ] = None,
+    rows: Annotated[int, typer.Option(help="Conversations written at once (one pass serves them all).")] = 16,
+    width: Annotated[int, typer.Option(help="The head's hidden width.")] = 2048,
+    vocab: Annotated[int, typer.Option(help="Tokens the head can draft (the target's most written).")] = 16384,
+    depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 6,
+    seed: Annotated[int, typer.Option(help="Seed of the data and the training.")] = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to write the head (default: viasd's cache, found there).")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
+) -> None:
+    """Train a draft head for the target on this machine: data the target writes itself, then the head."""
+    for name, value in (("--rows", rows), ("--width", width), ("--vocab", vocab), ("--depth", depth)):
+        if value < 1:
+            raise ViasdError(f"{name} must be >= 1, got {value}")
+    if data_minutes < 0 or train_minutes < 0 or tokens < 0:
+        raise ViasdError("--data-minutes, --train-minutes and --tokens must be >= 0")
+    spec = engine_spec(target, target, quant=quant)
+
+    import torch
+
+    from viasd.cache import cache_folder
+    from viasd.engine import Engine
+    from viasd.heads.file import save_head
+    from viasd.heads.find import trained_head_path
+    from viasd.models.fingerprint import model_fingerprint
+    from viasd.models.loading import vocabulary_fingerprint
+    from viasd.training.dataset import DataFolder
+    from viasd.training.train import Checkpoint, TrainSettings, train
+    from viasd.training.writing import write_data
+    from viasd.views.gguf import source_gguf
+    from viasd.views.recipe import QuantRecipe
+
+    engine = Engine(spec)
+    loaded = engine.target
+    recipe = spec.quant or QuantRecipe.parse("gguf" if source_gguf(loaded.name, loaded.path) else "int4a8")
+    view = engine.quantized(loaded, recipe)
+    fingerprint = model_fingerprint(loaded.model)
+    home = cache_folder("heads") / fingerprint
+    folder = DataFolder(home / "data", {"view": recipe.name, "seed": seed, "max_request": 160, "max_answer": 320})
+    held = write_data(loaded.model, loaded.tokenizer, view, folder, data_minutes * 60, tokens, rows, seed, progress)
+    typer.echo(f"training data: {held} tokens in {folder.path}")
+    data = folder.load()
+    settings = TrainSettings(width=width, vocab=vocab, depth=depth, seed=seed, seconds=train_minutes * 60)
+    stops = {
+        int(t)
+        for t in (loaded.tokenizer.eos_token_id, loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        if isinstance(t, int)
+    }
+    model = loaded.model
+    head, measured = train(
+        data,
+        model.get_input_embeddings().weight.detach(),
+        model.get_output_embeddings().weight.detach(),
+        settings,
+        Checkpoint(home / "checkpoint.pt"),
+        stops,
+        progress=progress,
+        log=typer.echo,
+    )
+    path = out or trained_head_path(fingerprint)
+    info = {**settings.to_dict(), **measured, "data_view": recipe.name}
+    save_head(path, head.to(torch.bfloat16), fingerprint, vocabulary_fingerprint(loaded.tokenizer), info)
+    typer.echo(f"draft head written to {path}: use it with --method sd:drafter=head")

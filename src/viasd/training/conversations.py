@@ -1,0 +1,192 @@
+"""Training data the target writes itself: a user's request, then its own answer, with its features at every step.
+
+Each conversation starts from the chat template up to the user's turn and an opener (training/prompts.py); the
+target samples the rest of the request (temperature 0.8, top-p 0.95), then answers it greedily, as it answers in a
+benchmark. Many conversations are written at once: one ragged pass per step serves all of them (passes/loop.py),
+and a finished conversation's place goes to a new one, so the passes stay full. Every step records the features
+the output head read (passes/features.py): the training inputs of a draft head, from the passes that made the
+tokens, so nothing is computed twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from viasd.errors import ViasdError
+from viasd.passes.features import head_inputs
+from viasd.passes.loop import Segment, ragged_pass
+from viasd.passes.session import new_cache
+from viasd.training.prompts import Opener
+from viasd.verify.sampling import SamplingParams, draw, warp_probs
+from viasd.views.view import View, applied
+
+CHUNK = 32  # the most tokens of one conversation in a pass (a request's opening text goes in chunks)
+REQUEST = SamplingParams(temperature=0.8, top_p=0.95)  # how the target writes the user's requests
+
+
+@dataclass(frozen=True)
+class Template:
+    """The chat template around one user turn: ids before the request, and after it up to the answer."""
+
+    before: list[int]
+    after: list[int]
+    stops: frozenset[int]  # ids that end a turn
+
+    @staticmethod
+    def of(tokenizer: PreTrainedTokenizerBase) -> Template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ViasdError("training a draft head needs a chat model: this tokenizer has no chat template")
+        marker = "VIASDREQUESTMARK"
+        text = str(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+            )
+        )
+        before, found, after = text.partition(marker)
+        if not found:
+            raise ViasdError("this model's chat template does not show where a user's message goes")
+        encode = lambda part: [int(t) for t in tokenizer(part, add_special_tokens=False)["input_ids"]]  # noqa: E731
+        after_ids = encode(after)
+        stops = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+        if after_ids:
+            stops.add(after_ids[0])  # the template's end-of-turn token (Qwen's <|im_end|>)
+        return Template(encode(before), after_ids, frozenset(stops))
+
+
+@dataclass
+class Conversation:
+    """One conversation being written: its tokens, the features computed so far (by position), where the answer
+    starts, and the tokens not yet fed to the model."""
+
+    index: int
+    tokens: list[int]
+    waiting: list[int]
+    cache: object
+    answer_from: int = -1  # -1: still writing the request
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Written:
+    """A finished conversation: its tokens, the answer's first position, and feature rows by position."""
+
+    index: int
+    tokens: list[int]
+    answer_from: int
+    positions: list[int]
+    features: torch.Tensor  # [len(positions), hidden]
+
+
+def _start(index: int, opener: Opener, template: Template, tokenizer: PreTrainedTokenizerBase, model: nn.Module):
+    text = [int(t) for t in tokenizer(opener.text, add_special_tokens=False)["input_ids"]]
+    tokens = template.before + text
+    conversation = Conversation(index, list(tokens), list(tokens), new_cache(model))
+    if opener.complete:  # a whole request: the answer follows at once
+        conversation.tokens += template.after
+        conversation.waiting += template.after
+        conversation.answer_from = len(conversation.tokens)
+    return conversation
+
+
+def write_conversations(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    view: View | None,
+    openers: Callable[[int], Opener],
+    first: int,
+    rows: int = 24,
+    max_request: int = 160,
+    max_answer: int = 320,
+    seed: int = 0,
+) -> Iterator[Written]:
+    """Conversations `first`, `first + 1`, ... written `rows` at a time (openers(i) starts conversation i), yielded
+    as each finishes; the caller stops when it has enough."""
+    template = Template.of(tokenizer)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + first)
+    live = [_start(i, openers(i), template, tokenizer, model) for i in range(first, first + rows)]
+    following = first + rows
+    while True:
+        parts = [(c, c.waiting[:CHUNK]) for c in live]
+        logits, features = _step(model, view, parts)
+        greedy = logits.argmax(dim=-1)
+        sampled = draw(warp_probs(logits, REQUEST), generator)
+        for row, (conversation, ids) in enumerate(parts):
+            del conversation.waiting[: len(ids)]
+            position = len(conversation.tokens) - len(conversation.waiting) - 1
+            conversation.features[position] = features[row].to(torch.bfloat16).clone()
+            if conversation.waiting:
+                continue  # the rest of a long opening comes in the next pass
+            answering = conversation.answer_from >= 0
+            token = int(greedy[row] if answering else sampled[row])
+            _advance(conversation, token, template, max_request, max_answer)
+        for i, conversation in enumerate(live):
+            if conversation.done:
+                yield _written(conversation)
+                live[i] = _start(following, openers(following), template, tokenizer, model)
+                following += 1
+
+
+def _step(
+    model: nn.Module, view: View | None, parts: list[tuple[Conversation, list[int]]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of every conversation: the logits [rows, V] and features [rows, hidden] of each one's last fed
+    position. Single tokens run as `view` (the fast low-bit kernels); the chunks of opening text run with the
+    model's own weights, as a session's long passes do (the low-bit kernels read fewer bytes but do more
+    arithmetic, so their cost grows with the rows)."""
+    logits: list[torch.Tensor | None] = [None] * len(parts)
+    features: list[torch.Tensor | None] = [None] * len(parts)
+    for single, run_as in ((True, view), (False, None)):
+        rows = [i for i, (_, ids) in enumerate(parts) if (len(ids) == 1) == single]
+        if not rows:
+            continue
+        segments = [Segment(parts[i][0].cache, torch.tensor(parts[i][1]), 1) for i in rows]
+        with torch.inference_mode(), applied(model, run_as), head_inputs(model) as seen:
+            out = ragged_pass(model, segments)
+        for row, i in enumerate(rows):
+            logits[i], features[i] = out[row][-1].float(), seen[-1][row]
+    return torch.stack(logits), torch.stack(features)  # type: ignore[arg-type]
+
+
+def _advance(conversation: Conversation, token: int, template: Template, max_request: int, max_answer: int) -> None:
+    """Append the token the model chose; end the request or the answer where the turn ends or its length runs out."""
+    if conversation.answer_from >= 0:  # answering
+        conversation.tokens.append(token)
+        if token in template.stops or len(conversation.tokens) - conversation.answer_from >= max_answer:
+            conversation.done = True
+        else:
+            conversation.waiting.append(token)
+        return
+    ends = token in template.stops  # the template's end-of-turn follows (its own tokens, not the one drawn)
+    finished = ends or len(conversation.tokens) + 1 - len(template.before) >= max_request
+    new = ([] if ends else [token]) + (template.after if finished else [])
+    conversation.tokens += new
+    conversation.waiting += new
+    if finished:
+        conversation.answer_from = len(conversation.tokens)
+
+
+def _written(conversation: Conversation) -> Written:
+    positions = sorted(conversation.features)
+    return Written(
+        conversation.index,
+        conversation.tokens,
+        conversation.answer_from,
+        positions,
+        torch.stack([conversation.features[p] for p in positions]),
+    )
+
+
+def timed(iterator: Iterator[Written], seconds: float) -> Iterator[Written]:
+    """The conversations an iterator yields until `seconds` have passed."""
+    end = time.monotonic() + seconds
+    for written in iterator:
+        yield written
+        if time.monotonic() >= end:
+            return

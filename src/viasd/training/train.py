@@ -1,0 +1,287 @@
+"""Training a draft head on the target's own conversations, on a CPU, with a time budget, checkpoints and resume.
+
+Each example starts at a position p of a conversation with the target's feature h_p and unrolls the head `depth`
+steps, folding in the conversation's tokens x_{p+1}, x_{p+2}, ... as a drafter folds in the tokens it chose (they
+agree whenever the drafts are right, which is the case that matters): step d predicts x_{p+d+1}, the token the
+target wrote there (greedily, in answers). Loss per step: cross-entropy over the head's vocabulary (requests, which
+the target sampled, weigh less than answers), plus a smooth-L1 pull of the head's state towards the target's own
+feature at that position (EAGLE's regression term: a dense signal that small data needs). The head's first steps
+matter most, as every later draft needs them right: step d weighs 0.8^(d-1).
+
+A run is resumable at any point: the checkpoint (head, optimiser, step, seconds spent, random state) is written
+atomically every `every` seconds and at the end; a run started again continues from it, with the same settings.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional
+from tqdm import tqdm
+
+from viasd.errors import ViasdError
+from viasd.fileio import write_atomic
+from viasd.heads.network import DraftHead, HeadConfig
+from viasd.training.dataset import TrainingSet
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How a head is trained (a resume must use the same)."""
+
+    width: int = 2048
+    blocks: int = 1
+    vocab: int = 16384
+    depth: int = 6
+    batch: int = 64
+    lr: float = 1e-3
+    seed: int = 0
+    seconds: float = 3600.0  # the whole training's budget, over all resumes
+    steps: int = 0  # the most optimiser steps, over all resumes (0: as many as the time allows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def head_vocabulary(data: TrainingSet, size: int, always: set[int]) -> torch.Tensor:
+    """The `size` tokens the target wrote most often (and `always`, the turn's stop tokens), by id."""
+    counts = torch.bincount(data.tokens, minlength=int(data.tokens.max()) + 1).float()
+    for token in always:
+        if token < len(counts):
+            counts[token] = float("inf")
+    size = min(size, int((counts > 0).sum()))
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+@dataclass
+class Examples:
+    """The positions examples start from, and lookups over the training set."""
+
+    starts: torch.Tensor  # feature rows whose position has at least two more tokens in its conversation
+    row_of: torch.Tensor  # [N] feature row of each token position, -1 where none
+    end_of: torch.Tensor  # [N] the end (exclusive) of each position's conversation
+    label_of: torch.Tensor  # [V_full] index in the head's vocabulary, -1 outside it
+
+
+def examples(data: TrainingSet, token_ids: torch.Tensor, rows: torch.Tensor) -> Examples:
+    """Examples over the feature rows `rows` of `data` (a split)."""
+    n = len(data.tokens)
+    row_of = torch.full((n,), -1, dtype=torch.long)
+    row_of[data.feature_at] = torch.arange(len(data.feature_at))
+    lengths = data.starts[1:] - data.starts[:-1]
+    end_of = torch.repeat_interleave(data.starts[1:], lengths)
+    at = data.feature_at[rows]
+    starts = rows[at + 2 < end_of[at]]
+    vocab = int(max(int(data.tokens.max()), int(token_ids.max()))) + 1
+    label_of = torch.full((vocab,), -1, dtype=torch.long)
+    label_of[token_ids] = torch.arange(len(token_ids))
+    return Examples(starts, row_of, end_of, label_of)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the head borrows from the target: its embeddings, and its output head's rows of the head's vocabulary."""
+
+    embeddings: torch.Tensor  # [V_full, hidden]
+    rows: torch.Tensor  # [vocab, hidden]
+
+
+def unroll(
+    head: DraftHead, target: Target, data: TrainingSet, ex: Examples, batch: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unroll the head from the feature rows `batch`: per step d, its logits [B, vocab], the labels [B] (-1: none),
+    and the loss weights [B]. Returns logits [depth, B, vocab], labels [depth, B], and the regression loss."""
+    at = data.feature_at[batch]
+    end = ex.end_of[at]
+    state = data.features[batch].float()
+    logits, labels, regression = [], [], state.new_zeros(())
+    for d in range(1, depth + 1):
+        position = at + d
+        inside = position + 1 < end
+        token_in = data.tokens[position.clamp(max=len(data.tokens) - 1)]
+        state = head.step(state, target.embeddings[token_in].float())
+        logits.append(state @ target.rows.float().T)
+        label = ex.label_of[data.tokens[(position + 1).clamp(max=len(data.tokens) - 1)]]
+        labels.append(torch.where(inside, label, -1))
+        row = ex.row_of[position.clamp(max=len(data.tokens) - 1)]
+        has = inside & (row >= 0)
+        if bool(has.any()):
+            wanted = data.features[row[has]].float()
+            regression = regression + functional.smooth_l1_loss(state[has], wanted) * 0.8 ** (d - 1)
+    return torch.stack(logits), torch.stack(labels), regression
+
+
+def step_weights(depth: int) -> torch.Tensor:
+    return torch.tensor([0.8**d for d in range(depth)])
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per step, weighted by step and by the label's weight (answers 1, requests less)."""
+    depth, b, vocab = logits.shape
+    each = functional.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1).clamp_min(0), reduction="none")
+    each = each.reshape(depth, b) * (labels >= 0) * weights
+    per_step = each.sum(dim=1) / (labels >= 0).sum(dim=1).clamp_min(1)
+    return (per_step * step_weights(depth)).sum() / step_weights(depth).sum()
+
+
+@torch.inference_mode()
+def evaluate(head: DraftHead, target: Target, data: TrainingSet, ex: Examples, depth: int, limit: int = 4096) -> dict:
+    """On held-out examples: top-1 accuracy per step, and the mean length of the run of right drafts from step 1
+    (what a greedy chain of `depth` drafts would get accepted, teacher-forced)."""
+    starts = ex.starts[:limit]
+    right_runs, hits, counts = [], torch.zeros(depth), torch.zeros(depth)
+    for chunk in starts.split(512):
+        logits, labels, _ = unroll(head, target, data, ex, chunk, depth)
+        right = (logits.argmax(-1) == labels) & (labels >= 0)
+        hits += right.sum(1).float()
+        counts += (labels >= 0).sum(1).float()
+        right_runs.append(right.long().cumprod(0).sum(0).float())
+    return {
+        "accuracy": [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts, strict=True)],
+        "accepted_per_chain": round(float(torch.cat(right_runs).mean()), 3) if right_runs else 0.0,
+        "examples": len(starts),
+    }
+
+
+class Checkpoint:
+    """The training state in one file, written atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def save(self, state: dict[str, Any]) -> None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, buffer.getvalue())
+        except OSError as error:
+            raise ViasdError(f"cannot write the training checkpoint {self.path}: {error.strerror or error}") from None
+
+    def load(self) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return None
+        try:
+            return torch.load(self.path, map_location="cpu", weights_only=False)
+        except Exception as error:  # a truncated or foreign file: say which, never half-resume
+            raise ViasdError(
+                f"training checkpoint {self.path} cannot be read ({type(error).__name__}); remove it to start over"
+            ) from None
+
+
+def train(
+    data: TrainingSet,
+    target_embeddings: torch.Tensor,
+    target_head: torch.Tensor,
+    settings: TrainSettings,
+    checkpoint: Checkpoint,
+    always: set[int],
+    every: float = 120.0,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[DraftHead, dict[str, Any]]:
+    """Train (or go on training) a head until the budget is spent; the head and what the training measured."""
+    torch.manual_seed(settings.seed)
+    state = checkpoint.load()
+    if state is not None and state["settings"] != settings.to_dict():
+        changed = sorted(k for k, v in settings.to_dict().items() if state["settings"].get(k) != v)
+        if set(changed) - {"seconds", "steps"}:  # a budget may grow between runs
+            raise ViasdError(
+                f"the checkpoint {checkpoint.path} was trained with other settings ({', '.join(changed)}): "
+                "train with the same ones, or remove it to start over"
+            )
+    token_ids = state["token_ids"] if state is not None else head_vocabulary(data, settings.vocab, always)
+    config = HeadConfig(
+        hidden=data.features.shape[1], width=settings.width, blocks=settings.blocks, vocab=len(token_ids)
+    )
+    head = DraftHead(config, token_ids)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    step, spent = 0, 0.0
+    if state is not None:
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, spent = state["step"], state["seconds"]
+        torch.set_rng_state(state["rng"])
+    target = Target(target_embeddings, target_head[token_ids].contiguous())
+    conversations = data.conversations
+    held_out = max(1, conversations // 20)  # the last 5% of conversations: never trained on
+    split = int(data.starts[conversations - held_out])
+    rows = torch.arange(len(data.feature_at))
+    train_ex = examples(data, token_ids, rows[data.feature_at < split])
+    test_ex = examples(data, token_ids, rows[data.feature_at >= split])
+    answer_weight = torch.where(data.answer, 1.0, 0.3)
+    covered = float((train_ex.label_of[data.tokens] >= 0).float().mean())
+    log(f"head: {len(token_ids)} tokens cover {covered:.1%} of the data; {len(train_ex.starts)} examples")
+
+    def save() -> None:
+        checkpoint.save(
+            {
+                "settings": settings.to_dict(),
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "step": step,
+                "seconds": spent,
+                "rng": torch.get_rng_state(),
+                "token_ids": token_ids,
+            }
+        )
+
+    bar = tqdm(
+        total=round(settings.seconds),
+        initial=round(spent),
+        unit="s",
+        desc="training the head",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    began, saved = time.monotonic(), time.monotonic()
+    try:
+        while spent < settings.seconds and not 0 < settings.steps <= step:
+            t0 = time.monotonic()
+            fraction = max(spent / settings.seconds, step / settings.steps if settings.steps else 0.0)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * min(1.0, (step + 1) / 100) * (1.0 - 0.9 * fraction)
+            batch = train_ex.starts[torch.randint(len(train_ex.starts), (settings.batch,))]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits, labels, regression = unroll(head, target, data, train_ex, batch, settings.depth)
+            at = data.feature_at[batch]
+            weights = torch.stack(
+                [answer_weight[(at + d + 1).clamp(max=len(data.tokens) - 1)] for d in range(1, settings.depth + 1)]
+            )
+            loss = loss_of(logits.float(), labels, weights) + regression
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            spent += time.monotonic() - t0
+            bar.update(round(spent) - bar.n)
+            if step % 50 == 0:
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+            if time.monotonic() - saved >= every:
+                save()
+                saved = time.monotonic()
+    finally:
+        bar.close()
+        save()
+    measured = evaluate(head, target, data, test_ex, settings.depth)
+    measured.update(
+        {
+            "steps": step,
+            "seconds": round(spent),
+            "coverage": round(covered, 4),
+            "tokens": len(data.tokens),
+            "conversations": conversations,
+            "epochs": round(step * settings.batch / max(1, len(train_ex.starts)), 3),
+            "this_run_seconds": round(time.monotonic() - began),
+        }
+    )
+    log("held-out: " + json.dumps(measured))
+    return head, measured
