@@ -226,3 +226,19 @@ def test_a_data_folder_refuses_other_settings_and_damaged_shards(tmp_path):
     shard.write_bytes(shard.read_bytes()[:200])
     with pytest.raises(ViasdError, match="damaged"):
         folder.load()
+
+
+def test_auto_probes_the_head_where_the_target_has_one(monkeypatch, tmp_path):
+    from test_auto import engine
+    from viasd import auto
+    from viasd.heads.find import trained_head_path
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "PROBE_PROMPTS", ("t3 t4 t5", "t9 t8 t7 t6"))
+    without = engine().decoder("auto").choice["tokens_per_second"]
+    assert not any("head" in name for name in without)
+    built = engine()
+    fingerprint = model_fingerprint(built.target.model)
+    save_head(trained_head_path(fingerprint), random_head(64, 64, dtype=torch.float32), fingerprint, "v", {})
+    record = built.decoder("auto").choice  # another candidate list: probed again, not read from the cache
+    assert {"sd:drafter=head", "sd:drafter=lookup+head"} <= set(record["tokens_per_second"])

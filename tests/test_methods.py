@@ -39,7 +39,8 @@ def test_plain_names_and_variants_parse():
         ("sd:depth=3", "key one of gamma, cap, profile, pregate, kind, quant, drafter_quant, lookup, stop"),
         (
             "sd:cap=4",
-            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, head, quant, drafter_quant)",
+            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, head, quant, "
+            "drafter_quant)",
         ),
         ("sd:budget=0.1", "option 'budget' needs drafter=hybrid"),
         ("sd:drafter=hybrid:budget=-1", "budget must be a number >= 0, got -1.0"),

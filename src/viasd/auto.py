@@ -42,18 +42,22 @@ def candidates(
     int4a8: bool = False,
     gguf: bool = False,
     quantized_target: bool = False,
+    head: bool = False,
 ) -> list[str]:
     """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits. Quantized
     drafters are int4a8 views where viasd's int4a8 kernel runs (`int4a8_is_fast`), else int4 (the drafter's)
     and int8 (the target's own); the target drafts for itself with its `gguf` view where that runs on the kernel
     and its GGUF file has 4-bit blocks (`gguf`: a better guesser than int4a8 at about its cost). A target that runs
-    as a quantized view itself (--quant) drafts for itself with its own layers skipped."""
+    as a quantized view itself (--quant) drafts for itself with its own layers skipped. A target with a draft head
+    (`head`) drafts with it, alone and after prompt lookup; those need no drafter model."""
     names = ["plain", "lookup"]
     small, own = ("int4a8", "gguf" if gguf else "int4a8") if int4a8 else ("int4", "int8")
     if quantize:
         names.append("self" if quantized_target else f"self:drafter_quant={own}")
     if drafter_fits is not False:
         names += ["sd", f"sd:drafter_quant={small}", f"sd:drafter=hybrid:drafter_quant={small}"] if quantize else ["sd"]
+    if head:
+        names += ["sd:drafter=head", "sd:drafter=lookup+head"]
     return names
 
 

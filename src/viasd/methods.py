@@ -394,9 +394,12 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     target = parts.target
     fast = int4a8_is_fast(next(target.model.parameters()).device)
     quantized_target = parts.spec.quant is not None
-    names = candidates(
-        fits, int4a8=fast, gguf=fast and has_q4k_blocks(target.name, target.path), quantized_target=quantized_target
-    )
+    try:
+        head: str | None = parts.draft_head().digest
+    except ViasdError:
+        head = None  # no head for this target: its methods are not candidates
+    gguf = fast and has_q4k_blocks(target.name, target.path)
+    names = candidates(fits, int4a8=fast, gguf=gguf, quantized_target=quantized_target, head=head is not None)
     if fits is False:
         print(
             f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "
@@ -405,7 +408,13 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
         )
     engine = parts.spec
     quant = engine.quant.name if engine.quant else None
-    settings = {"drafter": engine.drafter, "quant": quant, "gamma": engine.gamma, "profile": engine.profile}
+    settings = {
+        "drafter": engine.drafter,
+        "quant": quant,
+        "gamma": engine.gamma,
+        "profile": engine.profile,
+        "head": head,
+    }
     record = choose(parts.decoder, names, parts.target.tokenizer, probe_key(parts.target.model, settings, names))
     return AutoDecoder(parts.decoder(record["chosen"]), record, spec.name)
 

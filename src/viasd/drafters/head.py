@@ -83,12 +83,12 @@ class HeadDrafter:
             soft: list[torch.Tensor] = []
             tops: list[float] = []
             for i in range(k):
-                logits = self._logits(state)
-                soft.append(soft_probs(logits, params))
+                scores = self._scores(state)  # [1, vocab]: the head's own tokens only
+                soft.append(self._dense(soft_probs(scores, params), 0.0))
                 if params.greedy:
-                    token = int(logits.argmax())
+                    token = int(self.head.token_ids[int(scores.argmax())])
                 else:
-                    probs.append(warp_probs(logits, params))
+                    probs.append(warp_probs(self._dense(scores, float("-inf")), params))
                     token = sample(probs[-1][0], generator)
                 tokens.append(token)
                 tops.append(float(soft[-1].max()))
@@ -99,9 +99,11 @@ class HeadDrafter:
         self.pass_seconds += time.perf_counter() - start
         return Proposal(tokens, torch.cat(probs) if probs else None, torch.cat(soft), self.name, tops)
 
-    def _logits(self, state: torch.Tensor) -> torch.Tensor:
-        """Logits [1, V] over the whole vocabulary: the head's rows' scores, -inf for tokens outside its vocabulary."""
-        scores = (self.rows @ state).float()
-        full = torch.full((1, self.vocab_size), float("-inf"), device=scores.device)
-        full[0, self.head.token_ids] = scores
-        return full
+    def _scores(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits [1, vocab] of the head's tokens: the target's output head, its rows of the head's vocabulary."""
+        return (self.rows @ state).float()[None]
+
+    def _dense(self, values: torch.Tensor, fill: float) -> torch.Tensor:
+        """Rows over the head's tokens [1, vocab] spread over the whole vocabulary [1, V], `fill` elsewhere."""
+        full = torch.full((1, self.vocab_size), fill, device=values.device)
+        return full.index_copy_(1, self.head.token_ids, values)

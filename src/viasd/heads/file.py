@@ -32,6 +32,7 @@ class HeadFile:
     target: str  # the fingerprint of the target it drafts for
     vocabulary: str  # the fingerprint of that target's tokenizer
     training: dict[str, Any]
+    digest: str  # of its tensors: which head, for records and the `auto` probe
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -86,5 +87,9 @@ def load_head(path: Path) -> HeadFile:
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise ViasdError(f"draft head {path} does not hold a head viasd can build ({error})") from None
     return HeadFile(
-        head.to(torch.bfloat16).eval(), metadata.get("target", ""), metadata.get("vocabulary", ""), training
+        head.to(torch.bfloat16).eval(),
+        metadata.get("target", ""),
+        metadata.get("vocabulary", ""),
+        training,
+        metadata["digest"],
     )

@@ -33,6 +33,7 @@ from torch import nn
 from viasd.passes import loop
 from viasd.passes.costs import PassCosts
 from viasd.passes.executor import PassExecutor
+from viasd.passes.features import head_inputs
 from viasd.passes.loop import Segment
 from viasd.views.view import View, applied
 
@@ -113,9 +114,10 @@ class PassBatcher:
         with self._condition:
             return self._costs.setdefault(id(view), PassCosts())
 
-    def segment(self, view: View | None, segment: Segment) -> tuple[torch.Tensor, float]:
-        """The logits of `segment`, run in a ragged pass with whatever else is waiting for the same view, and the
-        seconds that pass took."""
+    def segment(self, view: View | None, segment: Segment) -> tuple[tuple[torch.Tensor, torch.Tensor | None], float]:
+        """The logits of `segment` and the features its output head read (passes/features.py; None when it kept no
+        logits), run in a ragged pass with whatever else is waiting for the same view, and the seconds that pass
+        took."""
         return self._submit(_Request(view, segment=segment))
 
     def alone(self, run: Callable[[], Any]) -> tuple[Any, float]:
@@ -182,8 +184,12 @@ class PassBatcher:
             if batch[0].alone is not None:
                 outcomes = [batch[0].alone()]
             else:
-                with torch.inference_mode(), applied(self.model, batch[0].view):
-                    outcomes = loop.ragged_pass(self.model, [request.segment for request in batch])  # type: ignore[misc]
+                segments = [request.segment for request in batch]
+                with torch.inference_mode(), applied(self.model, batch[0].view), head_inputs(self.model) as seen:
+                    logits = loop.ragged_pass(self.model, segments)  # type: ignore[arg-type]
+                # The head read every segment's kept rows in one call, in order.
+                rows = seen[-1].split([s.keep for s in segments]) if seen else [None] * len(batch)  # type: ignore[union-attr]
+                outcomes = list(zip(logits, rows, strict=True))
                 self.costs(batch[0].view).record(sum(request.rows for request in batch), time.perf_counter() - start)
                 if len(batch) > 1:
                     self.merged_rows += sum(request.rows for request in batch)

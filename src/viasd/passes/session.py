@@ -208,7 +208,10 @@ class KVSession:
         tokens = input_ids.shape[1]
         if batcher is not None and self._short(view, tokens, batcher.chunk):
             # Merged with other generations' passes of the same view (passes/batching.py).
-            logits, seconds = batcher.segment(view, Segment(self.cache, input_ids[0], keep))
+            start = self.cache.layers[0].get_seq_length()
+            (logits, features), seconds = batcher.segment(view, Segment(self.cache, input_ids[0], keep))
+            if self.features is not None and features is not None:
+                self.features.write(start + tokens - keep, features)
             logits = logits[None]
         elif batcher is not None:
             logits, seconds = batcher.alone(lambda: self._own_pass(input_ids, view, keep))
