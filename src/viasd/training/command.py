@@ -12,6 +12,8 @@ from viasd.cli_options import TargetOpt, engine_spec
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_TARGET
 
+MAX_REQUEST, MAX_ANSWER = 64, 256  # tokens of a written request and of its answer
+
 
 def train_drafter(
     target: TargetOpt = DEFAULT_TARGET,
@@ -62,9 +64,25 @@ def train_drafter(
     view = engine.quantized(loaded, recipe)
     fingerprint = model_fingerprint(loaded.model)
     home = cache_folder("heads") / fingerprint
-    folder = DataFolder(home / "data", {"view": recipe.name, "seed": seed, "max_request": 160, "max_answer": 320})
-    held = write_data(loaded.model, loaded.tokenizer, view, folder, data_minutes * 60, tokens, rows, seed, progress)
+    folder = DataFolder(
+        home / "data", {"view": recipe.name, "seed": seed, "max_request": MAX_REQUEST, "max_answer": MAX_ANSWER}
+    )
+    held = write_data(
+        loaded.model,
+        loaded.tokenizer,
+        view,
+        folder,
+        data_minutes * 60,
+        tokens,
+        rows,
+        seed,
+        MAX_REQUEST,
+        MAX_ANSWER,
+        progress,
+    )
     typer.echo(f"training data: {held} tokens in {folder.path}")
+    if train_minutes == 0:
+        return  # data only: a later run trains (and may write more data first)
     data = folder.load()
     settings = TrainSettings(width=width, vocab=vocab, depth=depth, seed=seed, seconds=train_minutes * 60)
     stops = {

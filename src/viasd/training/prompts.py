@@ -2,9 +2,9 @@
 
 The target writes the rest of each request itself (Magpie-style: its chat template up to the user's turn, then
 these few words), then answers it. The openers spread the requests over the kinds of work people bring (code,
-translation, summaries, questions, maths, passages to answer from, writing, role play); a quarter of the requests
-ask about a function of Python's own standard library, local text that needs no download. Nothing here comes from
-the benchmark's tasks.
+translation, summaries, questions, maths, passages to answer from, writing, role play); one in ten asks about a
+short function of Python's own standard library, local text that needs no download (long openings cost a prompt
+pass each on a CPU, so they are kept short). Nothing here comes from the benchmark's tasks.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Opener:
     complete: bool
 
 
-def stdlib_functions(limit_lines: int = 40) -> list[str]:
+def stdlib_functions(limit_lines: int = 12) -> list[str]:
     """Sources of short top-level functions of Python's standard library (local text, in every installation)."""
     root = Path(sys.modules["ast"].__file__ or "").parent
     found: list[str] = []
@@ -103,12 +103,12 @@ def stdlib_functions(limit_lines: int = 40) -> list[str]:
 
 
 def openers(count: int, seed: int, functions: list[str] | None = None) -> list[Opener]:
-    """`count` openers drawn with `seed`: three quarters from OPENERS, one quarter a request about local code."""
+    """`count` openers drawn with `seed`: nine in ten from OPENERS, one in ten a request about local code."""
     rng = random.Random(seed)
     code = functions if functions is not None else stdlib_functions()
     chosen = []
     for _ in range(count):
-        if code and rng.random() < 0.25:
+        if code and rng.random() < 0.1:
             task = rng.choice(CODE_TASKS)
             chosen.append(Opener(f"{task}\n```python\n{rng.choice(code)}\n```", complete=True))
         else:

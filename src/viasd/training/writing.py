@@ -14,7 +14,7 @@ from viasd.training.dataset import DataFolder
 from viasd.training.prompts import Opener, openers, stdlib_functions
 from viasd.views.view import View
 
-SHARD = 32  # conversations per shard: what an interruption can lose at most
+SHARD = 16  # conversations per shard: what an interruption can lose at most
 
 
 def write_data(
@@ -26,6 +26,8 @@ def write_data(
     tokens: int,
     rows: int,
     seed: int,
+    max_request: int = 64,
+    max_answer: int = 256,
     progress: bool = True,
 ) -> int:
     """Add conversations to `folder` until it holds `tokens` tokens or `seconds` have passed; the tokens it holds."""
@@ -39,7 +41,10 @@ def write_data(
     bar = tqdm(total=tokens, initial=held, unit="tok", desc="writing data", disable=not progress, dynamic_ncols=True)
     pending: list[Written] = []
     try:
-        for written in write_conversations(model, tokenizer, view, opener, first, rows=rows, seed=seed):
+        conversations = write_conversations(
+            model, tokenizer, view, opener, first, rows=rows, max_request=max_request, max_answer=max_answer, seed=seed
+        )
+        for written in conversations:
             pending.append(written)
             bar.update(len(written.tokens))
             if len(pending) == SHARD:
