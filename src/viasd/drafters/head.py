@@ -9,6 +9,7 @@ over the whole vocabulary (zero outside the head's), as speculative sampling nee
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -29,10 +30,12 @@ class HeadDrafter:
 
     def __init__(self, head: DraftHead, target: nn.Module, name: str = "head") -> None:
         self.name = name
-        self.head = head
-        self.embeddings = target.get_input_embeddings()  # type: ignore[operator]
         rows = target.get_output_embeddings().weight  # type: ignore[operator]
-        dtype = next(head.parameters()).dtype
+        # On a CPU the head computes in float32: its products are a few small matrix-vector ones, which torch runs
+        # faster in float32 than in bf16 on CPUs without bf16 instructions (measured: 24 against 29 ms per step).
+        dtype = torch.float32 if rows.device.type == "cpu" else next(head.parameters()).dtype
+        self.head = copy.deepcopy(head).to(device=rows.device, dtype=dtype)
+        self.embeddings = target.get_input_embeddings()  # type: ignore[operator]
         self.rows = rows.detach()[head.token_ids.to(rows.device)].to(dtype).contiguous()  # [vocab, hidden]
         self.vocab_size = int(rows.shape[0])
         self.target: KVSession | None = None

@@ -107,7 +107,7 @@ def unroll(
         inside = position + 1 < end
         token_in = data.tokens[position.clamp(max=len(data.tokens) - 1)]
         state = head.step(state, target.embeddings[token_in].float())
-        logits.append(state @ target.rows.float().T)
+        logits.append(state @ target.rows.T)
         label = ex.label_of[data.tokens[(position + 1).clamp(max=len(data.tokens) - 1)]]
         labels.append(torch.where(inside, label, -1))
         row = ex.row_of[position.clamp(max=len(data.tokens) - 1)]
@@ -209,7 +209,7 @@ def train(
         optimizer.load_state_dict(state["optimizer"])
         step, spent = state["step"], state["seconds"]
         torch.set_rng_state(state["rng"])
-    target = Target(target_embeddings, target_head[token_ids].contiguous())
+    target = Target(target_embeddings, target_head[token_ids].float().contiguous())
     conversations = data.conversations
     held_out = max(1, conversations // 20)  # the last 5% of conversations: never trained on
     split = int(data.starts[conversations - held_out])
@@ -249,8 +249,8 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / 100) * (1.0 - 0.9 * fraction)
             batch = train_ex.starts[torch.randint(len(train_ex.starts), (settings.batch,))]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits, labels, regression = unroll(head, target, data, train_ex, batch, settings.depth)
+            # float32 throughout: on CPUs without bf16 instructions bf16 products are slower, not faster.
+            logits, labels, regression = unroll(head, target, data, train_ex, batch, settings.depth)
             at = data.feature_at[batch]
             weights = torch.stack(
                 [answer_weight[(at + d + 1).clamp(max=len(data.tokens) - 1)] for d in range(1, settings.depth + 1)]
