@@ -3,6 +3,8 @@ sessions, and the draft length the measured costs call for."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from viasd.vllm.draft_length import DraftLength, best_length, expected_kept
@@ -88,3 +90,45 @@ def test_the_cascade_keeps_accepted_drafts_replaces_where_the_slim_view_disagree
     assert edit_block([5, 6, 7], [1, full, 1], [5, 9, 9, 9], full, room=4) == [5, 9]
     # ...and a draft it agrees with ends the block as drafted: the gate trusts nothing beyond it.
     assert edit_block([5, 6, 7], [1, full, 1], [5, 6, 9, 9], full, room=4) == [5, 6]
+
+
+class _RecordingDrafter:
+    """A drafter that proposes fixed tokens and records the stop threshold it was asked for."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.stops = tokens, []
+
+    def propose(self, context, k, params, generator, stop=0.0):
+        from viasd.drafters.base import Proposal
+
+        self.stops.append(stop)
+        return Proposal(self.tokens[:k], source="model")
+
+
+def _bare_proposer(cls):
+    """A proposer without vLLM's config: what `__init__` sets that drafting reads, on a tiny drafter model."""
+    import torch
+
+    from tiny import tiny_model
+    from viasd.verify.sampling import SamplingParams
+
+    proposer = object.__new__(cls)
+    proposer.drafter = SimpleNamespace(model=tiny_model())
+    proposer.view = None
+    proposer.params = SamplingParams()
+    proposer.generator = torch.Generator().manual_seed(0)
+    proposer.lengths = DraftLength(4)
+    proposer.stats = {"steps": 0, "drafted": 0, "kept": 0, "lookup": 0, "model": 0, "edited": 0}
+    return proposer
+
+
+def test_the_proposer_drafts_as_sd_with_the_hybrid_drafter_does() -> None:
+    """Inside vLLM the drafter model stops at sd's stop threshold and lookup copies from sd's hybrid's shortest
+    match: one setting each, so a change to sd's is a change to the proposer's."""
+    from viasd.methods import DEFAULT_STOP, HYBRID_MATCH
+    from viasd.vllm.proposer import HybridProposer
+
+    proposer = _bare_proposer(HybridProposer)
+    assert proposer._new_session().lookup.min_ngram == HYBRID_MATCH
+    drafter = _RecordingDrafter([5, 6, 7])
+    assert proposer._draft(drafter, [1, 2, 3], 2) == [5, 6] and drafter.stops == [DEFAULT_STOP]

@@ -2,10 +2,12 @@
 "viasd.vllm.proposer.HybridProposer", "num_speculative_tokens": K}`).
 
 Each request drafts with its own hybrid drafter: a copy from its prompt or answer where the text repeats (prompt
-lookup), the small drafter model elsewhere (its own KV session per request, resynchronised to what vLLM committed,
-so rejected drafts are cropped). vLLM verifies the drafts exactly with its rejection sampler. The number of drafts
-per request (at most K) follows the batch size, from step costs and acceptance measured while serving
-(viasd.vllm.draft_length). Settings come from the environment, since vLLM builds the proposer from its config alone:
+lookup, from matches as short as `sd:drafter=hybrid` copies), the small drafter model elsewhere (its own KV session
+per request, resynchronised to what vLLM committed, so rejected drafts are cropped; it stops after a draft token
+under sd's stop threshold, `viasd.methods.DEFAULT_STOP`). vLLM verifies the drafts with its rejection sampler. The
+number of drafts per request (at most K) follows the batch size, from step costs and acceptance measured while
+serving (viasd.vllm.draft_length). Settings come from the environment, since vLLM builds the proposer from its
+config alone:
 
 * VIASD_DRAFTER: the drafter model (a default model name, a directory or a hub id; default qwen2.5-coder-0.5b).
 * VIASD_DRAFTER_QUANT: run the drafter as its quantized view (int4a8, int8, ...; `none`: as loaded). Default:
@@ -29,13 +31,12 @@ from viasd.drafters.base import Proposal
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.methods import DEFAULT_STOP, HYBRID_MATCH
 from viasd.verify.sampling import SamplingParams
 from viasd.vllm.draft_length import DraftLength
 from viasd.vllm.sessions import SessionPool
 
 DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
-LOOKUP_MATCH = 3  # the hybrid's shortest copied n-gram, as viasd's own `sd:drafter=hybrid`
-STOP = 0.4  # the model drafter stops after a draft token under this confidence (viasd's `sd` default)
 
 log = logging.getLogger("vllm.viasd")  # under vLLM's own logger, so its handlers print the lines
 
@@ -84,7 +85,7 @@ class HybridProposer:
 
     def _new_session(self) -> Any:
         model = ModelDrafter(self.drafter.model, self.view, name="model")
-        return HybridDrafter(PromptLookupDrafter(max_ngram=4, min_ngram=LOOKUP_MATCH), model)
+        return HybridDrafter(PromptLookupDrafter(max_ngram=4, min_ngram=HYBRID_MATCH), model)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM hands over its target here; the hybrid drafter needs none of it."""
@@ -126,7 +127,7 @@ class HybridProposer:
     def _proposal(self, drafter: HybridDrafter, context: list[int], k: int) -> Proposal:
         """The hybrid drafter's proposal for one request, its cost and source counted."""
         start = time.perf_counter()
-        proposal = drafter.propose(context, k, self.params, self.generator, STOP)
+        proposal = drafter.propose(context, k, self.params, self.generator, DEFAULT_STOP)
         if proposal.source == "model":
             self.lengths.observe_drafter(len(proposal), time.perf_counter() - start)
             self.stats["model"] += len(proposal)
