@@ -242,3 +242,31 @@ def test_auto_probes_the_head_where_the_target_has_one(monkeypatch, tmp_path):
     save_head(trained_head_path(fingerprint), random_head(64, 64, dtype=torch.float32), fingerprint, "v", {})
     record = built.decoder("auto").choice  # another candidate list: probed again, not read from the cache
     assert {"sd:drafter=head", "sd:drafter=lookup+head"} <= set(record["tokens_per_second"])
+
+
+def test_train_drafter_writes_data_then_a_head_and_resumes(tmp_path, monkeypatch):
+    """The command end to end on a tiny chat model: data, then a head in the cache that sd:drafter=head finds; a
+    second run with a larger budget goes on from the checkpoint; bad options are one line."""
+    from typer.testing import CliRunner
+
+    from viasd.cli import app
+    from viasd.heads.find import trained_head_path
+    from viasd.models.loading import LoadedModel
+
+    tok = tiny_chat_tokenizer(320)
+    target = tiny_model("qwen2", vocab_size=320, hidden=64, dtype=torch.float32)
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("viasd.engine.load_model", lambda name, **_: LoadedModel(target, tok, name, name))
+    args = ["train-drafter", "--target", "tiny", "--width", "32", "--vocab", "64", "--depth", "2", "--rows", "4"]
+    args += ["--tokens", "300", "--no-progress"]
+    first = CliRunner().invoke(app, [*args, "--train-minutes", "0.02"])
+    assert first.exit_code == 0, first.output
+    path = trained_head_path(model_fingerprint(target))
+    assert path.exists() and "draft head written" in first.output
+    steps = load_head(path).training["steps"]
+    again = CliRunner().invoke(app, [*args, "--train-minutes", "0.04"])
+    assert again.exit_code == 0, again.output
+    assert load_head(path).training["steps"] > steps  # went on from the checkpoint
+    assert find_head(target).digest == load_head(path).digest
+    bad = CliRunner().invoke(app, [*args, "--width", "0"])  # the last --width counts
+    assert bad.exit_code == 2 and "--width must be >= 1" in bad.output
