@@ -132,3 +132,57 @@ def test_the_proposer_drafts_as_sd_with_the_hybrid_drafter_does() -> None:
     assert proposer._new_session().lookup.min_ngram == HYBRID_MATCH
     drafter = _RecordingDrafter([5, 6, 7])
     assert proposer._draft(drafter, [1, 2, 3], 2) == [5, 6] and drafter.stops == [DEFAULT_STOP]
+
+
+def _views_by_recipe(fail: str | None = None):
+    """Parts whose quantized views are markers named by their recipe (`fail`: a recipe whose view cannot be made)."""
+    from viasd.errors import ViasdError
+    from viasd.views.view import View
+
+    def quantized(model, recipe):
+        if recipe is None:
+            return None
+        if recipe.name == fail:
+            raise ViasdError(f"no GGUF file to take {recipe.name}'s blocks from")
+        return View(linears=recipe.name)
+
+    return SimpleNamespace(target=SimpleNamespace(), quantized=quantized)
+
+
+def test_the_cascade_edits_each_task_kind_with_the_view_its_gate_was_calibrated_on() -> None:
+    """The shipped int4a8 profile's code gate was calibrated on the int4a8:gguf view: code requests are edited by
+    that view under that gate, others by the profile's int4a8 view under the profile's gate, as `via` routes them;
+    where the code view cannot be made, code drafts go to vLLM unedited rather than judged by another view."""
+    from viasd.profile import default_profile_path, load_profile
+    from viasd.vllm.cascade import slim_routes
+
+    profile = load_profile(default_profile_path(True))
+    routes = slim_routes(_views_by_recipe(), profile)
+    code, other = routes["code"], routes[None]
+    assert code is not None and code.view.linears == "int4a8:gguf" and code.gate == profile.kinds["code"]["gate"]
+    assert other is not None and other.view.linears == "int4a8" and other.gate == profile.gate
+    assert code.view.mask == other.view.mask == profile.masks[0]
+    assert slim_routes(_views_by_recipe(fail="int4a8:gguf"), profile) == {None: other, "code": None}
+
+
+def test_a_cascade_request_takes_its_kinds_route_at_its_first_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slim view's session is made for the request's task kind once it is known, and a kind routed to None gets
+    the hybrid's drafts as they are."""
+    from viasd.verify.gates import Gate
+    from viasd.views.view import View
+    from viasd.vllm import cascade
+    from viasd.vllm.cascade import CascadeProposer, CascadeSession, SlimRoute
+
+    proposer = _bare_proposer(CascadeProposer)
+    proposer.target = SimpleNamespace(model=proposer.drafter.model, tokenizer=SimpleNamespace(decode=str))
+    code_view, other_view = View(), View()
+    proposer.routes = {None: SlimRoute(other_view, Gate("confidence", (0.0, 0.0))), "code": None, "prose": None}
+    proposer.routes["code"] = SlimRoute(code_view, Gate("kl", (0.2, 6.0)))
+    monkeypatch.setattr(cascade, "prompt_kind", lambda text: "code")
+    session = CascadeSession(_RecordingDrafter([5, 6, 7]))
+    drafts = proposer._draft(session, [3, 4, 5], 3)
+    assert session.slim is not None and session.slim.base_view is code_view and session.gate.signal == "kl"
+    assert len(drafts) == 1  # no drafter distributions: the kl gate sends the first draft on, which ends the block
+    monkeypatch.setattr(cascade, "prompt_kind", lambda text: "prose")
+    unedited = CascadeSession(_RecordingDrafter([5, 6, 7]))
+    assert proposer._draft(unedited, [3, 4, 5], 3) == [5, 6, 7] and unedited.routed and unedited.slim is None

@@ -419,6 +419,19 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     return AutoDecoder(parts.decoder(record["chosen"]), record, spec.name)
 
 
+def slim_views(parts: Parts, profile: RoutingProfile, kind: str | None = None) -> list[View]:
+    """The target's slim views of `profile` for requests of task kind `kind`: each tier's layer mask, with the
+    quantized copies the kind's own entry names (else the profile's). A kind's gate was calibrated on these views,
+    so `via` and vLLM's cascade (viasd.vllm.cascade) both make them here."""
+    from viasd.views.view import View
+
+    views = []
+    for tier, mask in enumerate(profile.masks):
+        quantized = parts.quantized(parts.target, profile.slim_quant(tier, kind))
+        views.append(View(mask=mask, linears=quantized.linears if quantized else None))
+    return views
+
+
 def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.round import RoundPolicy
     from viasd.decode.tiered import TieredDecoder
@@ -426,8 +439,6 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
 
     if parts.spec.quant:
         raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
-    from viasd.views.view import View
-
     profile = parts.routing_profile(spec.get("profile"))
     overrides = {
         "gamma": first_set(spec.get("gamma"), parts.spec.gamma),
@@ -439,20 +450,11 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     if spec.base == "via-exact":
         policy, kinds = RoundPolicy(Gate.exact(), policy.gamma, policy.cap, stop=policy.stop), {}
     target = parts.target
-
-    def slim_views(kind: str | None = None) -> list[View]:
-        """Each slim view: its layer mask, and quantized copies if any (a kind's own where it names them)."""
-        views = []
-        for tier, mask in enumerate(profile.masks):
-            quantized = parts.quantized(target, profile.slim_quant(tier, kind))
-            views.append(View(mask=mask, linears=quantized.linears if quantized else None))
-        return views
-
-    slims = slim_views()
+    slims = slim_views(parts, profile)
     kind_slims = {}
     for kind in (k for k in profile.own_views() if k in kinds):
         try:
-            kind_slims[kind] = slim_views(kind)
+            kind_slims[kind] = slim_views(parts, profile, kind)
         except ViasdError as exc:  # e.g. no GGUF file to take a gguf view's blocks from
             own = kinds[kind]  # its gate was calibrated on that view alone: verify exactly rather than guess
             kinds[kind] = RoundPolicy(Gate.exact(), own.gamma, own.cap, stop=own.stop)

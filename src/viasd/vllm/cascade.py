@@ -14,7 +14,8 @@ verifies the edited block exactly, so the output is the target's; what changes i
 
 Settings, besides the hybrid proposer's (viasd.vllm.proposer): VIASD_PROFILE, the routing profile (default: the
 shipped one for the default pair on this CPU). The task kind of each request (viasd.task_kind) picks the profile's
-gate for that kind.
+gate for that kind and the slim view that gate was calibrated on (the kind's own view where the profile names one,
+made as `via` makes it: `viasd.methods.slim_views`).
 """
 
 from __future__ import annotations
@@ -25,22 +26,65 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from viasd.drafters.hybrid import HybridDrafter
+from viasd.errors import ViasdError
+from viasd.methods import Parts, slim_views
 from viasd.passes.session import KVSession
+from viasd.profile import RoutingProfile
 from viasd.task_kind import prompt_kind
 from viasd.verify.gates import Gate
 from viasd.verify.sampling import soft_probs
-from viasd.vllm.proposer import DEFAULT_DRAFTER, HybridProposer, _setting
+from viasd.views.view import View
+from viasd.vllm.proposer import DEFAULT_DRAFTER, HybridProposer, _setting, log
+
+
+@dataclass(frozen=True)
+class SlimRoute:
+    """What edits the drafts of a task kind's requests: the slim view the kind's gate was calibrated on, and the
+    gate."""
+
+    view: View
+    gate: Gate
+
+
+Routes = dict[str | None, SlimRoute | None]  # by task kind; None: every kind the profile has no settings for
+
+
+def slim_routes(parts: Parts, profile: RoutingProfile) -> Routes:
+    """The route of every task kind the profile has settings for, and of the others (key None): the first slim view
+    `via` makes for the kind (`slim_views`), with the kind's gate. A kind whose own view cannot be made here (a gguf
+    view of a target not loaded from a GGUF file) routes to None: its drafts go to vLLM unedited, as `via` verifies
+    such a kind by the full target rather than judge another view by a gate calibrated on its own."""
+    shared = slim_views(parts, profile)[0]
+    routes: Routes = {None: SlimRoute(shared, profile.policy().gate)}
+    own = profile.own_views()
+    for kind in profile.kinds:
+        gate = profile.policy(kind).gate
+        try:
+            routes[kind] = SlimRoute(slim_views(parts, profile, kind)[0] if kind in own else shared, gate)
+        except ViasdError as error:
+            log.warning("viasd cascade: %s; %s requests get the hybrid's drafts unedited", error, kind)
+            routes[kind] = None
+    return routes
 
 
 @dataclass
 class CascadeSession:
-    """One request's drafter and its slim view's KV session, and the gate of its task kind."""
+    """One request's drafter and, once its first draft has told its task kind, its route's gate and a KV session of
+    the route's slim view (None, None for a kind whose drafts go unedited)."""
 
     drafter: HybridDrafter
-    slim: KVSession
-    gate: Gate | None = None  # chosen at the request's first draft, from its prompt
+    routed: bool = False
+    gate: Gate | None = None
+    slim: KVSession | None = None
+
+    def route(self, route: SlimRoute | None, model: nn.Module) -> None:
+        """Take the route of the request's task kind, at its first draft."""
+        self.routed = True
+        if route is not None:
+            self.gate, self.slim = route.gate, KVSession(model, base_view=route.view)
 
 
 def edit_block(drafts: list[int], tiers: list[int], picks: list[int], full_tier: int, room: int) -> list[int]:
@@ -74,22 +118,24 @@ class CascadeProposer(HybridProposer):
             engine_spec(target, _setting("VIASD_DRAFTER", DEFAULT_DRAFTER), device="cpu", dtype="bf16"),
             drafter=self.drafter,
         )
-        self.profile = engine.routing_profile(profile_path)
-        self.profile.check_models(engine.target.model, None if self.profile.self_drafter else self.drafter.model)
+        self.profile = engine.routing_profile(profile_path)  # checked against the target and drafter there
         self.target = engine.target
-        self.slim_view = engine.quantized(engine.target, self.profile.slim_quant(0))
+        self.routes = slim_routes(engine, self.profile)
         self.stats["edited"] = 0
 
     def _new_session(self) -> Any:
-        return CascadeSession(super()._new_session(), KVSession(self.target.model, base_view=self.slim_view))
+        return CascadeSession(super()._new_session())
 
     def _draft(self, session: Any, context: list[int], k: int) -> list[int]:
         proposal = self._proposal(session.drafter, context, k)
         drafts = [int(t) for t in proposal.tokens]
         if not drafts:
             return drafts
-        if session.gate is None:
-            session.gate = self.profile.policy(prompt_kind(self.target.tokenizer.decode(context))).gate
+        if not session.routed:
+            kind = prompt_kind(self.target.tokenizer.decode(context))
+            session.route(self.routes.get(kind, self.routes[None]), self.target.model)
+        if session.slim is None or session.gate is None:  # a kind whose slim view is not here
+            return drafts
         gate: Gate = session.gate
         start = time.perf_counter()
         logits = session.slim.extend_to(context + drafts, keep=len(drafts) + 1)
