@@ -29,18 +29,22 @@ def find_head(target: nn.Module, path: str | Path | None = None) -> HeadFile:
     there is none, or the one named was made for another target."""
     fingerprint = model_fingerprint(target)
     if path is not None:
-        found = load_head(Path(path))
-        if found.target != fingerprint:
-            raise ViasdError(
-                f"draft head {path} was trained for another target (fingerprint {found.target}, "
-                f"this target's is {fingerprint})"
-            )
-        return found
+        return _for(load_head(Path(path)), fingerprint, Path(path))
     trained = trained_head_path(fingerprint)
     if trained.exists():
-        return load_head(trained)
+        return _for(load_head(trained), fingerprint, trained)
     for shipped in sorted(SHIPPED.glob("*.safetensors")):
         found = load_head(shipped)
         if found.target == fingerprint:
             return found
     raise ViasdError(f"no draft head for this target (fingerprint {fingerprint}): train one with `viasd train-drafter`")
+
+
+def _for(found: HeadFile, fingerprint: str, path: Path) -> HeadFile:
+    """`found`, when it was trained for the target with this fingerprint."""
+    if found.target != fingerprint:
+        raise ViasdError(
+            f"draft head {path} was trained for another target (fingerprint {found.target}, this target's is "
+            f"{fingerprint})"
+        )
+    return found
