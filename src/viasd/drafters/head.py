@@ -25,8 +25,8 @@ CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; m
 
 
 class HeadDrafter:
-    """A draft head on one target: its embeddings and the head's rows of its output head, shared, not copied
-    (the rows are gathered once)."""
+    """A draft head on one target: the target's embeddings are shared, its output head's rows of the head's
+    vocabulary gathered once, and the head's own (small) weights held in the dtype it computes in."""
 
     def __init__(self, head: DraftHead, target: nn.Module, name: str = "head") -> None:
         self.name = name
