@@ -35,7 +35,8 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         (["generate", "hi", "--method", "sd:cap=4"], None, "method 'sd' takes no option 'cap'"),
         (["generate", "hi", "--seed", str(2**64)], None, "seed must be an integer in [-9223372036854775808, 1844"),
         (["generate", "hi", "--temperature", "nan"], None, "temperature must be a finite number"),
-        (["generate", "hi", "--target", NO_MODEL, "--gamma", "0"], None, "--gamma must be >= 1"),
+        (["generate", "hi", "--target", NO_MODEL, "--gamma", "0"], None, "--gamma must be in 1..64, got 0"),
+        (["generate", "hi", "--target", NO_MODEL, "--gamma", "65"], None, "--gamma must be in 1..64, got 65"),
         (
             ["serve", "--target", NO_MODEL, "--port", "-1"],
             None,
@@ -43,7 +44,7 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         ),
         # (a bench that wrongly accepted these would fail fast on the missing model, not run)
         (["bench", "--target", NO_MODEL, "--humaneval-timeout", "nan"], None, "--humaneval-timeout must be a finite"),
-        (["bench", "--target", NO_MODEL, "--gamma", "-2"], None, "--gamma must be >= 1"),
+        (["bench", "--target", NO_MODEL, "--gamma", "-2"], None, "--gamma must be in 1..64, got -2"),
         (
             ["bench", "--target", NO_MODEL, "--count", "1", "--category-max-new-tokens", "maths=8"],
             None,

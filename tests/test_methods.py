@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from tiny import tiny_model, tiny_tokenizer
+from viasd.decode import MAX_GAMMA
 from viasd.decode.base import GenerationConfig
-from viasd.decode.round import MAX_GAMMA
+from viasd.decode.hf_assisted import HFAssistedDecoder
+from viasd.decode.round import RoundPolicy
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.drafters.model_drafter import ModelDrafter
@@ -14,7 +16,6 @@ from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.methods import DEFAULT_STOP, HYBRID_BUDGET, HYBRID_MATCH, METHODS, OPTIONS, parse_method, parse_method_list
-from viasd.methods import MAX_GAMMA as PARSED_MAX_GAMMA
 from viasd.models.loading import LoadedModel
 
 
@@ -28,7 +29,6 @@ def test_plain_names_and_variants_parse():
     # Every method's options are registered options, and the relaxed method says so.
     assert all(set(m.options) <= set(OPTIONS) for m in METHODS.values())
     assert [m.name for m in METHODS.values() if not m.exact] == ["via", "llama.cpp"]  # relaxed; another runtime
-    assert PARSED_MAX_GAMMA == MAX_GAMMA
 
 
 @pytest.mark.parametrize(
@@ -82,6 +82,33 @@ def test_method_lists_refuse_duplicates_and_emptiness():
         parse_method_list("plain,sd,sd")
     with pytest.raises(ViasdError, match="no methods"):
         parse_method_list(" , ")
+
+
+@pytest.mark.parametrize("gamma", [0, 1, MAX_GAMMA, MAX_GAMMA + 1])
+def test_every_place_that_takes_a_draft_length_takes_the_same_ones(gamma):
+    """A draft length the method option refuses, --gamma, a routing profile, a round policy and the decoders refuse
+    too (one range, 1..MAX_GAMMA), each in one line naming what the user gave."""
+    from viasd.profile import RoutingProfile
+    from viasd.verify.gates import Gate
+    from viasd.views.layer_skip import LayerMask
+
+    tok, model = tiny_tokenizer(64), tiny_model("llama", layers=2)
+    target = {"name": "t", "fingerprint": "f"}
+    profile = RoutingProfile(target, None, [LayerMask.full(2)], [None], Gate("kl", (0.1, 1.0))).to_dict()
+    takers = [
+        ("method option gamma", lambda: parse_method(f"sd:gamma={gamma}")),
+        ("--gamma", lambda: EngineSpec(gamma=gamma)),
+        ("routing profile: the draft length gamma", lambda: RoutingProfile.from_dict({**profile, "gamma": gamma})),
+        ("the draft length gamma", lambda: RoundPolicy(Gate.exact(), gamma=gamma)),
+        ("the draft length gamma", lambda: SpeculativeDecoder(model, tok, PromptLookupDrafter(), gamma)),
+        ("the draft length gamma", lambda: HFAssistedDecoder(model, tok, model, gamma)),
+    ]
+    for name, take in takers:
+        if 1 <= gamma <= MAX_GAMMA:
+            take()
+            continue
+        with pytest.raises(ViasdError, match=rf"^{name} must be in 1\.\.{MAX_GAMMA}, got {gamma}$"):
+            take()
 
 
 def test_engine_builds_variants_with_their_settings_and_labels():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from viasd.errors import ViasdError
+from viasd.decode import check_gamma
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 from viasd.views.recipe import QuantRecipe
 
@@ -25,6 +25,5 @@ class EngineSpec:
     drafter_quant: QuantRecipe | None = None  # run the drafter as its quantized view
 
     def __post_init__(self) -> None:
-        # 0 must not silently mean "the default" (the decoders read a falsy gamma as unset).
-        if self.gamma is not None and self.gamma < 1:
-            raise ViasdError(f"--gamma must be >= 1 (draft tokens per round), got {self.gamma}")
+        if self.gamma is not None:
+            check_gamma(self.gamma, "--gamma")

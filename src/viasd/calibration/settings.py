@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from viasd.calibration.candidates import parse_drafter
 from viasd.calibration.objectives import DEFAULT_MARGIN, OBJECTIVES
 from viasd.calibration.prompts import CALIBRATION_PROMPTS, HELD_OUT_PROMPTS
+from viasd.decode import check_gamma
 from viasd.errors import ViasdError
 from viasd.views.recipe import QuantRecipe
 
@@ -64,8 +65,10 @@ class CalibrationSettings:
             raise ViasdError(f"--iterations must be >= 1, got {self.iterations}")
         if self.time_budget is not None and self.time_budget <= 0:
             raise ViasdError(f"--time-budget must be > 0 seconds, got {self.time_budget}")
-        if not self.gammas or min(self.gammas) < 1:
-            raise ViasdError(f"--gammas must be >= 1, got {list(self.gammas)}")
+        if not self.gammas:
+            raise ViasdError("--gammas: no draft length given")
+        for gamma in self.gammas:
+            check_gamma(gamma, "--gammas")
         if not self.caps or min(self.caps) < 2:
             raise ViasdError(f"--caps must be >= 2, got {list(self.caps)}")
         if not 0.0 <= self.quality_budget < 1.0:

@@ -21,10 +21,10 @@ from torch import nn
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers import PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
+from viasd.decode import check_gamma
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
 from viasd.decode.stats import GenerationStats
-from viasd.errors import ViasdError
 from viasd.verify.sampling import SamplingParams
 
 
@@ -173,10 +173,8 @@ class HFAssistedDecoder(Decoder):
         method: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer)
-        if gamma is not None and gamma < 1:
-            raise ViasdError(f"the draft length gamma must be >= 1, got {gamma}")
         self.drafter = drafter
-        self.gamma = gamma
+        self.gamma = gamma if gamma is None else check_gamma(gamma)
         if method:
             self.method = method
 

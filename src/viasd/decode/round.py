@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from viasd.decode import MAX_GAMMA
+from viasd.decode import check_gamma
 from viasd.errors import ViasdError
 from viasd.verify.gates import Gate
 
@@ -71,8 +71,7 @@ class RoundPolicy:
     stop: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.gamma <= MAX_GAMMA:
-            raise ViasdError(f"the draft length gamma must be in 1..{MAX_GAMMA}, got {self.gamma}")
+        check_gamma(self.gamma)
         if self.cap < 1:
             raise ViasdError(f"the cap on tokens committed without the full target must be >= 1, got {self.cap}")
         if not 0.0 <= self.pregate <= 1.0:

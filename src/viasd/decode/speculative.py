@@ -8,14 +8,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from viasd.decode import MAX_GAMMA
+from viasd.decode import check_gamma
 from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.load import DraftTally, load_on
 from viasd.decode.output import OutputSink
 from viasd.decode.round import Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
-from viasd.errors import ViasdError
 from viasd.passes.session import KVSession, upload_ids
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
@@ -65,10 +64,8 @@ class SpeculativeDecoder(Decoder):
         stop: float = 0.0,
     ) -> None:
         super().__init__(target, tokenizer, view)
-        if not 1 <= gamma <= MAX_GAMMA:
-            raise ViasdError(f"the draft length gamma must be in 1..{MAX_GAMMA}, got {gamma}")
         self.drafter = drafter
-        self.gamma = gamma
+        self.gamma = check_gamma(gamma)
         self.stop = check_stop(stop)
         self.session = KVSession(target, view)
         drafter.follow(self.session)
