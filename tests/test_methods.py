@@ -130,6 +130,31 @@ def test_engine_builds_variants_with_their_settings_and_labels():
     assert out.tokens == engine.generate(prompt, "plain", config).tokens  # a variant of an exact method stays exact
 
 
+def test_a_method_parsed_at_the_edge_is_not_parsed_again(monkeypatch):
+    """The CLI parses --method once, before loading models, and hands the engine that value: building, generating
+    and describing (`--json`) use it, and its name finds the same decoder, without a second parse."""
+    from viasd import engine as engine_module
+
+    tok = tiny_tokenizer(64)
+    engine = Engine(
+        EngineSpec(target="t", drafter="d"),
+        target=LoadedModel(tiny_model("llama"), tok, "t", "t"),
+        drafter=LoadedModel(tiny_model("llama", layers=2, seed=1), tok, "d", "d"),
+    )
+    spec = parse_method("sd:gamma=2")
+
+    def no_second_parse(text):
+        raise AssertionError(f"{text!r} parsed again")
+
+    monkeypatch.setattr(engine_module, "parse_method", no_second_parse)
+    decoder = engine.decoder(spec)
+    assert engine.decoder(" sd:gamma=2") is decoder and decoder.gamma == 2
+    out = engine.generate([1, 5, 9], spec, GenerationConfig(max_new_tokens=4, ignore_eos=True))
+    assert out.stats.method == "sd:gamma=2"
+    described = engine.describe(spec)
+    assert described["method"] == "sd:gamma=2" and described["exact"] and described["gamma"] == 2
+
+
 def test_drafter_and_draft_length_options_build_what_they_say():
     tok = tiny_tokenizer(64)
     models = {"t": tiny_model("llama"), "d": tiny_model("llama", layers=2, seed=1)}

@@ -118,7 +118,7 @@ def generate(
     method_spec = parse_method(method)  # a bad method name fails before any model loads
     with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
         engine = Engine(spec)
-        decoder = engine.decoder(method)
+        decoder = engine.decoder(method_spec)
     ids = encode_prompt(engine.tokenizer, text, chat=chat, system=system)
 
     def stream(piece: str) -> None:
@@ -127,7 +127,7 @@ def generate(
 
     result = decoder.generate(ids, config, on_text=None if as_json else stream)
     if as_json:
-        setup = engine.describe(method)  # what ran: views, drafter, profile, kernels
+        setup = engine.describe(method_spec)  # what ran: views, drafter, profile, kernels
         out = {
             "method": method,
             "exact": setup["exact"],  # a quantized target is another model

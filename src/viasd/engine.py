@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from viasd.errors import ViasdError
-from viasd.methods import parse_method
+from viasd.methods import MethodSpec, parse_method
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.spec import EngineSpec
 
@@ -171,21 +171,23 @@ class Engine:
             self._profiles[key] = profile
         return self._profiles[key]
 
-    def decoder(self, method: str, slot: int = 0) -> Decoder:
-        """The decoder for a method name or variant (`via:gamma=4`), built once per `slot`, then reused. A decoder
-        holds its generation's KV sessions, so generations that run at the same time (a server's) each use a slot
-        of their own; the models and their views are shared."""
-        spec = parse_method(method)
-        key = (spec.name, slot)
+    def decoder(self, method: MethodSpec | str, slot: int = 0) -> Decoder:
+        """The decoder for a method or variant (`via:gamma=4`), built once per `slot`, then reused. A decoder holds
+        its generation's KV sessions, so generations that run at the same time (a server's) each use a slot of their
+        own; the models and their views are shared. `method` as parsed at the caller's edge (`parse_method`), or its
+        name, parsed here only when its decoder is first built."""
+        name = method.name if isinstance(method, MethodSpec) else method.strip()
+        key = (name, slot)
         if key not in self._decoders:
+            spec = method if isinstance(method, MethodSpec) else parse_method(method)
             self._decoders[key] = spec.method.build(self if slot == 0 else _Slot(self, slot), spec)
         return self._decoders[key]
 
-    def describe(self, method: str) -> dict[str, Any]:
+    def describe(self, method: MethodSpec | str) -> dict[str, Any]:
         """What a method runs here, as built: whether it is exact, the target's view, the drafter, slim views and
         routing profile it uses, and which of viasd's kernels run (CPU) or why not."""
-        spec = parse_method(method)
-        decoder = self.decoder(method)
+        spec = method if isinstance(method, MethodSpec) else parse_method(method)
+        decoder = self.decoder(spec)
         described: dict[str, Any] = {"method": spec.name, "exact": spec.exact and self.spec.quant is None}
         described.update(decoder.describe())
         described["setup_seconds"] = {what: round(seconds, 3) for what, seconds in self.setup_seconds.items()}
@@ -203,7 +205,7 @@ class Engine:
     def generate(
         self,
         prompt_ids: Sequence[int],
-        method: str = "plain",
+        method: MethodSpec | str = "plain",
         config: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
         slot: int = 0,
@@ -226,5 +228,5 @@ class _Slot:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def decoder(self, method: str) -> Decoder:
+    def decoder(self, method: MethodSpec | str) -> Decoder:
         return self._engine.decoder(method, self._slot)
