@@ -217,6 +217,33 @@ def test_self_drafting_skips_layers_even_when_the_profile_slims_by_quantization(
     assert again.self_mask() == LayerMask.skipping(4, [2])
 
 
+def test_self_and_via_share_the_routing_profile_the_engine_read(tmp_path, monkeypatch):
+    """An engine reads its routing profile once, whichever of `self` (its mask) and `via` needs it first: both then
+    run on the same profile, and a server that builds both reads the file once."""
+    from viasd import profile as profile_module
+    from viasd.models.fingerprint import model_fingerprint
+    from viasd.profile import RoutingProfile, save_profile
+    from viasd.verify.gates import Gate
+    from viasd.views.layer_skip import LayerMask
+
+    tok = tiny_tokenizer(64)
+    target, drafter = tiny_model("llama", layers=4), tiny_model("llama", layers=2, seed=1)
+    entry = {"name": "t", "fingerprint": model_fingerprint(target)}
+    path = tmp_path / "cut.json"
+    save_profile(RoutingProfile(entry, None, [LayerMask.skipping(4, [2])], [None], Gate("kl", (0.1, 1.0))), path)
+    reads = []
+    real = profile_module.load_profile
+    monkeypatch.setattr(profile_module, "load_profile", lambda p: reads.append(p) or real(p))
+    engine = Engine(
+        EngineSpec(target="t", drafter="d", profile=str(path)),
+        target=LoadedModel(target, tok, "t", "t"),
+        drafter=LoadedModel(drafter, tok, "d", "d"),
+    )
+    assert engine.self_mask() == LayerMask.skipping(4, [2])
+    assert engine.decoder("via").slims[0].mask == engine.self_mask() and engine.decoder("self")
+    assert engine.routing_profile() is engine.routing_profile(str(path)) and reads == [str(path)]
+
+
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="torch's int8 CPU kernel")
 def test_making_a_view_is_setup_time_never_a_generations(tmp_path, monkeypatch):
     """A view's copies are loaded and put in their kernel's form when the method is built (and reported as setup

@@ -39,7 +39,8 @@ class Engine:
         self._drafter = drafter
         self._drafter_checked = False
         self._decoders: dict[tuple[str, int], Decoder] = {}
-        self._profiles: dict[str, RoutingProfile] = {}
+        self._profiles: dict[str, RoutingProfile] = {}  # by path, read once
+        self._checked_profiles: set[str] = set()  # those checked against the models (self_mask needs no drafter)
         self._views: dict[tuple[int, QuantRecipe], View] = {}
         self._heads: dict[str | None, HeadFile] = {}
 
@@ -144,12 +145,11 @@ class Engine:
         spread mask (a profile whose slim view is quantized, not cut, has a full mask: drafting with it would be the
         target's own pass)."""
         from viasd.models.fingerprint import model_fingerprint
-        from viasd.profile import load_profile
         from viasd.views.layer_skip import num_decoder_layers, spread_mask
 
         path = self._profile_path(None)
         if path is not None:
-            profile = load_profile(path)
+            profile = self._read_profile(path)
             mask = profile.masks[0]
             if profile.target.get("fingerprint") == model_fingerprint(self.target.model) and not mask.is_full:
                 return mask
@@ -158,17 +158,23 @@ class Engine:
     def routing_profile(self, path: str | None = None) -> RoutingProfile:
         """A routing profile for VIA-SD, checked against the loaded models: `path`, else --profile, else the
         one shipped for the default pair."""
-        from viasd.profile import load_profile
-
         found = self._profile_path(path)
         if found is None:
             raise ViasdError("no routing profile: run `viasd calibrate` for this model pair and pass --profile")
-        key = str(found)
-        if key not in self._profiles:
-            profile = load_profile(found)
+        profile = self._read_profile(found)
+        if str(found) not in self._checked_profiles:
             # A profile whose drafter is the target's own view needs no second model.
             profile.check_models(self.target.model, None if profile.self_drafter else self.drafter.model)
-            self._profiles[key] = profile
+            self._checked_profiles.add(str(found))
+        return profile
+
+    def _read_profile(self, path: str | Path) -> RoutingProfile:
+        """The routing profile at `path`, read once per engine, whichever method needs it first."""
+        from viasd.profile import load_profile
+
+        key = str(path)
+        if key not in self._profiles:
+            self._profiles[key] = load_profile(path)
         return self._profiles[key]
 
     def decoder(self, method: MethodSpec | str, slot: int = 0) -> Decoder:
