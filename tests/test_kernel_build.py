@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,12 @@ import torch
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd.errors import ViasdError
-from viasd.kernels import attention, bf16, build, fused_layers, notice, w4a8, w6a8
+from viasd.kernels import attention, bf16, build, fused_layers, interface, notice, w4a8, w6a8
 from viasd.kernels.build import Build, Library
 from viasd.kernels.cpu import cpu_flags
 from viasd.kernels.state import kernel_states
 from viasd.kernels.switch import KERNELS, parse
+from viasd.passes import fused as fused_plan
 
 CHOSEN = build.choose_build(build.BUILDS, cpu_flags())
 needs_build = pytest.mark.skipif(isinstance(CHOSEN, str) or build.compiler() is None, reason="no kernels here")
@@ -56,6 +59,29 @@ def test_the_header_is_the_interface_every_function_it_declares_is_in_the_librar
         pytest.skip(loaded)
     for function in ("w4a8_linear", "w6a8_linear", "bf16_linear", "short_attention", "fused_layers"):
         assert callable(getattr(loaded.lib, function))
+
+
+def test_status_codes_and_product_kinds_are_named_from_the_header_on_both_sides():
+    """What the kernels return and which product kinds they take are the header's enums, which Python reads through
+    cffi (kernels/interface.py): neither side writes one as a bare number, so they cannot drift apart."""
+    folder = resources.files("viasd.kernels")
+    bare_c = re.compile(r"return\s+-?\d+\s*;|\?\s*-?\d+\s*:\s*-?\d+\s*;|kind\s*[=!]=\s*\d")
+    for name in build.SOURCES:
+        assert not bare_c.search(folder.joinpath(name).read_text()), name
+    bare_python = re.compile(r"status\s*[=!]=\s*-?\d|kind\s*[=!]=\s*\d|Product\(\d|_random_product\(\d")
+    for path in (*Path(str(folder)).glob("*.py"), Path(fused_plan.__file__)):
+        assert not bare_python.search(path.read_text()), path.name
+    assert {interface.FOUR_BIT, interface.SIX_BIT} == set(build.constants("viasd_kind").values())
+
+
+@needs_build
+def test_the_compiled_kernels_return_the_status_python_reads_from_the_header():
+    loaded = build.library()
+    assert isinstance(loaded, Library), loaded
+    out, null = torch.empty(1, 1), build.ffi().NULL
+    x = torch.zeros(1, 31)  # 31 inputs: not whole groups of 32, which the int4 kernel refuses before reading any
+    refused = loaded.lib.w4a8_linear(build.address(x), 0, 1, 31, null, null, null, 1, null, build.address(out), 1)
+    assert refused == interface.BAD_SHAPE != interface.OK
 
 
 @needs_build

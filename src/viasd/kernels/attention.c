@@ -124,7 +124,7 @@ int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     if (rows < 1 || group < 1 || group > MAX_GROUP || group * kv_heads != heads || dim % LANES || dim > MAX_DIM ||
         past + rows > capacity)
-        return -2;
+        return VIASD_BAD_SHAPE;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -152,5 +152,5 @@ int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
         }
         free(scores);
     }
-    return failed ? -1 : 0;
+    return failed ? VIASD_NO_MEMORY : VIASD_OK;
 }

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
 from viasd.kernels.build import Library, address, checked, sizes, status, usable
+from viasd.kernels.interface import NO_MEMORY, OK
 
 # Head dims (multiples of LANES, up to MAX_DIM) and query heads per key/value head (up to MAX_GROUP) it takes.
 MAX_DIM, MAX_GROUP, LANES = sizes()["VIASD_MAX_HEAD_DIM"], sizes()["VIASD_MAX_GROUP"], sizes()["VIASD_LANES"]
@@ -94,9 +95,9 @@ def run(
         address(sin), address(key_store), address(value_store), key_store.shape[-2], past, length, heads, kv_heads,
         dim, scale, address(out), torch.get_num_threads(),
     )  # fmt: skip
-    if status == -1:
+    if status == NO_MEMORY:
         raise MemoryError("the attention kernel could not allocate its scratch memory")
-    if status != 0:
+    if status != OK:
         raise ValueError(f"the attention kernel does not take {heads} heads over {kv_heads} of dim {dim}")
     return out
 

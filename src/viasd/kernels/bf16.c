@@ -62,5 +62,5 @@ int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int6
         }
 #undef ROWS
     }
-    return 0;
+    return VIASD_OK;
 }

@@ -85,9 +85,16 @@ def ffi() -> Any:
     return interface
 
 
+@functools.cache
+def constants(enum: str) -> dict[str, int]:
+    """The constants of one of the interface's enums by name: `viasd_sizes`, `viasd_status` (what its functions
+    return), `viasd_kind` (the kinds of low-bit product)."""
+    return dict(ffi().typeof(f"enum {enum}").relements)
+
+
 def sizes() -> dict[str, int]:
     """The interface's size constants (`enum viasd_sizes`) by name, e.g. VIASD_GROUP: 32."""
-    return dict(ffi().typeof("enum viasd_sizes").relements)
+    return dict(constants("viasd_sizes"))
 
 
 def choose_build(builds: Sequence[Build], flags: frozenset[str]) -> Build | str:

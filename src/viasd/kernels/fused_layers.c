@@ -20,11 +20,11 @@
 #include "viasd_kernels.h"
 
 static int product(const viasd_linear *l, const uint16_t *x, int64_t rows, uint16_t *out, int threads) {
-    if (l->kind == 4)
+    if (l->kind == VIASD_FOUR_BIT)
         return w4a8_linear(x, 1, rows, l->k, l->t0, l->t1, l->t2, l->n, l->bias, out, threads);
-    if (l->kind == 6)
+    if (l->kind == VIASD_SIX_BIT)
         return w6a8_linear(x, 1, rows, l->k, l->t0, l->t1, l->t2, l->t3, l->n, l->bias, out, threads);
-    return -2;
+    return VIASD_BAD_SHAPE;
 }
 
 /* Products of the same input side by side: out[rows][sum of n], through `scratch` when there are several. */
@@ -43,7 +43,7 @@ static int products(const viasd_linear *ls, int64_t count, const uint16_t *x, in
             memcpy(out + m * width + at, scratch + m * ls[i].n, (size_t)ls[i].n * sizeof(uint16_t));
         at += ls[i].n;
     }
-    return 0;
+    return VIASD_OK;
 }
 
 /* RMSNorm as transformers' Llama and Qwen2 compute it: in float32, x * rsqrt(mean(x^2) + eps) rounded to bf16,
@@ -100,7 +100,7 @@ int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const
     uint16_t *wide = malloc((size_t)(rows * widest) * sizeof(uint16_t));    /* q|k|v, then gate|up */
     uint16_t *scratch = malloc((size_t)(rows * widest) * sizeof(uint16_t)); /* one product of several */
     uint16_t *attended = malloc((size_t)(rows * (q_width > inner ? q_width : inner)) * sizeof(uint16_t));
-    int status = (!h || !wide || !scratch || !attended) ? -1 : 0;
+    int status = (!h || !wide || !scratch || !attended) ? VIASD_NO_MEMORY : VIASD_OK;
     for (int64_t i = 0; i < count && !status; i++) {
         const viasd_layer *l = layers + i;
         rms_norm(x, l->norm1, l->eps1, rows, hidden, h);

@@ -22,13 +22,14 @@ import torch.nn.functional as F
 
 from viasd.kernels import attention, w4a8, w6a8
 from viasd.kernels.build import Library, address, checked, ffi, status, usable
+from viasd.kernels.interface import FOUR_BIT, NO_MEMORY, OK, SIX_BIT
 from viasd.kernels.switch import OFF, switched_off
 
 
 @dataclass(frozen=True)
 class Product:
-    """One low-bit product: kind 4 (tensors: packed codes, scales, minimums) or 6 (`w6a8.SixBitWeights`' four
-    tensors), its weight's [n, k], and a float32 bias or None."""
+    """One low-bit product: kind FOUR_BIT (tensors: packed codes, scales, minimums) or SIX_BIT
+    (`w6a8.SixBitWeights`' four tensors), its weight's [n, k], and a float32 bias or None."""
 
     kind: int
     tensors: tuple[torch.Tensor, ...]
@@ -38,7 +39,7 @@ class Product:
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, k] bf16 @ W^T + bias by the kernel's torch reference, rounded once to bf16."""
-        if self.kind == 4:
+        if self.kind == FOUR_BIT:
             out = w4a8.reference(x.float(), w4a8.FourBitWeights(*self.tensors, self.n))
         else:
             out = w6a8.reference(x.float(), w6a8.SixBitWeights(*self.tensors, self.n))
@@ -162,15 +163,15 @@ def run(
         address(x), x.shape[0], x.shape[1], count, layers.array, address(cos), address(sin), len(sequences), bounds,
         keys, values, capacity, positions, heads, kv_heads, dim, scale, inner, torch.get_num_threads(),
     )  # fmt: skip
-    if status == -1:
+    if status == NO_MEMORY:
         raise MemoryError("the fused layers could not allocate their scratch memory")
-    if status != 0:
+    if status != OK:
         raise RuntimeError(f"a kernel of the fused layers refused its shapes (status {status})")
 
 
 def _random_product(kind: int, n: int, k: int, generator: torch.Generator, bias: bool = False) -> Product:
     b = torch.randn(n, generator=generator) * 0.1 if bias else None
-    if kind == 4:
+    if kind == FOUR_BIT:
         tensors: tuple[torch.Tensor, ...] = w4a8.pack(torch.randn(n, k, generator=generator) * k**-0.5).tensors()
     else:
         tensors = w6a8.random_weights(n, k, generator).tensors()
@@ -190,16 +191,18 @@ def _self_check(library: Library) -> str | None:
     hidden, heads, kv_heads, dim, inner = 64, 4, 2, 16, 256
     width = (heads + 2 * kv_heads) * dim
     layers = []
+
+    def four(n: int, k: int, bias: bool = False) -> Product:
+        return _random_product(FOUR_BIT, n, k, generator, bias)
+
     for fused in (True, False):
-        qkv = (_random_product(4, width, hidden, generator, bias=True),) if fused else tuple(
-            _random_product(4, n, hidden, generator, bias=True) for n in (heads * dim, kv_heads * dim, kv_heads * dim)
+        qkv = (four(width, hidden, True),) if fused else tuple(
+            four(n, hidden, True) for n in (heads * dim, kv_heads * dim, kv_heads * dim)
         )  # fmt: skip
-        gate_up = (_random_product(4, 2 * inner, hidden, generator),) if fused else tuple(
-            _random_product(4, inner, hidden, generator) for _ in range(2)
-        )  # fmt: skip
+        gate_up = (four(2 * inner, hidden),) if fused else tuple(four(inner, hidden) for _ in range(2))
         norms = (1.0 + 0.1 * torch.randn(2, hidden, generator=generator)).bfloat16()
-        layers.append(LayerWeights(norms[0], norms[1], 1e-6, 1e-6, qkv, _random_product(4, hidden, heads * dim,
-                                   generator), gate_up, _random_product(6, hidden, inner, generator)))  # fmt: skip
+        layers.append(LayerWeights(norms[0], norms[1], 1e-6, 1e-6, qkv, four(hidden, heads * dim), gate_up,
+                                   _random_product(SIX_BIT, hidden, inner, generator)))  # fmt: skip
     x = torch.randn(3, hidden, generator=generator).bfloat16()
     angles = torch.randn(3, dim // 2, generator=generator)
     cos, sin = torch.cat([angles.cos()] * 2, 1).bfloat16(), torch.cat([angles.sin()] * 2, 1).bfloat16()

@@ -94,7 +94,7 @@ int lowbit_linear(const lowbit_format *format, const void *weights, const void *
     float *half = malloc((size_t)(slots * 2) * sizeof(float));
     if (!codes || !step || !offset || !half) {
         free(codes), free(step), free(offset), free(half);
-        return -1;
+        return VIASD_NO_MEMORY;
     }
     const activations a = {codes, step, offset, half, groups};
 #pragma omp parallel num_threads(threads)
@@ -125,5 +125,5 @@ int lowbit_linear(const lowbit_format *format, const void *weights, const void *
         }
     }
     free(codes), free(step), free(offset), free(half);
-    return 0;
+    return VIASD_OK;
 }

@@ -1,11 +1,11 @@
 /* The C interface of viasd's kernels: every function Python calls, the structs it fills in, and the sizes both
  * sides use. The kernels' sources include it (so the compiler holds each definition to its declaration here), and
  * Python binds to it with cffi, which reads this file: it must stay declarations only (no macros but the include
- * guard, no inline code), as cffi's parser takes them. Sizes are enum constants so that Python reads them too.
+ * guard, no inline code), as cffi's parser takes them. Sizes, status codes and product kinds are enum constants
+ * so that Python reads them from here too (viasd.kernels.build: `sizes`, `statuses`, `kinds`).
  *
  * Conventions: activations and outputs are float32, or bf16 (uint16_t bits) where `bf16` is set; weights in the
- * layouts each format's Python module documents; functions return 0, -1 when scratch memory could not be had,
- * or -2 for shapes the kernel does not take.
+ * layouts each format's Python module documents; functions return a `viasd_status`.
  */
 #ifndef VIASD_KERNELS_H
 #define VIASD_KERNELS_H
@@ -14,7 +14,6 @@
 
 enum viasd_sizes {
     VIASD_GROUP = 32,          /* inputs per activation step (int8 codes), and per 4-bit weight scale and minimum */
-    VIASD_CHUNK = 64,          /* inputs per 32 bytes of 4-bit codes: two groups, one in each nibble */
     VIASD_SUB = 16,            /* inputs per int8 sub-block scale of 6-bit weights */
     VIASD_SUPER = 256,         /* inputs per fp16 super-block scale of 6-bit weights */
     VIASD_TILE = 16,           /* output rows per tile of the low-bit formats (lowbit.h) */
@@ -23,9 +22,20 @@ enum viasd_sizes {
     VIASD_MAX_GROUP = 16       /* the attention kernel's most query heads per key/value head */
 };
 
-/* One low-bit product y[rows][n] = x[rows][k] @ W^T + bias: kind 4 (4-bit: t0 packed codes, t1 scales, t2
- * minimums) or 6 (6-bit: t0 low nibbles, t1 high bit pairs, t2 sub-block scales, t3 super-block scales); bias
- * float32 or NULL. */
+/* What every function returns. */
+enum viasd_status {
+    VIASD_OK = 0,
+    VIASD_NO_MEMORY = -1,      /* scratch memory could not be had */
+    VIASD_BAD_SHAPE = -2       /* shapes (or a product kind) the kernel does not take */
+};
+
+/* The kinds of low-bit product (`viasd_linear.kind`). */
+enum viasd_kind {
+    VIASD_FOUR_BIT = 4,        /* w4a8.c: t0 packed codes, t1 scales, t2 minimums */
+    VIASD_SIX_BIT = 6          /* w6a8.c: t0 low nibbles, t1 high bit pairs, t2 sub-block scales, t3 super-blocks' */
+};
+
+/* One low-bit product y[rows][n] = x[rows][k] @ W^T + bias of a `viasd_kind`; bias float32 or NULL. */
 typedef struct viasd_linear {
     int64_t kind, k, n;
     const void *t0, *t1, *t2, *t3;

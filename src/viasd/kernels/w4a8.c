@@ -106,7 +106,7 @@ TILE_FUNCTIONS(w4a8_tile)
 int w4a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *packed, const uint16_t *scale,
                 const uint16_t *low, int64_t n, const float *bias, void *out, int threads) {
     if (k % GROUP || n < 1)
-        return -2;
+        return VIASD_BAD_SHAPE;
     const w4a8_weights weights = {packed, scale, low, k};
     return lowbit_linear(&w4a8_tile_format, &weights, x, bf16, rows, k, n, bias, out, threads);
 }

@@ -16,6 +16,7 @@ import torch
 
 from viasd.kernels import lowbit
 from viasd.kernels.build import Library, address, checked, sizes, status, usable
+from viasd.kernels.interface import NO_MEMORY, OK
 
 GROUP = sizes()["VIASD_GROUP"]  # inputs per scale and minimum (weights) and per step (activations)
 NAME = "int4 x int8"  # in messages
@@ -135,9 +136,9 @@ def _run(library: Library, x: torch.Tensor, weights: FourBitWeights, threads: in
     status = library.lib.w4a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
                                      *(address(t) for t in weights.tensors()), weights.n, address(bias),
                                      address(out), threads)  # fmt: skip
-    if status == -1:
+    if status == NO_MEMORY:
         raise MemoryError("the int4 x int8 kernel could not allocate its scratch memory")
-    if status != 0:
+    if status != OK:
         raise ValueError(f"the int4 x int8 kernel does not take {x.shape[1]} inputs")
     return out
 

@@ -125,7 +125,7 @@ TILE_FUNCTIONS(w6a8_tile)
 int w6a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *low, const uint8_t *high,
                 const int8_t *sub, const uint16_t *d, int64_t n, const float *bias, void *out, int threads) {
     if (k % SUPER || n < 1)
-        return -2;
+        return VIASD_BAD_SHAPE;
     const w6a8_weights weights = {low, high, sub, d, k};
     return lowbit_linear(&w6a8_tile_format, &weights, x, bf16, rows, k, n, bias, out, threads);
 }

@@ -19,6 +19,7 @@ import torch
 
 from viasd.kernels import lowbit, w4a8
 from viasd.kernels.build import Library, address, checked, sizes, status, usable
+from viasd.kernels.interface import NO_MEMORY, OK
 
 SUB = sizes()["VIASD_SUB"]  # inputs per int8 sub-block scale
 SUPER = sizes()["VIASD_SUPER"]  # inputs per fp16 super-block scale
@@ -113,9 +114,9 @@ def _run(
     pointers = [address(t) for t in weights.tensors()]
     status = library.lib.w6a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
                                      weights.n, address(bias), address(out), threads)  # fmt: skip
-    if status == -1:
+    if status == NO_MEMORY:
         raise MemoryError("the 6-bit x int8 kernel could not allocate its scratch memory")
-    if status != 0:
+    if status != OK:
         raise ValueError(f"the 6-bit x int8 kernel does not take {x.shape[1]} inputs")
     return out
 

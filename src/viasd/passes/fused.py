@@ -20,6 +20,7 @@ from transformers import DynamicCache
 from viasd.kernels import attention, fused_layers
 from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Product, SequenceCache
+from viasd.kernels.interface import FOUR_BIT, SIX_BIT
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.views.linears import Int4Int8Linear, Int6Int8Linear
 
@@ -48,7 +49,7 @@ def _product(module: nn.Module) -> Product | None:
     else:
         return None
     k, n = tensors[0].shape[1] * 8, module.out_features
-    return Product(4 if type(module) is Int4Int8Linear else 6, tensors, bias, k, n) if all(
+    return Product(FOUR_BIT if type(module) is Int4Int8Linear else SIX_BIT, tensors, bias, k, n) if all(
         t.is_contiguous() for t in tensors
     ) else None  # fmt: skip
 
