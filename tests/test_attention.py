@@ -1,4 +1,4 @@
-"""Packed grouped-query attention (models/attention.py): the same attention as transformers' sdpa, computed in
+"""Packed grouped-query attention (passes/packed_attention.py): the same attention as transformers' sdpa, computed in
 one query block per key/value head for short passes on a CPU."""
 
 from __future__ import annotations

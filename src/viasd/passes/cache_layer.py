@@ -55,7 +55,7 @@ class GrowingLayer(DynamicLayer):
     def reserve(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
         """Extend `keys` and `values` over the positions of a pass whose entries have `shape` ([..., M, dim])
         without writing them, and return where they start: the caller writes them into `stores()` (positions
-        start .. start + M) before anything reads the layer (models/short_attention.py's kernel does)."""
+        start .. start + M) before anything reads the layer (kernels/attention.py's kernel does)."""
         store = self._key_store if self.is_initialized else None
         length = self.get_seq_length()
         end = length + shape[-2]

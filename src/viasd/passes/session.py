@@ -69,7 +69,7 @@ Ids = Sequence[int] | torch.Tensor  # host token ids, or a 1-D LongTensor of ids
 
 def new_cache(model: nn.Module) -> DynamicCache:
     """An empty cache shaped by the model's config (sliding-window layers included) that can be rolled back; its
-    full-attention layers write each pass's entries in place (models/cache_layer.py)."""
+    full-attention layers write each pass's entries in place (passes/cache_layer.py)."""
     cache = growing_cache(DynamicCache(config=model.config))
     cache.activate_past_recording()
     return cache

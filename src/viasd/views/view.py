@@ -1,7 +1,7 @@
 """Views of one loaded model: cheaper ways to run it for a pass, without touching or copying its weights.
 
-A view combines a layer mask (some decoder layers skipped: models/layer_skip.py) and quantized copies of its
-Linear layers (models/quantize.py), either or both. The same model object serves every view: for the length
+A view combines a layer mask (some decoder layers skipped: views/layer_skip.py) and quantized copies of its
+Linear layers (views/quantize.py), either or both. The same model object serves every view: for the length
 of a pass the view swaps its pieces in, and puts the model's own back afterwards.
 """
 
