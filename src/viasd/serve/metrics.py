@@ -134,7 +134,7 @@ class Metrics:
             ((({"path": path, "status": status}), count) for (path, status), count in sorted(requests.items())),
         )
         out.family("viasd_queue_depth", "gauge", "Generation requests waiting for the model.", [({}, waiting)])
-        out.family("viasd_requests_running", "gauge", "Generations running now (0 or 1).", [({}, running)])
+        out.family("viasd_requests_running", "gauge", "Generations running now (up to --max-active).", [({}, running)])
         out.family("viasd_queue_capacity", "gauge", "Requests that may wait before new ones get 503.", [({}, capacity)])
 
         def per_method(name: str, kind: str, help_text: str, value: Callable[[MethodTotals], float]) -> None:

@@ -445,7 +445,7 @@ class ModelList(BaseModel):
 
 class QueueState(BaseModel):
     waiting: int = Field(description="requests waiting for the model")
-    running: int = Field(description="requests generating now (0 or 1)")
+    running: int = Field(description="requests generating now (up to --max-active)")
     capacity: int = Field(description="the most requests that may be in at once (running + --max-queue)")
 
 
