@@ -1,26 +1,29 @@
-"""Every kind of view of every catalog model runs twice in a row, as users run it: the first `viasd generate` makes
-its quantized copy and caches it, the second reads it from the cache, and both give the same greedy tokens.
+"""Every kind of view of every catalog model runs twice in a row: the copy made in memory (and cached), then the
+copy read back from the cache, give the same greedy tokens, and the cached file is read, not made again.
 
 `generate --target smollm2-135m --method plain --quant gguf` once answered on the run that made the copy and died
 with a segmentation fault (exit 139) on every later one: the copy read from the cache was mapped 8 bytes past a
-64-byte boundary, where torch's int8 weight-only kernel cannot read it (tests/test_cached_copies.py). The models
-come from viasd's own cache (fetched there on first use); the copies go to a cache folder of this module's own.
-Two processes per model and kind: about 4, 9 and 11 minutes for the three catalog models on 2 busy cores.
+64-byte boundary, where torch's int8 weight-only kernel cannot read it (tests/test_cached_copies.py has the fast
+check of the alignment). One load of each model serves all its kinds (loading the default target is most of the
+time); the models come from viasd's own cache, the copies go to a cache folder of this module's own.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from viasd.cache import CACHE_ENV_VAR
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
 from viasd.models.catalog import DEFAULT_MODELS
 from viasd.models.fetch import default_cache_dir
+from viasd.models.loading import load_model
+from viasd.passes.prepare import prepare
+from viasd.prompting import encode_prompt
+from viasd.views.make import quantized_view
+from viasd.views.recipe import QuantRecipe
 
 pytestmark = pytest.mark.real
 
@@ -28,38 +31,25 @@ KINDS = ("int8", "int8wo", "int4", "int4a8", "gguf")  # gguf: the blocks of the 
 TOKENS = {"qwen2.5-coder-1.5b": 3}  # the default target is slow on a CPU: a few tokens show the copy answers
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache folder whose models are viasd's own (linked, so nothing is fetched twice) and whose quantized
-    copies and kernels are this module's."""
-    root = tmp_path_factory.mktemp("cache")
+@pytest.mark.parametrize("model", [entry.name for entry in DEFAULT_MODELS])
+def test_every_view_of_every_catalog_model_runs_twice_in_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], model: str
+) -> None:
     models = default_cache_dir()
     models.mkdir(parents=True, exist_ok=True)
-    (root / "models").symlink_to(models, target_is_directory=True)
-    return root
-
-
-def _generate(cache: Path, model: str, kind: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "viasd", "generate", "Say hello in French.", "--target", model]
-    command += ["--method", "plain", "--quant", kind, "-n", str(TOKENS.get(model, 6)), "--json"]
-    env = {**os.environ, CACHE_ENV_VAR: str(cache), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
-
-
-def _copies(cache: Path) -> list[Path]:
-    return list((cache / "quantized").rglob("*.safetensors"))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("model", [entry.name for entry in DEFAULT_MODELS])
-def test_every_view_of_every_catalog_model_runs_twice_in_a_row(cache: Path, model: str, kind: str) -> None:
-    before = _copies(cache)
-    made = _generate(cache, model, kind)
-    assert made.returncode == 0, f"making the {kind} copy: exit status {made.returncode}\n{made.stderr[-3000:]}"
-    (copy,) = set(_copies(cache)) - set(before)  # the one file this run cached
-    written = copy.stat().st_mtime_ns
-    read = _generate(cache, model, kind)
-    assert read.returncode == 0, f"reading the {kind} copy: exit status {read.returncode}\n{read.stderr[-3000:]}"
-    assert copy.stat().st_mtime_ns == written and "quantizing again" not in read.stderr, read.stderr  # it was read
-    first, second = json.loads(made.stdout), json.loads(read.stdout)
-    assert second["tokens"] == first["tokens"] and len(first["tokens"]) > 0
+    (tmp_path / "models").symlink_to(models, target_is_directory=True)  # the models themselves: not fetched twice
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    loaded = load_model(model)
+    prepare(loaded.model)
+    prompt = encode_prompt(loaded.tokenizer, "Say hello in French.")
+    config = GenerationConfig(max_new_tokens=TOKENS.get(model, 6))
+    for kind in KINDS:
+        recipe = QuantRecipe.parse(kind)
+        before = set((tmp_path / "quantized").rglob("*.safetensors"))
+        made = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
+        (copy,) = set((tmp_path / "quantized").rglob("*.safetensors")) - before  # the one file this kind cached
+        written = copy.stat().st_mtime_ns
+        capfd.readouterr()
+        read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
+        assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err, kind
+        assert read.tokens == made.tokens and len(made.tokens) > 0, kind
