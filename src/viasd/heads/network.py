@@ -23,9 +23,9 @@ class HeadConfig:
     """A head's shape: the target's hidden size, the width and number of its residual blocks, its vocabulary."""
 
     hidden: int
-    width: int = 2048
+    width: int = 1024
     blocks: int = 1
-    vocab: int = 16384
+    vocab: int = 8192
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

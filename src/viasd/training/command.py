@@ -27,9 +27,9 @@ def train_drafter(
         typer.Option(help="The target's view that writes the data (default: gguf for a GGUF model, else int4a8)."),
     ] = None,
     rows: Annotated[int, typer.Option(help="Conversations written at once (one pass serves them all).")] = 16,
-    width: Annotated[int, typer.Option(help="The head's hidden width.")] = 2048,
-    vocab: Annotated[int, typer.Option(help="Tokens the head can draft (the target's most written).")] = 16384,
-    depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 6,
+    width: Annotated[int, typer.Option(help="The head's hidden width.")] = 1024,
+    vocab: Annotated[int, typer.Option(help="Tokens the head can draft (the target's most written).")] = 8192,
+    depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the data and the training.")] = 0,
     out: Annotated[
         Path | None, typer.Option(help="Where to write the head (default: viasd's cache, found there).")

@@ -36,10 +36,10 @@ from viasd.training.dataset import TrainingSet
 class TrainSettings:
     """How a head is trained (a resume must use the same)."""
 
-    width: int = 2048
+    width: int = 1024
     blocks: int = 1
-    vocab: int = 16384
-    depth: int = 6
+    vocab: int = 8192
+    depth: int = 4
     batch: int = 64
     lr: float = 1e-3
     seed: int = 0
