@@ -10,7 +10,6 @@ tokens, so nothing is computed twice.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -181,12 +180,3 @@ def _written(conversation: Conversation) -> Written:
         positions,
         torch.stack([conversation.features[p] for p in positions]),
     )
-
-
-def timed(iterator: Iterator[Written], seconds: float) -> Iterator[Written]:
-    """The conversations an iterator yields until `seconds` have passed."""
-    end = time.monotonic() + seconds
-    for written in iterator:
-        yield written
-        if time.monotonic() >= end:
-            return
