@@ -99,13 +99,9 @@ static inline int32_t four(const int8_t *codes) {
     return v;
 }
 
-#ifndef LOWBIT_WIDE
-/* AVX2's int8 dot product of 32 unsigned codes (at most 63) and 32 signed activations, four bytes per lane, added
- * to acc (a pair of products is at most 2 * 63 * 127, which maddubs' 16-bit sums hold). */
-static inline __m256i dot4(__m256i acc, __m256i codes, int32_t activations) {
-    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(activations));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
+/* AVX2 has no int8 dot-product instruction: `maddubs` multiplies 32 unsigned codes with 32 signed activations and
+ * adds neighbouring pairs in 16 bits (saturating), `madd` with ones widens pairs of those to 32 bits. The tiles add
+ * as many pair sums in 16 bits as their codes' range allows before widening: the same integers as VNNI's sums, with
+ * fewer multiplies. */
 
 #endif

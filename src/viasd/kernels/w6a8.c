@@ -81,7 +81,7 @@ static inline __attribute__((always_inline)) void w6a8_tile(const void *weights,
     const uint8_t *low = w->low + t * (k / 8) * 64, *high = w->high + t * subs * 64;
     const int8_t *sub = w->sub + t * subs * TILE;
     const uint16_t *dd = w->d + t * (k / SUPER) * TILE;
-    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
     for (int hf = 0; hf < 2; hf++) {
         __m256 sum[TOKENS];
         for (int r = 0; r < R; r++)
@@ -106,9 +106,12 @@ static inline __attribute__((always_inline)) void w6a8_tile(const void *weights,
                                        _mm256_and_si256(_mm256_srli_epi16(h, 2), top));
             for (int r = 0; r < R; r++) {
                 const int8_t *x = codes + ((s / 2) * TOKENS + r) * GROUP + SUB * (s % 2);
-                __m256i dots = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++)
-                    dots = dot4(dots, q[c], four(x + 4 * c));
+                /* Two byte dot products add up in 16 bits (each at most 2 * 63 * 128, two 32256), then widen. */
+                const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], _mm256_set1_epi32(four(x))),
+                                                     _mm256_maddubs_epi16(q[1], _mm256_set1_epi32(four(x + 4))));
+                const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], _mm256_set1_epi32(four(x + 8))),
+                                                     _mm256_maddubs_epi16(q[3], _mm256_set1_epi32(four(x + 12))));
+                const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones));
                 const int64_t at = (s / 2) * TOKENS + r;
                 sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, _mm256_set1_ps(step[at])), sum[r]);
                 sum[r] = _mm256_fnmadd_ps(scale, _mm256_set1_ps(32.0f * half[2 * at + s % 2]), sum[r]);
