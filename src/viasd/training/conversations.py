@@ -135,22 +135,14 @@ def write_conversations(
 def _step(
     model: nn.Module, view: View | None, parts: list[tuple[Conversation, list[int]]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of every conversation: the logits [rows, V] and features [rows, hidden] of each one's last fed
-    position. Single tokens run as `view` (the fast low-bit kernels); the chunks of opening text run with the
-    model's own weights, as a session's long passes do (the low-bit kernels read fewer bytes but do more
-    arithmetic, so their cost grows with the rows)."""
-    logits: list[torch.Tensor | None] = [None] * len(parts)
-    features: list[torch.Tensor | None] = [None] * len(parts)
-    for single, run_as in ((True, view), (False, None)):
-        rows = [i for i, (_, ids) in enumerate(parts) if (len(ids) == 1) == single]
-        if not rows:
-            continue
-        segments = [Segment(parts[i][0].cache, torch.tensor(parts[i][1]), 1) for i in rows]
-        with torch.inference_mode(), applied(model, run_as), head_inputs(model) as seen:
-            out = ragged_pass(model, segments)
-        for row, i in enumerate(rows):
-            logits[i], features[i] = out[row][-1].float(), seen[-1][row]
-    return torch.stack(logits), torch.stack(features)  # type: ignore[arg-type]
+    """One step of every conversation in one ragged pass as `view`: the logits [rows, V] and features [rows, hidden]
+    of each one's last fed position. Openings' chunks go through the view too: its kernels cost less than the model's
+    own weights for blocks of any length on CPUs without bf16 instructions (benchmarks/README.md), and the head then
+    learns from the features of the view it drafts for."""
+    segments = [Segment(conversation.cache, torch.tensor(ids), 1) for conversation, ids in parts]
+    with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
+        out = ragged_pass(model, segments)
+    return torch.stack([rows[-1].float() for rows in out]), seen[-1]
 
 
 def _advance(conversation: Conversation, token: int, template: Template, max_request: int, max_answer: int) -> None:
