@@ -21,8 +21,8 @@ from viasd.kernels import attention, fused_layers
 from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Product, SequenceCache
 from viasd.kernels.interface import FOUR_BIT, SIX_BIT
-from viasd.passes.cache_layer import GrowingLayer
 from viasd.views.linears import Int4Int8Linear, Int6Int8Linear
+from viasd.views.view import View
 
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
 LANES = attention.LANES  # hidden and intermediate sizes: whole vectors of the kernel
@@ -89,34 +89,45 @@ def _make_plan(modules: tuple[nn.Module, ...]) -> Plan | None:
     return Plan(modules, Layers(described))
 
 
-def _plan(model: nn.Module) -> Plan | None:
-    """The model's plan for the modules it has now (made again after a view swapped others in), or None where a
-    layer is not a low-bit one. The model keeps its last plan (in its `__dict__`, not as a registered module)."""
+def plan(model: nn.Module) -> Plan:
+    """The model's plan for the modules it has now (a view `fits` applied: made again after a view swapped others
+    in). The model keeps its last plan (in its `__dict__`, not as a registered module)."""
     modules = _modules(model)
-    plan = model.__dict__.get(PLAN)
-    if plan is None or not plan.made_for(modules):
-        plan = _make_plan(modules)
-        model.__dict__[PLAN] = plan
-    return plan
+    found = model.__dict__.get(PLAN)
+    if found is None or not found.made_for(modules):
+        found = _make_plan(modules)
+        if found is None:  # `fits` said every layer is a low-bit one; only a layer's tensors out of place fail here
+            raise RuntimeError("the fused layers cannot take this view's layers (a tensor is not contiguous)")
+        model.__dict__[PLAN] = found
+    return found
 
 
-def plan_for(model: nn.Module, dtype: torch.dtype, caches: Sequence[DynamicCache]) -> Plan | None:
-    """The plan by which a short pass of `model` (a model the loop covers, with the modules it has now) runs its
-    layers in one call, or None where it may not: bf16, silu MLPs, sizes in whole vectors, the attention kernel's
-    shapes, low-bit layers, in-place caches, the kernel there and not switched off."""
+# The decoder's Linear layers, as a view names its quantized copies (views/quantize.py): all low-bit, or no plan.
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def fits(model: nn.Module, view: View | None) -> bool:
+    """Whether short passes of `model` (one the loop covers, on in-place caches) as `view` run their layers in one
+    call: bf16, silu MLPs, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of
+    the view's low-bit copies, the kernel there and not switched off. Read from the view and the model's config, not
+    from the modules in place (another generation's pass may have its view swapped in)."""
+    if view is None or view.linears is None or (view.mask is not None and not view.mask.is_full):
+        return False
     config = model.config  # type: ignore[union-attr]
+    dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
     if dtype != torch.bfloat16 or getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return None
+        return False
     if config.hidden_size % LANES or config.intermediate_size % LANES:
-        return None
+        return False
     head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
     if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
-        return None
-    if not all(type(layer) is GrowingLayer for cache in caches for layer in cache.layers):
-        return None
-    if not isinstance(fused_layers.kernel(), Library):
-        return None
-    return _plan(model)
+        return False
+    copies = view.linears.modules
+    names = (f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in LINEARS)
+    if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
+        return False
+    return isinstance(fused_layers.kernel(), Library)
 
 
 def run_layers(
@@ -126,14 +137,14 @@ def run_layers(
     sin: torch.Tensor,
     caches: Sequence[DynamicCache],
     starts: Sequence[int],
-    plan: Plan,
 ) -> None:
     """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), whose rows
-    starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], by the plan `plan_for`
-    gave; cos and sin [M, dim]. Each cache is extended by its sequence's entries; on failure every cache keeps what
-    it had."""
+    starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], for a view that `fits`
+    (applied); cos and sin [M, dim]. Each cache is extended by its sequence's entries; on failure every cache keeps
+    what it had."""
+    layers = plan(model).layers
     library = fused_layers.kernel()
-    assert isinstance(library, Library), "plan_for said the kernel is there"
+    assert isinstance(library, Library), "fits said the kernel is there"
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("the fused layers take contiguous bf16 hidden states")
     config = model.config  # type: ignore[union-attr]
@@ -145,7 +156,7 @@ def run_layers(
         past = [layer.reserve((1, kv_heads, b - a, dim), x.dtype, x.device) for layer in cache.layers]  # type: ignore[union-attr]
         sequences.append(SequenceCache([layer.stores() for layer in cache.layers], past))  # type: ignore[union-attr]
     try:
-        fused_layers.run(library, x[0], plan.layers, cos.contiguous(), sin.contiguous(), sequences, starts,
+        fused_layers.run(library, x[0], layers, cos.contiguous(), sin.contiguous(), sequences, starts,
                          config.num_attention_heads, first.scaling, config.intermediate_size)  # fmt: skip
     except (MemoryError, RuntimeError):  # the pass's positions were reserved, maybe not written: not kept
         for cache, a, b in zip(caches, starts, starts[1:], strict=False):

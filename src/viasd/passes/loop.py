@@ -1,13 +1,14 @@
 """viasd's forward pass: short passes (decoding steps, verification blocks) of Llama-style decoders as one plain loop.
 
-A pass of a model goes one of two ways. The model's own forward (transformers') is the reference and runs any
-architecture; prompts, layer-skipping views and architectures this loop does not cover take it. A pass of up to
-`PACK_UP_TO` tokens of a covered model (Llama and Qwen2, full attention, on a CPU: `covers`) takes this loop over
-the model's own modules (its norms, projections or their quantized copies, rotary embedding and cache layers),
-without transformers' per-layer plumbing (output capturing, mask builders, attention lookup, wrappers), which
-cost a decoding step of the 4-bit target several milliseconds. In the loop each operation is a kernel of viasd's
-or that kernel's torch reference (kernels/): the attention of a bf16 model is kernels/attention.py's kernel, and
-a bf16 view whose Linear layers are all low-bit runs its whole decoder stack as one kernel (passes/fused.py).
+A pass of a model goes one of two ways (passes/route.py decides which, once per pass). The model's own forward
+(transformers') is the reference and runs any architecture; prompts, layer-skipping views and architectures this
+loop does not cover take it. A pass of up to `PACK_UP_TO` tokens of a covered model (Llama and Qwen2, full
+attention, on a CPU: `covers`) takes this loop over the model's own modules (its norms, projections or their
+quantized copies, rotary embedding and cache layers), without transformers' per-layer plumbing (output capturing,
+mask builders, attention lookup, wrappers), which cost a decoding step of the 4-bit target several milliseconds.
+In the loop each operation is a kernel of viasd's or that kernel's torch reference (kernels/): the attention of a
+bf16 model is kernels/attention.py's kernel, and a bf16 view whose Linear layers are all low-bit runs its whole
+decoder stack as one kernel (passes/fused.py).
 
 With the references (float32 and float64 models, or `VIASD_KERNELS=off`) the loop is the model's own arithmetic:
 the same torch operations in the same order, so its logits and cache entries are bit-identical to the model's
@@ -35,7 +36,7 @@ from viasd.kernels.notice import warn_once
 from viasd.passes import fused
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.passes.packed_attention import NAME as PACKED
-from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.route import Stack
 
 # The transformers classes whose forward the loop mirrors, by architecture (checked by name: a release that renames
 # or restructures them falls back to the model's own forward with a line saying so, and the bit-identity tests
@@ -83,18 +84,16 @@ def covers(model: nn.Module) -> bool:
     return reason is None
 
 
-def usable(model: nn.Module, cache: DynamicCache, tokens: int, limit: int = PACK_UP_TO) -> bool:
-    """Whether a pass of `tokens` tokens on `cache` may go through the loop, for a model it `covers`: a short pass
-    (at most `limit` tokens: a batcher takes chunks of prompts too), in-place cache layers (sessions make them), no
-    forward hooks on the model (its own forward gives hooks their arguments: the loop has none to give), all layers
-    run (a skipped layer is not one of transformers' classes)."""
-    if not 0 < tokens <= limit or not all(type(layer) is GrowingLayer for layer in cache.layers):
+def runs_on(model: nn.Module, cache: DynamicCache) -> bool:
+    """Whether passes on `cache` may go through the loop, for a model it `covers` (the pass's length apart: the route
+    decides that, passes/route.py): in-place cache layers (sessions make them), one per decoder layer, and no forward
+    hooks on the model (its own forward gives hooks their arguments: the loop has none to give)."""
+    if not all(type(layer) is GrowingLayer for layer in cache.layers):
         return False
     for module in (model, model.model):  # type: ignore[union-attr]
         if module._forward_hooks or module._forward_pre_hooks:
             return False
-    layers = model.model.layers  # type: ignore[union-attr]
-    return len(cache.layers) == len(layers) and all(type(layer) is type(layers[0]) for layer in layers)
+    return len(cache.layers) == len(model.model.layers)  # type: ignore[union-attr, arg-type]
 
 
 class LayerAttention:
@@ -132,19 +131,25 @@ class Segment:
     keep: int
 
 
-def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int) -> torch.Tensor:
+def short_pass(
+    model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int, stack: Stack, attention_kernel: bool
+) -> torch.Tensor:
     """Logits [1, keep, vocab] of the last `keep` of `input_ids` [1, M] after the cache's tokens, the cache extended
     by them: what `model(input_ids=..., cache=cache, use_cache=True, logits_to_keep=keep).logits` returns, for a
-    model the loop `covers` and a pass that is `usable`."""
-    return ragged_pass(model, [Segment(cache, input_ids[0], keep)])[0][None]
+    model the loop `covers`, a cache it `runs_on` and a pass of up to PACK_UP_TO tokens; `stack` (LOOP or FUSED) and
+    `attention_kernel` as the pass's route says (passes/route.py)."""
+    return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel)[0][None]
 
 
-def ragged_pass(model: nn.Module, segments: Sequence[Segment]) -> list[torch.Tensor]:
+def ragged_pass(
+    model: nn.Module, segments: Sequence[Segment], stack: Stack, attention_kernel: bool
+) -> list[torch.Tensor]:
     """One pass over the new tokens of several sequences, each after its own cache: logits [keep, vocab] per
     segment, each cache extended by its tokens. The products, norms and MLPs run over all rows together, attention
     per sequence over its own cache; every kernel gives a row the same result whatever else is in its pass, so a
     sequence's logits are those of a pass of its own (with the torch references, up to how torch blocks a product
-    of more rows). Each segment must be `usable` on its own."""
+    of more rows). Each segment's cache must be one the loop `runs_on`; the layers run as `stack` (LOOP or FUSED)
+    says, attending by the C kernel where `attention_kernel` (LOOP; FUSED always does): the route decided both."""
     inner = model.model  # type: ignore[union-attr]
     starts = [0, *itertools.accumulate(len(segment.ids) for segment in segments)]
     x = inner.embed_tokens(torch.cat([segment.ids for segment in segments])[None])
@@ -156,11 +161,10 @@ def ragged_pass(model: nn.Module, segments: Sequence[Segment]) -> list[torch.Ten
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos[0], sin[0]  # [M, dim]
     caches = [segment.cache for segment in segments]
-    plan = fused.plan_for(model, x.dtype, caches)
-    if plan is not None:  # a low-bit bf16 view: all layers in one call
-        fused.run_layers(model, x, cos, sin, caches, starts, plan)
+    if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
+        fused.run_layers(model, x, cos, sin, caches, starts)
     else:
-        x = _layers(model, x, cos, sin, caches, starts)
+        x = _layers(model, x, cos, sin, caches, starts, attention_kernel)
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
     if not len(rows):  # chunks of prompts whose logits nobody needs
         return [x.new_empty((0, 0)) for _ in segments]
@@ -175,15 +179,16 @@ def _layers(
     sin: torch.Tensor,
     caches: Sequence[DynamicCache],
     starts: Sequence[int],
+    attention_kernel: bool,
 ) -> torch.Tensor:
-    """The decoder layers as a loop of the model's own modules, each sequence's rows attending over its own cache."""
+    """The decoder layers as a loop of the model's own modules, each sequence's rows attending over its own cache (by
+    the C kernel where `attention_kernel`, else its torch reference)."""
     inner = model.model  # type: ignore[union-attr]
     config = model.config  # type: ignore[union-attr]
     first = inner.layers[0].self_attn
     heads = config.num_attention_heads
-    found = attention.kernel()
-    fits = attention.takes(x.dtype, heads, config.num_key_value_heads, first.head_dim)
-    library = found if fits and isinstance(found, Library) else None
+    library = attention.kernel() if attention_kernel else None
+    assert library is None or isinstance(library, Library), "the route said the kernel is there"
     spans = list(itertools.pairwise(starts))
     attends = [LayerAttention(cos[a:b], sin[a:b], heads, first.scaling, library) for a, b in spans]
     for index, layer in enumerate(inner.layers):
