@@ -134,7 +134,10 @@ def test_a_long_prompt_goes_in_chunks_and_gives_the_same_tokens(pair):
             got = decoder_for("plain", target, None, view).generate(prompt, config(0, False)).tokens
     finally:
         batcher.detach()
-    assert got == want and batcher.passes == 3 + 23  # three chunks of the prompt (its last gives token 1), 23 steps
+    # Three chunks of the prompt (its last gives token 1), 23 steps; where the view reads a prompt's head with the
+    # model's own weights (CPUs with AMX), the head's three chunks and the last token's pass through the view.
+    chunks = 3 if view.linears.recipe.own_weights_from("cpu") is None else 4
+    assert got == want and batcher.passes == chunks + 23
 
 
 def test_a_block_across_a_chunk_boundary_keeps_all_its_logits(pair):

@@ -9,7 +9,8 @@ these routes (docs/design.md draws them):
 * `batched`: a segment of a ragged pass (loop or fused) that a batcher merges with other generations' passes.
 * `queued`: the model's own forward (or, for a pass the batcher would not merge, the loop), alone, in turn with
   the batcher's merged passes (one pass on a model at a time).
-* `chunked`: a long pass (a prompt) as batched passes of the batcher's chunk size, so that it stalls nobody.
+* `chunked`: a long pass (a prompt) as batched passes of the batcher's chunk size, so that it stalls nobody (a
+  quantized view's head in chunks of the model's own weights, as `split` reads it).
 * `split`: a prompt of a quantized view: the positions that need no logits with the model's own weights, the rest
   with the view (`QuantRecipe.own_weights_from`).
 
@@ -99,20 +100,27 @@ class Facts:
 
 
 def decide(tokens: int, keep: int, facts: Facts) -> Route:
-    """The route of a pass of `tokens` tokens whose last `keep` positions need logits (0 < keep <= tokens)."""
+    """The route of a pass of `tokens` tokens whose last `keep` positions need logits (0 < keep <= tokens).
+
+    Which weights write a position's KV entries depends only on whether its logits are needed in a long pass (the
+    view's own, or the model's where `own_weights_from` says so), never on a batcher: a chunked pass reads a split's
+    head with the model's weights too, so a generation's cache, and so its tokens, are what they are alone.
+    """
+    head = tokens - keep
+    split = facts.own_weights_from is not None and head > 0 and facts.own_weights_from <= head
     merges = facts.loop and not facts.skips and facts.chunk is not None and facts.chunk > 0
     if merges and tokens > facts.chunk:  # type: ignore[operator]
         chunk: int = facts.chunk  # type: ignore[assignment]
+        parts = [(0, head, True), (head, tokens, False)] if split else [(0, tokens, False)]
         legs = []
-        for start in range(0, tokens, chunk):
-            stop = min(start + chunk, tokens)
-            # Of this chunk's positions, the kept ones: a block of `keep` may start in an earlier chunk.
-            wanted = min(stop - start, max(0, keep - (tokens - stop)))
-            legs.append(_leg(start, stop, wanted, facts, own_weights=False))
+        for first, last, own in parts:
+            for start in range(first, last, chunk):
+                stop = min(start + chunk, last)
+                # Of this chunk's positions, the kept ones: a block of `keep` may start in an earlier chunk.
+                wanted = 0 if own else min(stop - start, max(0, keep - (tokens - stop)))
+                legs.append(_leg(start, stop, wanted, facts, own_weights=own))
         return Route(Kind.CHUNKED, tuple(legs))
-    head = tokens - keep
-    if facts.own_weights_from is not None and head > 0 and facts.own_weights_from <= head:
-        # keep=1 for the head: the model's own forward reads 0 as "every position".
+    if split:  # keep=1 for the head: the model's own forward reads 0 as "every position"
         return Route(Kind.SPLIT, (_leg(0, head, 1, facts, own_weights=True), _leg(head, tokens, keep, facts, False)))
     leg = _leg(0, tokens, keep, facts, own_weights=False)
     if leg.schedule is Schedule.BATCHED:
