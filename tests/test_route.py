@@ -4,7 +4,9 @@ model the loop does not cover; sessions take it once per pass and count their pa
 
 import torch
 
-from tiny import tiny_model
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
 from viasd.passes.batching import PassBatcher
 from viasd.passes.route import Facts, Kind, Leg, Route, Schedule, Stack, decide
 from viasd.passes.session import KVSession
@@ -80,3 +82,13 @@ def test_a_session_takes_its_route_from_its_model_cache_view_and_batcher():
         batcher.detach()
     gemma = KVSession(tiny_model("gemma"))  # an architecture the loop does not cover
     assert gemma.route(1, None, 1) == Route(Kind.MODEL, (Leg(0, 1, 1, ALONE, Stack.MODEL),))
+
+
+def test_a_generations_statistics_count_its_passes_by_route():
+    model = tiny_model("qwen2", dtype=torch.float32)
+    decoder = PlainDecoder(model, tiny_tokenizer(64))
+    stats = decoder.generate(list(range(3, 23)), GenerationConfig(max_new_tokens=5, ignore_eos=True)).stats
+    # The prompt by the model's forward, then a step per token after the first (which the prompt's pass gives).
+    assert stats.routes == {"model": 1, "loop": 4} and stats.to_dict()["routes"] == stats.routes
+    again = decoder.generate([3, 4, 5], GenerationConfig(max_new_tokens=2, ignore_eos=True)).stats
+    assert again.routes == {"loop": 2}  # per generation, not the session's running total
