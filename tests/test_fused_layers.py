@@ -11,10 +11,11 @@ import torch
 from helpers import qwen2_with_gguf
 from tiny import tiny_model
 from viasd.kernels import fused_layers as fused_kernel
+from viasd.kernels import notice
 from viasd.kernels.build import Library
 from viasd.passes import fused as fused_layers
+from viasd.passes import layer_loop, route
 from viasd.passes import loop as short_pass
-from viasd.passes import route
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.gguf import GgufWeights
 from viasd.views.layer_skip import LayerMask
@@ -139,3 +140,19 @@ def test_only_low_bit_bf16_views_run_fused(monkeypatch):
         sessions.append(session)
     assert calls == [1, 3]  # the bf16 view's short passes; float32 models keep torch's operations
     assert sessions[0].routes == {"model": 1, "fused": 2} and sessions[1].routes == {"model": 1, "loop": 2}
+
+
+def test_the_fused_stack_is_held_to_viasds_decoder_layer(monkeypatch, capsys):
+    """The check at first use compares the C stack with the layer loop (passes/layer_loop.py) on a tiny model with
+    4- and 6-bit layers, one product and several; a stack that disagrees is not used, and one line says so."""
+    assert fused_layers._disagreement.__wrapped__() is None
+    real = layer_loop.run
+    monkeypatch.setattr(layer_loop, "run", lambda *args: real(*args) * 1.1)  # a reference the stack no longer meets
+    assert "disagree" in fused_layers._disagreement.__wrapped__()
+    monkeypatch.setattr(layer_loop, "run", real)
+    model, view = int4a8_view("qwen2")
+    assert applies(model, view)
+    notice.warn_once.cache_clear()
+    monkeypatch.setattr(fused_layers, "_disagreement", lambda: "disagree with viasd's decoder layer")
+    assert not applies(model, view)
+    assert "the fused layers disagree" in capsys.readouterr().err

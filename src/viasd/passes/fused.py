@@ -2,13 +2,15 @@
 
 Where every Linear layer of the decoder is one of viasd's low-bit ones (int4a8, or a GGUF file's 4- and 6-bit
 blocks) in a bf16 model and the attention kernel takes its shape, a short pass runs the whole decoder stack as
-one C call. The description (a plan) is made once per set of modules: a view swaps its own in, so a plan remembers
+one C call; it is held to viasd's decoder layer (passes/layer_loop.py), checked at first use (`agrees`). The
+description (a plan) is made once per set of modules: a view swaps its own in, so a plan remembers
 the modules it was made for, weakly (a plan must not keep a dropped view's weights alive), and is made again when
 they are not all alive and in place; its pointers are only followed while they are valid.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -17,12 +19,18 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.kernels import attention, fused_layers
+from viasd.kernels import attention, fused_layers, w6a8
 from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Product, SequenceCache
 from viasd.kernels.interface import FOUR_BIT, SIX_BIT
+from viasd.kernels.notice import warn_once
+from viasd.passes import layer_loop
+from viasd.passes.cache_layer import growing_cache
+from viasd.passes.layer_loop import attention_kernel
 from viasd.views.linears import Int4Int8Linear, Int6Int8Linear
-from viasd.views.view import View
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
+from viasd.views.view import View, applied
 
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
 LANES = attention.LANES  # hidden and intermediate sizes: whole vectors of the kernel
@@ -127,7 +135,80 @@ def fits(model: nn.Module, view: View | None) -> bool:
     names = (f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in LINEARS)
     if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
         return False
-    return isinstance(fused_layers.kernel(), Library)
+    return isinstance(fused_layers.kernel(), Library) and agrees()
+
+
+def agrees() -> bool:
+    """Whether the fused stack computes what viasd's decoder layer computes (passes/layer_loop.py, the reference it
+    is held to), checked once per process; where it does not, short passes run layer by layer, and one line says
+    so."""
+    problem = _disagreement()
+    if problem is not None:
+        warn_once(f"the fused layers {problem}: short passes of low-bit views run their layers one by one")
+    return problem is None
+
+
+# The model of the check: a tiny Qwen2 (biases on q, k and v), in bf16, of whole vectors and the kernel's shapes.
+CHECK_MODEL = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+
+def _check_model() -> tuple[nn.Module, View]:
+    """The check's model in an int4a8 view: layer 0's q|k|v and gate|up one product each (siblings), layer 1's as
+    separate products and its down projection 6-bit (a GGUF file's Q6_K layout)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):  # the random initialisation leaves torch's generator as it was
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**CHECK_MODEL)).to(torch.bfloat16).eval()
+    linears = quantize(model, QuantRecipe.parse("int4a8"))
+    layer = model.model.layers[1]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        linears.modules[f"model.layers.1.{name}"] = Int4Int8Linear.from_linear(layer.get_submodule(name))
+    down = layer.mlp.down_proj
+    six = w6a8.random_weights(down.out_features, down.in_features, torch.Generator().manual_seed(0))
+    linears.modules["model.layers.1.mlp.down_proj"] = Int6Int8Linear.from_linear(down, six)
+    return model, View(linears=linears)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal to bf16 noise carried through a few layers (3% of the largest magnitude): the products and attention
+    are the same kernels; the norms and SiLU may differ from torch's in a last bit now and then."""
+    return torch.allclose(got.float(), want.float(), rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+@functools.cache
+def _disagreement() -> str | None:
+    """Why the fused stack cannot be trusted, or None: on the check's model, two sequences in one pass (two tokens
+    after 20 cached positions, one after 9) must get the layer loop's hidden states and cache entries."""
+    model, view = _check_model()
+    inner = model.model
+    kernel = attention_kernel(model)
+    generator = torch.Generator().manual_seed(1)
+
+    def rotary(x: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = inner.rotary_emb(x, torch.tensor([positions]))
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    prefix = torch.randn(1, 29, 64, generator=generator).bfloat16()
+    x = torch.randn(1, 3, 64, generator=generator).bfloat16()
+    with torch.inference_mode(), applied(model, view):
+        sets = []
+        for _ in range(2):  # the loop's caches and the fused stack's, alike after the prefix
+            caches = [growing_cache(DynamicCache(config=model.config)) for _ in range(2)]
+            layer_loop.run(model, prefix, *rotary(prefix, [*range(20), *range(9)]), caches, (0, 20, 29), kernel)
+            sets.append(caches)
+        cos, sin = rotary(x, [20, 21, 9])
+        want = layer_loop.run(model, x, cos, sin, sets[0], (0, 2, 3), kernel)
+        got = x.clone()
+        run_layers(model, got, cos, sin, sets[1], (0, 2, 3))
+    if not _close(got, want):
+        return "disagree with viasd's decoder layer"
+    for loop_cache, fused_cache in zip(*sets, strict=True):
+        for a, b in zip(loop_cache.layers, fused_cache.layers, strict=True):
+            if not (_close(b.keys, a.keys) and _close(b.values, a.values)):
+                return "write other cache entries than viasd's decoder layer"
+    return None
 
 
 def run_layers(

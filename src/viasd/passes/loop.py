@@ -30,10 +30,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.kernels import attention
-from viasd.kernels.build import Library
 from viasd.kernels.notice import warn_once
-from viasd.passes import fused
+from viasd.passes import fused, layer_loop
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.passes.packed_attention import NAME as PACKED
 from viasd.passes.route import Stack
@@ -96,31 +94,6 @@ def runs_on(model: nn.Module, cache: DynamicCache) -> bool:
     return len(cache.layers) == len(model.model.layers)  # type: ignore[union-attr, arg-type]
 
 
-class LayerAttention:
-    """A layer's attention in one pass (query [M, heads * dim], key, value, its cache layer -> out [M, heads *
-    dim]): the kernel where it runs (bf16), else its torch reference; the pass's entries written in place."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, heads: int, scale: float, library: Library | None):
-        self.cos, self.sin = cos.contiguous(), sin.contiguous()  # kept alive: the kernel reads their memory
-        self.heads, self.scale, self.library = heads, scale, library
-
-    def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: GrowingLayer
-    ) -> torch.Tensor:
-        dim = self.cos.shape[-1]
-        # Room for the pass's entries after the layer's (stores [1, kv_heads, capacity, dim]); written below.
-        past = layer.reserve((1, key.shape[1] // dim, query.shape[0], dim), key.dtype, key.device)
-        try:
-            if self.library is not None:
-                return attention.run(self.library, query, key, value, self.cos, self.sin, layer.stores(), past,
-                                     self.heads, self.scale)  # fmt: skip
-            return attention.reference(query, key, value, self.cos, self.sin, layer.stores(), past, self.heads,
-                                       self.scale)  # fmt: skip
-        except BaseException:
-            layer.crop(-query.shape[0])  # the layer keeps what it had: the positions were reserved, maybe not written
-            raise
-
-
 @dataclass(frozen=True)
 class Segment:
     """One sequence's part of a pass: its cache, its new tokens (a 1-D tensor of ids), and how many of their last
@@ -164,41 +137,9 @@ def ragged_pass(
     if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
         fused.run_layers(model, x, cos, sin, caches, starts)
     else:
-        x = _layers(model, x, cos, sin, caches, starts, attention_kernel)
+        x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel)
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
     if not len(rows):  # chunks of prompts whose logits nobody needs
         return [x.new_empty((0, 0)) for _ in segments]
     logits = model.lm_head(inner.norm(x[:, rows.to(x.device), :]))[0]  # type: ignore[operator]
     return list(logits.split([segment.keep for segment in segments]))
-
-
-def _layers(
-    model: nn.Module,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    caches: Sequence[DynamicCache],
-    starts: Sequence[int],
-    attention_kernel: bool,
-) -> torch.Tensor:
-    """The decoder layers as a loop of the model's own modules, each sequence's rows attending over its own cache (by
-    the C kernel where `attention_kernel`, else its torch reference)."""
-    inner = model.model  # type: ignore[union-attr]
-    config = model.config  # type: ignore[union-attr]
-    first = inner.layers[0].self_attn
-    heads = config.num_attention_heads
-    library = attention.kernel() if attention_kernel else None
-    assert library is None or isinstance(library, Library), "the route said the kernel is there"
-    spans = list(itertools.pairwise(starts))
-    attends = [LayerAttention(cos[a:b], sin[a:b], heads, first.scaling, library) for a, b in spans]
-    for index, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp  # norms and MLPs are called as they are: no plumbing there
-        h = layer.input_layernorm(x)
-        query, key, value = attn.q_proj(h)[0], attn.k_proj(h)[0], attn.v_proj(h)[0]
-        attended = [
-            attend(query[a:b], key[a:b], value[a:b], cache.layers[index])
-            for attend, cache, (a, b) in zip(attends, caches, spans, strict=True)
-        ]
-        x = x + attn.o_proj((attended[0] if len(attended) == 1 else torch.cat(attended))[None])
-        x = x + mlp(layer.post_attention_layernorm(x))
-    return x

@@ -26,9 +26,8 @@ from enum import Enum
 
 from torch import nn
 
-from viasd.kernels import attention
-from viasd.kernels.build import Library
 from viasd.passes import fused
+from viasd.passes.layer_loop import attention_kernel
 from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.views.view import View
 
@@ -152,12 +151,3 @@ def short_stack(model: nn.Module, view: View | None) -> tuple[Stack, bool]:
     if fused.fits(model, view):
         return Stack.FUSED, False
     return Stack.LOOP, attention_kernel(model)
-
-
-def attention_kernel(model: nn.Module) -> bool:
-    """Whether the loop's layers attend by viasd's C kernel: it is there and takes the model's shapes and dtype."""
-    config = model.config  # type: ignore[union-attr]
-    dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
-    head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
-    takes = attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim)
-    return takes and isinstance(attention.kernel(), Library)

@@ -42,9 +42,9 @@ from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import growing_cache
 from viasd.passes.features import FeatureStore, head_inputs
+from viasd.passes.layer_loop import attention_kernel
 from viasd.passes.loop import Segment
 from viasd.passes.route import Facts, Leg, Route, Schedule, Stack, decide
-from viasd.passes.route import attention_kernel as route_attention_kernel
 from viasd.views.view import View, ViewLike, applied, as_view
 
 
@@ -176,7 +176,7 @@ class KVSession:
         if not runs:
             return Facts(False, chunk, skips, own_weights_from=own_from)
         fits = not skips and fused.fits(self.model, view)
-        return Facts(True, chunk, skips, fits, route_attention_kernel(self.model), own_from)
+        return Facts(True, chunk, skips, fits, attention_kernel(self.model), own_from)
 
     def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
         """One pass of `view` over `ids`, by the route decided here, once; logits of the last `keep` positions.
