@@ -1,5 +1,9 @@
 """Passes of several generations merged into one: the model's side of continuous batching.
 
+How concurrent requests share passes starts here; the rest is in passes/executor.py (the one thread that runs a
+server's passes), passes/costs.py (a pass's measured cost by rows), decode/load.py (the draft length under load)
+and serve/generation.py (admission, worker threads, the batchers' lifetime): docs/design.md, section 6.
+
 Each generation runs its own decoder on its own thread (any method: plain, speculative, VIA-SD) and asks for
 passes through its KV sessions as it always does. A `PassBatcher` attached to a model sits under those sessions:
 the short passes (decoding steps, verification blocks, chunks of a prompt) that the generations ask for at about
@@ -107,6 +111,16 @@ class PassBatcher:
                 self._condition.notify_all()
 
     @property
+    def queued(self) -> int:
+        """Passes waiting here (read with the lock held)."""
+        return len(self._waiting)
+
+    @property
+    def weight(self) -> int:
+        """The model's parameters: which model's passes are cheaper."""
+        return self._weight
+
+    @property
     def sequences(self) -> int:
         """Generations active on the model now (each one, between two of its passes, will ask for another)."""
         return self._active
@@ -171,7 +185,7 @@ class PassBatcher:
         """Whether the pass may start (lock held): see `ready`."""
         if self.executor is None:
             return ready(self._active, len(self._waiting), self._weight, [])
-        others = [(len(peer._waiting), peer._weight) for peer in self.executor.batchers if peer is not self]
+        others = [(peer.queued, peer.weight) for peer in self.executor.batchers if peer is not self]
         return ready(self._active, len(self._waiting), self._weight, others)
 
     def _take(self) -> list[_Request]:
