@@ -115,6 +115,12 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
+@functools.cache
+def _names(layers: int) -> tuple[str, ...]:
+    """The names of the decoder Linear layers of a model of `layers` layers (made once: `fits` runs every pass)."""
+    return tuple(f"model.layers.{i}.{name}" for i in range(layers) for name in LINEARS)
+
+
 def fits(model: nn.Module, view: View | None) -> bool:
     """Whether short passes of `model` (one the loop covers, on in-place caches) as `view` run their layers in one
     call: bf16, silu MLPs, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of
@@ -132,8 +138,7 @@ def fits(model: nn.Module, view: View | None) -> bool:
     if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
         return False
     copies = view.linears.modules
-    names = (f"model.layers.{i}.{name}" for i in range(config.num_hidden_layers) for name in LINEARS)
-    if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
+    if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in _names(config.num_hidden_layers)):
         return False
     return isinstance(fused_layers.kernel(), Library) and agrees()
 

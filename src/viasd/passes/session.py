@@ -163,9 +163,14 @@ class KVSession:
     def route(self, tokens: int, view: View | None, keep: int) -> Route:
         """The route of a pass of `tokens` tokens of `view` whose last `keep` need logits (passes/route.py), as the
         session, its model and the model's batcher stand now."""
-        return decide(tokens, keep, self._facts(view, batcher_of(self.model)))
+        return self._route(tokens, view, keep, batcher_of(self.model))
+
+    def _route(self, tokens: int, view: View | None, keep: int, batcher: PassBatcher | None) -> Route:
+        """The route with the batcher the pass will use (looked up once per pass)."""
+        return decide(tokens, keep, self._facts(view, batcher))
 
     def _facts(self, view: View | None, batcher: PassBatcher | None) -> Facts:
+        """What the route of a pass of `view` depends on now (passes/route.py `Facts`), gathered in one place."""
         skips = view is not None and view.mask is not None and not view.mask.is_full
         runs = self.short_passes and loop.runs_on(self.model, self.cache)
         linears = view.linears if view is not None and not skips else None
@@ -185,7 +190,7 @@ class KVSession:
         (a split route), so plain decoding and a block verification of the same view still see the same cache.
         """
         batcher = batcher_of(self.model)
-        route = decide(len(ids), keep, self._facts(view, batcher))
+        route = self._route(len(ids), view, keep, batcher)
         kept = []
         for leg in route.legs:
             logits = self._leg(ids[leg.start : leg.stop], None if leg.own_weights else view, leg, batcher)
