@@ -36,7 +36,7 @@ class Stack(Enum):
     """Which code runs a leg's decoder layers."""
 
     MODEL = "model"  # the model's own forward (transformers)
-    LOOP = "loop"  # viasd's loop, layer by layer, over the model's modules (passes/loop.py)
+    LOOP = "loop"  # viasd's loop, layer by layer, over the model's modules (passes/loop.py, passes/layer_loop.py)
     FUSED = "fused"  # viasd's loop, all layers in one C call (passes/fused.py)
 
 
@@ -73,10 +73,6 @@ class Leg:
     attention_kernel: bool = False  # LOOP: each layer's attention by viasd's C kernel (FUSED: always; MODEL: never)
     own_weights: bool = False
 
-    @property
-    def tokens(self) -> int:
-        return self.stop - self.start
-
 
 @dataclass(frozen=True)
 class Route:
@@ -107,9 +103,9 @@ def decide(tokens: int, keep: int, facts: Facts) -> Route:
     """
     head = tokens - keep
     split = facts.own_weights_from is not None and head > 0 and facts.own_weights_from <= head
-    merges = facts.loop and not facts.skips and facts.chunk is not None and facts.chunk > 0
-    if merges and tokens > facts.chunk:  # type: ignore[operator]
-        chunk: int = facts.chunk  # type: ignore[assignment]
+    # The batcher's chunk where it may merge this pass's parts (viasd's loop runs them), else None.
+    chunk = facts.chunk if facts.loop and not facts.skips and facts.chunk else None
+    if chunk is not None and tokens > chunk:
         parts = [(0, head, True), (head, tokens, False)] if split else [(0, tokens, False)]
         legs = []
         for first, last, own in parts:
