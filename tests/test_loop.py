@@ -15,9 +15,10 @@ from viasd.kernels import notice
 from viasd.kernels.build import Library
 from viasd.passes import loop as short_pass
 from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.prepare import prepare
 from viasd.passes.route import short_stack
 from viasd.passes.session import KVSession, new_cache
-from viasd.views.layer_skip import LayerMask
+from viasd.views.layer_skip import LayerMask, skipping
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
@@ -137,3 +138,11 @@ def test_sessions_take_short_passes_for_steps_and_the_model_for_prompts_and_skip
     session.forward([6, 7, 8])
     session.forward_slim([9, 10], LayerMask.skipping(4, [1, 2]))  # a slim view skips layers
     assert calls == [1, 3]
+
+
+def test_a_prepared_model_is_covered_whatever_view_another_pass_has_applied():
+    """A session made while another generation's pass runs a layer-skipping view must not read the stand-ins (read
+    then, a skipped layer has no attention to look at): a prepared model keeps the verdict read at load."""
+    model = prepare(tiny_model("qwen2"))
+    with skipping(model, LayerMask.skipping(4, [1])):
+        assert short_pass.covers(model) and KVSession(model).short_passes

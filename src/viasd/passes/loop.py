@@ -71,8 +71,24 @@ def why_not(model: nn.Module) -> str | None:
     return None
 
 
+COVERS = "_viasd_loop_covers"  # where a prepared model keeps `covers`' verdict (passes/prepare.py)
+
+
 def covers(model: nn.Module) -> bool:
-    """Whether short passes of `model` go through the loop. On a CPU, a model it does not cover is said once."""
+    """Whether short passes of `model` go through the loop. On a CPU, a model it does not cover is said once.
+
+    A prepared model's verdict was read at load (`remember_covers`): read again while another generation's pass has
+    a layer-skipping view applied, its layers' classes would be the view's stand-ins, not the model's."""
+    known = model.__dict__.get(COVERS)
+    return _covers(model) if known is None else known
+
+
+def remember_covers(model: nn.Module) -> None:
+    """Read `covers`' verdict now, while no view is applied (at load), and keep it on the model for its sessions."""
+    model.__dict__[COVERS] = _covers(model)
+
+
+def _covers(model: nn.Module) -> bool:
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
         return False  # the loop is for CPUs; GPUs run the model's own forward
