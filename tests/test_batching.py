@@ -114,7 +114,9 @@ def test_a_draft_head_drafts_from_merged_passes_and_tokens_stay_what_they_are_al
     target, drafter, view = pair
     kinds = ["head", "plain", "head", "sd"]
     alone = [decoder_for(k, target, drafter, view).generate(PROMPTS[i], config(i, False)) for i, k in enumerate(kinds)]
-    batchers = [PassBatcher(target, window=0.05), PassBatcher(drafter, window=0.05)]
+    # Fixed draft lengths: adaptive ones follow measured pass costs, and on a busy machine may draft nothing for a
+    # round, which the count below would take for a missing feature.
+    batchers = [PassBatcher(target, window=0.05, adapt_drafts=False), PassBatcher(drafter, window=0.05)]
     together = run_together(kinds, [config(i, False) for i in range(4)], pair, batchers)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert batchers[0].merged_rows > 0
