@@ -21,6 +21,10 @@ since. So on such caches a slim pass never reuses part of the pending entries; i
 of what the previous slim pass added) and recomputes. Cropping goes through each layer's own `crop`,
 layer by layer, because layers hold different lengths while pending entries exist.
 
+Each pass takes one route (passes/route.py: the model's own forward, viasd's loop, the fused stack, merged by a
+batcher, in chunks, or split between the model's weights and a view's), decided once at its top (`_run`) and counted
+(`routes`).
+
 Passes return their logits where the model computed them (docs/gpu.md): on a GPU, reading a tensor on the host
 waits for every queued kernel, so the decoders decide on the device and move one small outcome per round to the
 host. Token ids go up without waiting (from pinned memory), and ids already on the device (a drafter's own draft
