@@ -140,6 +140,10 @@ class Recording:
     def pass_seconds(self) -> float:
         return self.drafter.pass_seconds
 
+    @property
+    def sessions(self):
+        return self.drafter.sessions
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.drafter.reset(prompt_length, budget)
 

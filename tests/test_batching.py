@@ -114,7 +114,9 @@ def test_a_draft_head_drafts_from_merged_passes_and_tokens_stay_what_they_are_al
     target, drafter, view = pair
     kinds = ["head", "plain", "head", "sd"]
     alone = [decoder_for(k, target, drafter, view).generate(PROMPTS[i], config(i, False)) for i, k in enumerate(kinds)]
-    batchers = [PassBatcher(target, window=0.05), PassBatcher(drafter, window=0.05)]
+    # Fixed draft lengths: adaptive ones follow measured pass costs, and on a busy machine may draft nothing for a
+    # round, which the count below would take for a missing feature.
+    batchers = [PassBatcher(target, window=0.05, adapt_drafts=False), PassBatcher(drafter, window=0.05)]
     together = run_together(kinds, [config(i, False) for i in range(4)], pair, batchers)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert batchers[0].merged_rows > 0
@@ -134,7 +136,10 @@ def test_a_long_prompt_goes_in_chunks_and_gives_the_same_tokens(pair):
             got = decoder_for("plain", target, None, view).generate(prompt, config(0, False)).tokens
     finally:
         batcher.detach()
-    assert got == want and batcher.passes == 3 + 23  # three chunks of the prompt (its last gives token 1), 23 steps
+    # Three chunks of the prompt (its last gives token 1), 23 steps; where the view reads a prompt's head with the
+    # model's own weights (CPUs with AMX), the head's three chunks and the last token's pass through the view.
+    chunks = 3 if view.linears.recipe.own_weights_from("cpu") is None else 4
+    assert got == want and batcher.passes == chunks + 23
 
 
 def test_a_block_across_a_chunk_boundary_keeps_all_its_logits(pair):

@@ -161,8 +161,8 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
     rows = [
         _row("a", "plain", 10.0, target_calls=2),
         _row("b", "plain", 20.0, target_calls=2),
-        _row("a", "sd", 20.0, evaluated=4, accepted=3),
-        _row("b", "sd", 80.0, tokens=(9, 9), evaluated=4, accepted=1),
+        _row("a", "sd", 20.0, evaluated=4, accepted=3, routes={"model": 2, "loop": 5}),
+        _row("b", "sd", 80.0, tokens=(9, 9), evaluated=4, accepted=1, routes={"model": 2, "fused": 3}),
         _row(
             "a",
             "via",
@@ -181,6 +181,8 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
     assert sd.rejection_rate == pytest.approx(4 / 8)
     assert sd.tier_fractions == {"full": 1.0}
     assert sd.identical_to_baseline == 0.5 and sd.tokens_per_target_call == 2.0
+    assert sd.routes == {"model": 4, "loop": 5, "fused": 3}  # passes by route, all rows together
+    assert by[("plain", metrics.ALL)].routes == {}  # rows recorded without routes count none
     assert by[("plain", metrics.ALL)].speedup == pytest.approx(1.0)
     via = by[("via", "qa")]
     assert via.prompts == 1 and via.speedup == pytest.approx(3.0)

@@ -11,11 +11,14 @@ import torch
 from helpers import qwen2_with_gguf
 from tiny import tiny_model
 from viasd.kernels import fused_layers as fused_kernel
+from viasd.kernels import notice
 from viasd.kernels.build import Library
 from viasd.passes import fused as fused_layers
+from viasd.passes import layer_loop, route
 from viasd.passes import loop as short_pass
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.gguf import GgufWeights
+from viasd.views.layer_skip import LayerMask
 from viasd.views.linears import Int6Int8Linear
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
@@ -25,8 +28,8 @@ pytestmark = pytest.mark.skipif(not isinstance(fused_kernel.kernel(), Library), 
 OFF = ("VIASD_KERNELS", "-fused")  # the per-layer loop, with the same product and attention kernels
 
 
-def applies(model, dtype, cache) -> bool:
-    return fused_layers.plan_for(model, dtype, [cache]) is not None
+def applies(model, view) -> bool:
+    return route.short_stack(model, view)[0] is route.Stack.FUSED
 
 
 def passes(model, view, blocks, seed=0):
@@ -39,8 +42,9 @@ def passes(model, view, blocks, seed=0):
         model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
         at = 20
         for size in blocks:
-            assert applies(model, torch.bfloat16, cache) == isinstance(fused_kernel.kernel(), Library)
-            out.append(short_pass.short_pass(model, torch.tensor([ids[at : at + size]]), cache, size))
+            stack = route.short_stack(model, view)
+            assert (stack[0] is route.Stack.FUSED) == isinstance(fused_kernel.kernel(), Library)
+            out.append(short_pass.short_pass(model, torch.tensor([ids[at : at + size]]), cache, size, *stack))
             at += size
     return torch.cat(out, dim=1), cache
 
@@ -111,24 +115,44 @@ def test_a_plan_follows_the_view_in_place(monkeypatch):
 
 def test_only_low_bit_bf16_views_run_fused(monkeypatch):
     model, view = int4a8_view("qwen2")
-    cache = new_cache(model)
-    assert not applies(model, torch.bfloat16, cache)  # the model's own bf16 layers
-    with applied(model, view):
-        assert applies(model, torch.bfloat16, cache)
-        assert not applies(model, torch.float32, cache)
-        for switch in ("-fused", "-w4a8", "off"):  # off, or a kernel it calls off
-            monkeypatch.setenv("VIASD_KERNELS", switch)
-            assert not applies(model, torch.bfloat16, cache)
-            assert fused_kernel.kernel_status() == "switched off (VIASD_KERNELS)"
+    assert not applies(model, None)  # the model's own bf16 layers
+    assert applies(model, view)
+    assert not applies(model, View(mask=LayerMask.skipping(4, [1]), linears=view.linears))  # a layer skipped
+    for switch in ("-fused", "-w4a8", "off"):  # off, or a kernel it calls off
+        monkeypatch.setenv("VIASD_KERNELS", switch)
+        assert not applies(model, view)
+        assert fused_kernel.kernel_status() == "switched off (VIASD_KERNELS)"
     float_model = tiny_model("qwen2", dtype=torch.float32)
     float_view = View(linears=quantize(float_model, QuantRecipe.parse("int4a8")))
+    assert not applies(float_model, float_view)
     calls = []
     monkeypatch.delenv("VIASD_KERNELS")
     real = fused_layers.run_layers
     monkeypatch.setattr(fused_layers, "run_layers", lambda *args: calls.append(args[1].shape[1]) or real(*args))
+    sessions = []
     for each, each_view in ((model, view), (float_model, float_view)):
         session = KVSession(each, base_view=each_view)
-        session.forward(list(range(3, 30)))  # a prompt: the model's own forward (of the view), not a short pass
+        # A prompt: the model's own forward (of the view), not a short pass; too short to read its head by the model's
+        # own weights even on CPUs with AMX (`QuantRecipe.own_weights_from`).
+        session.forward(list(range(3, 21)))
         session.forward([5])
         session.forward([6, 7, 8])
+        sessions.append(session)
     assert calls == [1, 3]  # the bf16 view's short passes; float32 models keep torch's operations
+    assert sessions[0].routes == {"model": 1, "fused": 2} and sessions[1].routes == {"model": 1, "loop": 2}
+
+
+def test_the_fused_stack_is_held_to_viasds_decoder_layer(monkeypatch, capsys):
+    """The check at first use compares the C stack with the layer loop (passes/layer_loop.py) on a tiny model with
+    4- and 6-bit layers, one product and several; a stack that disagrees is not used, and one line says so."""
+    assert fused_layers._disagreement.__wrapped__() is None
+    real = layer_loop.run
+    monkeypatch.setattr(layer_loop, "run", lambda *args: real(*args) * 1.1)  # a reference the stack no longer meets
+    assert "disagree" in fused_layers._disagreement.__wrapped__()
+    monkeypatch.setattr(layer_loop, "run", real)
+    model, view = int4a8_view("qwen2")
+    assert applies(model, view)
+    notice.warn_once.cache_clear()
+    monkeypatch.setattr(fused_layers, "_disagreement", lambda: "disagree with viasd's decoder layer")
+    assert not applies(model, view)
+    assert "the fused layers disagree" in capsys.readouterr().err

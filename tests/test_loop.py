@@ -15,8 +15,10 @@ from viasd.kernels import notice
 from viasd.kernels.build import Library
 from viasd.passes import loop as short_pass
 from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.prepare import prepare
+from viasd.passes.route import short_stack
 from viasd.passes.session import KVSession, new_cache
-from viasd.views.layer_skip import LayerMask
+from viasd.views.layer_skip import LayerMask, skipping
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
@@ -28,6 +30,7 @@ def own_and_short(model, view, seed=0):
     ids = [rng.randrange(64) for _ in range(200)]
     own, short = new_cache(model), new_cache(model)
     pairs = []
+    stack = short_stack(model, view)
     with torch.inference_mode(), applied(model, view):
         for cache in (own, short):
             model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
@@ -36,7 +39,7 @@ def own_and_short(model, view, seed=0):
             length = rng.randint(1, PACK_UP_TO)
             block = torch.tensor([ids[at : at + length]])
             want = model(input_ids=block, cache=own, use_cache=True, logits_to_keep=length).logits
-            pairs.append((want, short_pass.short_pass(model, block, short, length)))
+            pairs.append((want, short_pass.short_pass(model, block, short, length, *stack)))
             if rng.random() < 0.5:  # a rejected draft: both caches roll back alike
                 drop = rng.randint(0, length - 1)
                 for cache in (own, short):
@@ -83,11 +86,12 @@ def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselv
         assert (got.float() - want.float()).abs().max() <= 0.1 * want.float().abs().max()
     tokens = torch.tensor([[5, 9, 11, 3, 7, 30, 2, 8]])
     stepped, blocked = new_cache(model), new_cache(model)
+    stack = short_stack(model, view)
     with torch.inference_mode(), applied(model, view):
         for cache in (stepped, blocked):
             model(input_ids=torch.tensor([list(range(3, 23))]), cache=cache, use_cache=True, logits_to_keep=1)
-        whole = short_pass.short_pass(model, tokens, blocked, 8)
-        steps = [short_pass.short_pass(model, tokens[:, at : at + size], stepped, size)
+        whole = short_pass.short_pass(model, tokens, blocked, 8, *stack)
+        steps = [short_pass.short_pass(model, tokens[:, at : at + size], stepped, size, *stack)
                  for at, size in ((0, 1), (1, 4), (5, 1), (6, 2))]  # fmt: skip
     assert torch.equal(torch.cat(steps, dim=1), whole)
     for a, b in zip(stepped.layers, blocked.layers, strict=True):
@@ -112,16 +116,15 @@ def test_what_the_loop_does_not_cover_runs_the_models_own_forward_and_says_so_on
     assert short_pass.covers(tiny_model("llama"))
 
 
-def test_only_short_blocks_on_plain_cache_layers_are_usable():
+def test_the_loop_runs_on_in_place_cache_layers_of_a_model_without_hooks():
     model = tiny_model("llama")
     cache = new_cache(model)
-    assert short_pass.usable(model, cache, 1) and short_pass.usable(model, cache, PACK_UP_TO)
-    assert not short_pass.usable(model, cache, PACK_UP_TO + 1) and not short_pass.usable(model, cache, 0)
-    assert not short_pass.usable(model, DynamicCache(), 1)  # layers made lazily: not the model's shape
+    assert short_pass.runs_on(model, cache)
+    assert not short_pass.runs_on(model, DynamicCache())  # layers made lazily: not the model's shape
     handle = model.register_forward_pre_hook(lambda module, args: None)  # it would not see a short pass
-    assert not short_pass.usable(model, cache, 1)
+    assert not short_pass.runs_on(model, cache)
     handle.remove()
-    assert short_pass.usable(model, cache, 1)
+    assert short_pass.runs_on(model, cache)
 
 
 def test_sessions_take_short_passes_for_steps_and_the_model_for_prompts_and_skipping_views(monkeypatch):
@@ -135,3 +138,11 @@ def test_sessions_take_short_passes_for_steps_and_the_model_for_prompts_and_skip
     session.forward([6, 7, 8])
     session.forward_slim([9, 10], LayerMask.skipping(4, [1, 2]))  # a slim view skips layers
     assert calls == [1, 3]
+
+
+def test_a_prepared_model_is_covered_whatever_view_another_pass_has_applied():
+    """A session made while another generation's pass runs a layer-skipping view must not read the stand-ins (read
+    then, a skipped layer has no attention to look at): a prepared model keeps the verdict read at load."""
+    model = prepare(tiny_model("qwen2"))
+    with skipping(model, LayerMask.skipping(4, [1])):
+        assert short_pass.covers(model) and KVSession(model).short_passes

@@ -274,7 +274,7 @@ def test_a_long_pass_of_a_weight_only_view_reads_the_prompt_with_the_models_own_
     prompt = (PROMPT * 8)[: start + 6]
     session = KVSession(target, int4)
     logits = session.forward(prompt, keep=1)
-    assert session.forward_passes == 1  # one pass, run in two parts
+    assert session.forward_passes == 1 and session.routes == {"split": 1}  # one pass, run in two parts
     own = KVSession(target)
     own.forward(prompt[:-1])
     with torch.inference_mode(), applied(target, int4):

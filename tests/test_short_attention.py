@@ -12,7 +12,7 @@ from viasd.kernels import build
 from viasd.kernels.build import Library
 from viasd.kernels.cpu import cpu_flags
 from viasd.passes.cache_layer import GrowingLayer
-from viasd.passes.loop import LayerAttention
+from viasd.passes.layer_loop import LayerAttention
 
 # Where it can be built (an x86 CPU with AVX2 and FMA, a C compiler), the kernel must also pass its own check.
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from viasd.fileio import write_atomic
 from viasd.models.fingerprint import model_fingerprint
 from viasd.prompting import encode_prompt
 from viasd.verify.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from viasd.passes.session import KVSession
 
 PROBE_PROMPTS = (
     "Write a Python function that returns the largest of three numbers.",
@@ -216,6 +219,9 @@ class AutoDecoder(Decoder):
 
     def describe(self) -> dict[str, Any]:
         return {"chosen": self.choice["chosen"], **self.chosen.describe()}
+
+    def sessions(self) -> tuple[KVSession, ...]:
+        return self.chosen.sessions()
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         stats.choice = {

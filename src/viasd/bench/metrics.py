@@ -178,6 +178,8 @@ def combine_stats(parts: Sequence[GenerationStats], method: str | None = None) -
                 into = counters(name)
                 for f in fields(kind):
                     setattr(into, f.name, getattr(into, f.name) + getattr(counts, f.name))
+        for name, count in part.routes.items():
+            total.routes[name] = total.routes.get(name, 0) + count
         total.finish_reason = part.finish_reason
     return total
 
@@ -240,6 +242,8 @@ class Summary:
     drafter_calls_per_token: float = 0.0  # forward passes of the drafter model (prefill and catch-up included)
     # Per draft source (a drafter, or a part of the hybrid drafter): rounds, drafted, evaluated, accepted.
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Model passes by the route they took (passes/route.py), all sessions of every generation together.
+    routes: dict[str, int] = field(default_factory=dict)
 
 
 COST_PARTS = ("drafting", "slim verifier", "full target", "other")
@@ -331,6 +335,9 @@ def summarize_group(
     drafter_calls = sum(int(x.get("drafter_calls", 0)) for x in stats)
     s.drafter_calls_per_token = drafter_calls / s.new_tokens if s.new_tokens else 0.0
     s.sources = source_counts(stats)
+    for x in stats:  # rows recorded before routes were counted have none
+        for name, count in (x.get("routes") or {}).items():
+            s.routes[name] = s.routes.get(name, 0) + int(count)
     unchecked = sum(int(x.get("unchecked_tokens", 0)) for x in stats)
     s.unchecked_fraction = unchecked / s.new_tokens if s.new_tokens else 0.0
     rss = [int(r["peak_rss_bytes"]) for r in rows if r.get("peak_rss_bytes")]

@@ -6,7 +6,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from viasd.decode.stats import GenerationStats
 from viasd.errors import ViasdError
 from viasd.verify.sampling import SamplingParams
 from viasd.views.view import View
+
+if TYPE_CHECKING:
+    from viasd.passes.session import KVSession
 
 
 @dataclass
@@ -107,9 +110,15 @@ class Decoder(ABC):
         )
         sink = OutputSink(self.tokenizer, stop, on_text)
         stats = GenerationStats(method=self.method, prompt_tokens=len(prompt))
+        sessions = {id(session): session for session in self.sessions()}.values()  # each once
+        before = [dict(session.routes) for session in sessions]
         start = time.perf_counter()
         self._decode(prompt, sink, config.sampling, stats)
         stats.total_seconds = time.perf_counter() - start
+        for session, counted in zip(sessions, before, strict=True):
+            for route, count in session.routes.items():
+                if count > counted.get(route, 0):
+                    stats.routes[route] = stats.routes.get(route, 0) + count - counted.get(route, 0)
         stats.new_tokens = len(sink.tokens)
         stats.finish_reason = sink.finish_reason or "length"
         return GenerationResult(list(sink.tokens), sink.text, stats)
@@ -118,6 +127,11 @@ class Decoder(ABC):
         """What runs: the target's view (and, in subclasses, the drafter, slim views, profile), for statistics and
         run records."""
         return {"target_view": self.view.describe() if self.view is not None else "as loaded"}
+
+    def sessions(self) -> tuple[KVSession, ...]:
+        """The KV sessions this decoder's model passes run on (target, drafter): their passes are counted by route
+        in each generation's statistics. None for decoders that run no pass of viasd's."""
+        return ()
 
     @abstractmethod
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:

@@ -24,6 +24,9 @@ class PlainDecoder(Decoder):
         super().__init__(target, tokenizer, view)
         self.session = KVSession(target, view)
 
+    def sessions(self) -> tuple[KVSession, ...]:
+        return (self.session,)
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
         self.session.reset()

@@ -75,6 +75,9 @@ class SpeculativeDecoder(Decoder):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "drafter": self.drafter.describe(), "gamma": self.gamma, "stop": self.stop}
 
+    def sessions(self) -> tuple[KVSession, ...]:
+        return (self.session, *self.drafter.sessions)
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
         self.session.reset()

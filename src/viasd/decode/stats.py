@@ -54,6 +54,9 @@ class GenerationStats:
     choice: dict[str, Any] | None = None  # what the `auto` method chose, and why
     task_kind: str | None = None  # the task kind whose round policy routed a `via` request (viasd.task_kind)
     sources: dict[str, SourceStats] = field(default_factory=dict)  # per draft source, for drafting methods
+    # Model passes of every session the generation ran (target, its views, a model drafter) by the route they took
+    # (passes/route.py: model, loop, fused, batched, queued, chunked, split).
+    routes: dict[str, int] = field(default_factory=dict)
 
     @property
     def rejection_rate(self) -> float:

@@ -102,6 +102,9 @@ class TieredDecoder(Decoder):
         kind = self.kind or prompt_kind(self.tokenizer.decode(prompt))
         return kind, self.kinds.get(kind, self.policy)
 
+    def sessions(self) -> tuple[KVSession, ...]:
+        return (self.session, *self.drafter.sessions)
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
         self.session.reset()

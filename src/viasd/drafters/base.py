@@ -71,6 +71,11 @@ class Drafter(Protocol):
     forward_passes: int
     pass_seconds: float  # what its model passes cost (a pass merged with other generations' counts whole)
 
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        """The KV sessions its model passes run on (none for a drafter without a model of its own)."""
+        ...
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Start a new generation of at most `budget` tokens after a prompt of `prompt_length` (None: unknown)."""
 

@@ -42,6 +42,11 @@ class HeadDrafter:
         self.forward_passes = 0  # head steps
         self.pass_seconds = 0.0
 
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        """None: its steps are the head's, on the features of the target's passes (counted there)."""
+        return ()
+
     def describe(self) -> str:
         config = self.head.config
         return f"{self.name} (draft head: {config.blocks} x {config.width}, {config.vocab} tokens)"

@@ -67,6 +67,10 @@ class HybridDrafter:
     def pass_seconds(self) -> float:
         return self.model.pass_seconds
 
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        return self.model.sessions
+
     def describe(self) -> str:
         return f"hybrid: {self.lookup.describe()}, else {self.model.describe()}"
 

@@ -42,6 +42,10 @@ class ModelDrafter:
     def pass_seconds(self) -> float:
         return self.session.pass_seconds
 
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        return (self.session,)
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.session.reset()
 

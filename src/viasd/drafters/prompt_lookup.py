@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from viasd.drafters.base import Proposal
 from viasd.verify.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from viasd.passes.session import KVSession
 
 
 def lookup_continuation(context: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -44,6 +49,11 @@ class PromptLookupDrafter:
         self.copy = copy
         self.forward_passes = 0
         self.pass_seconds = 0.0
+
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        """None: it runs no model."""
+        return ()
 
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         """Stateless between rounds."""

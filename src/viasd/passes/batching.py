@@ -1,5 +1,9 @@
 """Passes of several generations merged into one: the model's side of continuous batching.
 
+How concurrent requests share passes starts here; the rest is in passes/executor.py (the one thread that runs a
+server's passes), passes/costs.py (a pass's measured cost by rows), decode/load.py (the draft length under load)
+and serve/generation.py (admission, worker threads, the batchers' lifetime): docs/design.md, section 6.
+
 Each generation runs its own decoder on its own thread (any method: plain, speculative, VIA-SD) and asks for
 passes through its KV sessions as it always does. A `PassBatcher` attached to a model sits under those sessions:
 the short passes (decoding steps, verification blocks, chunks of a prompt) that the generations ask for at about
@@ -35,6 +39,7 @@ from viasd.passes.costs import PassCosts
 from viasd.passes.executor import PassExecutor
 from viasd.passes.features import head_inputs
 from viasd.passes.loop import Segment
+from viasd.passes.route import Leg, Stack
 from viasd.views.view import View, applied
 
 BATCHER = "_viasd_pass_batcher"  # the attribute under which a model keeps its batcher
@@ -46,6 +51,7 @@ class _Request:
 
     view: View | None
     segment: Segment | None = None
+    leg: Leg | None = None  # a segment's leg of its pass's route: which code runs its layers
     alone: Callable[[], Any] | None = None
     result: Any = None
     seconds: float = 0.0  # what the pass it ran in cost (merged passes cost every request of theirs the whole)
@@ -105,6 +111,16 @@ class PassBatcher:
                 self._condition.notify_all()
 
     @property
+    def queued(self) -> int:
+        """Passes waiting here (read with the lock held)."""
+        return len(self._waiting)
+
+    @property
+    def weight(self) -> int:
+        """The model's parameters: which model's passes are cheaper."""
+        return self._weight
+
+    @property
     def sequences(self) -> int:
         """Generations active on the model now (each one, between two of its passes, will ask for another)."""
         return self._active
@@ -114,11 +130,13 @@ class PassBatcher:
         with self._condition:
             return self._costs.setdefault(id(view), PassCosts())
 
-    def segment(self, view: View | None, segment: Segment) -> tuple[tuple[torch.Tensor, torch.Tensor | None], float]:
+    def segment(
+        self, view: View | None, segment: Segment, leg: Leg
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], float]:
         """The logits of `segment` and the features its output head read (passes/features.py; None when it kept no
-        logits), run in a ragged pass with whatever else is waiting for the same view, and the seconds that pass
-        took."""
-        return self._submit(_Request(view, segment=segment))
+        logits), run in a ragged pass with whatever else is waiting for the same view and stack (the `leg` of its
+        route that it is), and the seconds that pass took."""
+        return self._submit(_Request(view, segment=segment, leg=leg))
 
     def alone(self, run: Callable[[], Any]) -> tuple[Any, float]:
         """`run()` (a pass that cannot be merged), when no other pass is running on the model, and its seconds."""
@@ -167,7 +185,7 @@ class PassBatcher:
         """Whether the pass may start (lock held): see `ready`."""
         if self.executor is None:
             return ready(self._active, len(self._waiting), self._weight, [])
-        others = [(len(peer._waiting), peer._weight) for peer in self.executor.batchers if peer is not self]
+        others = [(peer.queued, peer.weight) for peer in self.executor.batchers if peer is not self]
         return ready(self._active, len(self._waiting), self._weight, others)
 
     def _take(self) -> list[_Request]:
@@ -185,8 +203,10 @@ class PassBatcher:
                 outcomes = [batch[0].alone()]
             else:
                 segments = [request.segment for request in batch]
+                leg = batch[0].leg
+                assert leg is not None, "a segment comes with its leg"
                 with torch.inference_mode(), applied(self.model, batch[0].view), head_inputs(self.model) as seen:
-                    logits = loop.ragged_pass(self.model, segments)  # type: ignore[arg-type]
+                    logits = loop.ragged_pass(self.model, segments, leg.stack, leg.attention_kernel)  # type: ignore[arg-type]
                 # The head read every segment's kept rows in one call, in order.
                 rows = seen[-1].split([s.keep for s in segments]) if seen else [None] * len(batch)  # type: ignore[union-attr]
                 outcomes = list(zip(logits, rows, strict=True))
@@ -217,8 +237,9 @@ def ready(active: int, waiting: int, weight: int, others: list[tuple[int, int]])
 
 def next_pass(waiting: list[_Request], max_rows: int) -> list[_Request]:
     """The requests of the next pass, from those waiting in arrival order: the oldest always (so none starves),
-    and if it is a segment, every waiting segment of the same view after it, in order, up to `max_rows` rows
-    (the oldest alone may exceed them)."""
+    and if it is a segment, every waiting segment of the same view and stack after it, in order, up to `max_rows`
+    rows (the oldest alone may exceed them). Segments of one view have one stack (passes/route.py decides it from the
+    view and the model); the check keeps a pass from running a segment by another's route."""
     first = waiting[0]
     if first.segment is None:
         return [first]
@@ -227,11 +248,16 @@ def next_pass(waiting: list[_Request], max_rows: int) -> list[_Request]:
         if (
             request.segment is not None
             and request.view is first.view
+            and _stack(request) == _stack(first)
             and (not batch or rows + request.rows <= max_rows)
         ):
             batch.append(request)
             rows += request.rows
     return batch
+
+
+def _stack(request: _Request) -> tuple[Stack, bool] | None:
+    return None if request.leg is None else (request.leg.stack, request.leg.attention_kernel)
 
 
 def batcher_of(model: nn.Module) -> PassBatcher | None:

@@ -15,16 +15,27 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
-
-if TYPE_CHECKING:
-    from viasd.passes.batching import PassBatcher
 
 T = TypeVar("T")
 
 OPENMP_LIBRARIES = ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib")
+
+
+class Peer(Protocol):
+    """A pass batcher whose passes run on an executor, as the others there see it (passes/batching.py)."""
+
+    @property
+    def queued(self) -> int:
+        """Passes waiting at it."""
+        ...
+
+    @property
+    def weight(self) -> int:
+        """Its model's parameters: which model's passes are cheaper."""
+        ...
 
 
 @dataclass(eq=False)
@@ -45,7 +56,7 @@ class PassExecutor:
         self.jobs_run = 0
         # The pass batchers whose passes run here share this lock, so each sees what waits in the others.
         self.condition = threading.Condition()
-        self.batchers: list[PassBatcher] = []
+        self.batchers: list[Peer] = []
 
     @property
     def busy(self) -> bool:

@@ -2,13 +2,15 @@
 
 Where every Linear layer of the decoder is one of viasd's low-bit ones (int4a8, or a GGUF file's 4- and 6-bit
 blocks) in a bf16 model and the attention kernel takes its shape, a short pass runs the whole decoder stack as
-one C call. The description (a plan) is made once per set of modules: a view swaps its own in, so a plan remembers
+one C call; it is held to viasd's decoder layer (passes/layer_loop.py), checked at first use (`agrees`). The
+description (a plan) is made once per set of modules: a view swaps its own in, so a plan remembers
 the modules it was made for, weakly (a plan must not keep a dropped view's weights alive), and is made again when
 they are not all alive and in place; its pointers are only followed while they are valid.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -17,12 +19,18 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.kernels import attention, fused_layers
+from viasd.kernels import attention, fused_layers, w6a8
 from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Product, SequenceCache
 from viasd.kernels.interface import FOUR_BIT, SIX_BIT
-from viasd.passes.cache_layer import GrowingLayer
+from viasd.kernels.notice import warn_once
+from viasd.passes import layer_loop
+from viasd.passes.cache_layer import growing_cache
+from viasd.passes.layer_loop import attention_kernel
 from viasd.views.linears import Int4Int8Linear, Int6Int8Linear
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
+from viasd.views.view import View, applied
 
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
 LANES = attention.LANES  # hidden and intermediate sizes: whole vectors of the kernel
@@ -89,34 +97,123 @@ def _make_plan(modules: tuple[nn.Module, ...]) -> Plan | None:
     return Plan(modules, Layers(described))
 
 
-def _plan(model: nn.Module) -> Plan | None:
-    """The model's plan for the modules it has now (made again after a view swapped others in), or None where a
-    layer is not a low-bit one. The model keeps its last plan (in its `__dict__`, not as a registered module)."""
+def plan(model: nn.Module) -> Plan:
+    """The model's plan for the modules it has now (a view `fits` applied: made again after a view swapped others
+    in). The model keeps its last plan (in its `__dict__`, not as a registered module)."""
     modules = _modules(model)
-    plan = model.__dict__.get(PLAN)
-    if plan is None or not plan.made_for(modules):
-        plan = _make_plan(modules)
-        model.__dict__[PLAN] = plan
-    return plan
+    found = model.__dict__.get(PLAN)
+    if found is None or not found.made_for(modules):
+        found = _make_plan(modules)
+        if found is None:  # `fits` said every layer is a low-bit one; only a layer's tensors out of place fail here
+            raise RuntimeError("the fused layers cannot take this view's layers (a tensor is not contiguous)")
+        model.__dict__[PLAN] = found
+    return found
 
 
-def plan_for(model: nn.Module, dtype: torch.dtype, caches: Sequence[DynamicCache]) -> Plan | None:
-    """The plan by which a short pass of `model` (a model the loop covers, with the modules it has now) runs its
-    layers in one call, or None where it may not: bf16, silu MLPs, sizes in whole vectors, the attention kernel's
-    shapes, low-bit layers, in-place caches, the kernel there and not switched off."""
+# The decoder's Linear layers, as a view names its quantized copies (views/quantize.py): all low-bit, or no plan.
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+@functools.cache
+def _names(layers: int) -> tuple[str, ...]:
+    """The names of the decoder Linear layers of a model of `layers` layers (made once: `fits` runs every pass)."""
+    return tuple(f"model.layers.{i}.{name}" for i in range(layers) for name in LINEARS)
+
+
+def fits(model: nn.Module, view: View | None) -> bool:
+    """Whether short passes of `model` (one the loop covers, on in-place caches) as `view` run their layers in one
+    call: bf16, silu MLPs, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of
+    the view's low-bit copies, the kernel there and not switched off. Read from the view and the model's config, not
+    from the modules in place (another generation's pass may have its view swapped in)."""
+    if view is None or view.linears is None or (view.mask is not None and not view.mask.is_full):
+        return False
     config = model.config  # type: ignore[union-attr]
+    dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
     if dtype != torch.bfloat16 or getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return None
+        return False
     if config.hidden_size % LANES or config.intermediate_size % LANES:
-        return None
+        return False
     head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
     if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
-        return None
-    if not all(type(layer) is GrowingLayer for cache in caches for layer in cache.layers):
-        return None
-    if not isinstance(fused_layers.kernel(), Library):
-        return None
-    return _plan(model)
+        return False
+    copies = view.linears.modules
+    if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in _names(config.num_hidden_layers)):
+        return False
+    return isinstance(fused_layers.kernel(), Library) and agrees()
+
+
+def agrees() -> bool:
+    """Whether the fused stack computes what viasd's decoder layer computes (passes/layer_loop.py, the reference it
+    is held to), checked once per process; where it does not, short passes run layer by layer, and one line says
+    so."""
+    problem = _disagreement()
+    if problem is not None:
+        warn_once(f"the fused layers {problem}: short passes of low-bit views run their layers one by one")
+    return problem is None
+
+
+# The model of the check: a tiny Qwen2 (biases on q, k and v), in bf16, of whole vectors and the kernel's shapes.
+CHECK_MODEL = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+
+
+def _check_model() -> tuple[nn.Module, View]:
+    """The check's model in an int4a8 view: layer 0's q|k|v and gate|up one product each (siblings), layer 1's as
+    separate products and its down projection 6-bit (a GGUF file's Q6_K layout)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):  # the random initialisation leaves torch's generator as it was
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**CHECK_MODEL)).to(torch.bfloat16).eval()
+    linears = quantize(model, QuantRecipe.parse("int4a8"))
+    layer = model.model.layers[1]
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        linears.modules[f"model.layers.1.{name}"] = Int4Int8Linear.from_linear(layer.get_submodule(name))
+    down = layer.mlp.down_proj
+    six = w6a8.random_weights(down.out_features, down.in_features, torch.Generator().manual_seed(0))
+    linears.modules["model.layers.1.mlp.down_proj"] = Int6Int8Linear.from_linear(down, six)
+    return model, View(linears=linears)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal to bf16 noise carried through a few layers (3% of the largest magnitude): the products and attention
+    are the same kernels; the norms and SiLU may differ from torch's in a last bit now and then."""
+    return torch.allclose(got.float(), want.float(), rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+@functools.cache
+def _disagreement() -> str | None:
+    """Why the fused stack cannot be trusted, or None: on the check's model, two sequences in one pass (two tokens
+    after 20 cached positions, one after 9) must get the layer loop's hidden states and cache entries."""
+    model, view = _check_model()
+    inner = model.model
+    kernel = attention_kernel(model)
+    generator = torch.Generator().manual_seed(1)
+
+    def rotary(x: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = inner.rotary_emb(x, torch.tensor([positions]))
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    prefix = torch.randn(1, 29, 64, generator=generator).bfloat16()
+    x = torch.randn(1, 3, 64, generator=generator).bfloat16()
+    with torch.inference_mode(), applied(model, view):
+        sets = []
+        for _ in range(2):  # the loop's caches and the fused stack's, alike after the prefix
+            caches = [growing_cache(DynamicCache(config=model.config)) for _ in range(2)]
+            layer_loop.run(model, prefix, *rotary(prefix, [*range(20), *range(9)]), caches, (0, 20, 29), kernel)
+            sets.append(caches)
+        cos, sin = rotary(x, [20, 21, 9])
+        want = layer_loop.run(model, x, cos, sin, sets[0], (0, 2, 3), kernel)
+        got = x.clone()
+        run_layers(model, got, cos, sin, sets[1], (0, 2, 3))
+    if not _close(got, want):
+        return "disagree with viasd's decoder layer"
+    for loop_cache, fused_cache in zip(*sets, strict=True):
+        for a, b in zip(loop_cache.layers, fused_cache.layers, strict=True):
+            if not (_close(b.keys, a.keys) and _close(b.values, a.values)):
+                return "write other cache entries than viasd's decoder layer"
+    return None
 
 
 def run_layers(
@@ -126,14 +223,14 @@ def run_layers(
     sin: torch.Tensor,
     caches: Sequence[DynamicCache],
     starts: Sequence[int],
-    plan: Plan,
 ) -> None:
     """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), whose rows
-    starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], by the plan `plan_for`
-    gave; cos and sin [M, dim]. Each cache is extended by its sequence's entries; on failure every cache keeps what
-    it had."""
+    starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], for a view that `fits`
+    (applied); cos and sin [M, dim]. Each cache is extended by its sequence's entries; on failure every cache keeps
+    what it had."""
+    layers = plan(model).layers
     library = fused_layers.kernel()
-    assert isinstance(library, Library), "plan_for said the kernel is there"
+    assert isinstance(library, Library), "fits said the kernel is there"
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise ValueError("the fused layers take contiguous bf16 hidden states")
     config = model.config  # type: ignore[union-attr]
@@ -145,7 +242,7 @@ def run_layers(
         past = [layer.reserve((1, kv_heads, b - a, dim), x.dtype, x.device) for layer in cache.layers]  # type: ignore[union-attr]
         sequences.append(SequenceCache([layer.stores() for layer in cache.layers], past))  # type: ignore[union-attr]
     try:
-        fused_layers.run(library, x[0], plan.layers, cos.contiguous(), sin.contiguous(), sequences, starts,
+        fused_layers.run(library, x[0], layers, cos.contiguous(), sin.contiguous(), sequences, starts,
                          config.num_attention_heads, first.scaling, config.intermediate_size)  # fmt: skip
     except (MemoryError, RuntimeError):  # the pass's positions were reserved, maybe not written: not kept
         for cache, a, b in zip(caches, starts, starts[1:], strict=False):

@@ -1,13 +1,14 @@
 """viasd's forward pass: short passes (decoding steps, verification blocks) of Llama-style decoders as one plain loop.
 
-A pass of a model goes one of two ways. The model's own forward (transformers') is the reference and runs any
-architecture; prompts, layer-skipping views and architectures this loop does not cover take it. A pass of up to
-`PACK_UP_TO` tokens of a covered model (Llama and Qwen2, full attention, on a CPU: `covers`) takes this loop over
-the model's own modules (its norms, projections or their quantized copies, rotary embedding and cache layers),
-without transformers' per-layer plumbing (output capturing, mask builders, attention lookup, wrappers), which
-cost a decoding step of the 4-bit target several milliseconds. In the loop each operation is a kernel of viasd's
-or that kernel's torch reference (kernels/): the attention of a bf16 model is kernels/attention.py's kernel, and
-a bf16 view whose Linear layers are all low-bit runs its whole decoder stack as one kernel (passes/fused.py).
+A pass of a model goes one of two ways (passes/route.py decides which, once per pass). The model's own forward
+(transformers') is the reference and runs any architecture; prompts, layer-skipping views and architectures this
+loop does not cover take it. A pass of up to `PACK_UP_TO` tokens of a covered model (Llama and Qwen2, full
+attention, on a CPU: `covers`) takes this loop over the model's own modules (its norms, projections or their
+quantized copies, rotary embedding and cache layers), without transformers' per-layer plumbing (output capturing,
+mask builders, attention lookup, wrappers), which cost a decoding step of the 4-bit target several milliseconds.
+In the loop each operation is a kernel of viasd's or that kernel's torch reference (kernels/): the attention of a
+bf16 model is kernels/attention.py's kernel, and a bf16 view whose Linear layers are all low-bit runs its whole
+decoder stack as one kernel (passes/fused.py).
 
 With the references (float32 and float64 models, or `VIASD_KERNELS=off`) the loop is the model's own arithmetic:
 the same torch operations in the same order, so its logits and cache entries are bit-identical to the model's
@@ -29,13 +30,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.kernels import attention
-from viasd.kernels.build import Library
 from viasd.kernels.notice import warn_once
-from viasd.passes import fused
+from viasd.passes import fused, layer_loop
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.passes.packed_attention import NAME as PACKED
-from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.route import Stack
 
 # The transformers classes whose forward the loop mirrors, by architecture (checked by name: a release that renames
 # or restructures them falls back to the model's own forward with a line saying so, and the bit-identity tests
@@ -72,8 +71,24 @@ def why_not(model: nn.Module) -> str | None:
     return None
 
 
+COVERS = "_viasd_loop_covers"  # where a prepared model keeps `covers`' verdict (passes/prepare.py)
+
+
 def covers(model: nn.Module) -> bool:
-    """Whether short passes of `model` go through the loop. On a CPU, a model it does not cover is said once."""
+    """Whether short passes of `model` go through the loop. On a CPU, a model it does not cover is said once.
+
+    A prepared model's verdict was read at load (`remember_covers`): read again while another generation's pass has
+    a layer-skipping view applied, its layers' classes would be the view's stand-ins, not the model's."""
+    known = model.__dict__.get(COVERS)
+    return _covers(model) if known is None else known
+
+
+def remember_covers(model: nn.Module) -> None:
+    """Read `covers`' verdict now, while no view is applied (at load), and keep it on the model for its sessions."""
+    model.__dict__[COVERS] = _covers(model)
+
+
+def _covers(model: nn.Module) -> bool:
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu":
         return False  # the loop is for CPUs; GPUs run the model's own forward
@@ -83,43 +98,16 @@ def covers(model: nn.Module) -> bool:
     return reason is None
 
 
-def usable(model: nn.Module, cache: DynamicCache, tokens: int, limit: int = PACK_UP_TO) -> bool:
-    """Whether a pass of `tokens` tokens on `cache` may go through the loop, for a model it `covers`: a short pass
-    (at most `limit` tokens: a batcher takes chunks of prompts too), in-place cache layers (sessions make them), no
-    forward hooks on the model (its own forward gives hooks their arguments: the loop has none to give), all layers
-    run (a skipped layer is not one of transformers' classes)."""
-    if not 0 < tokens <= limit or not all(type(layer) is GrowingLayer for layer in cache.layers):
+def runs_on(model: nn.Module, cache: DynamicCache) -> bool:
+    """Whether passes on `cache` may go through the loop, for a model it `covers` (the pass's length apart: the route
+    decides that, passes/route.py): in-place cache layers (sessions make them), one per decoder layer, and no forward
+    hooks on the model (its own forward gives hooks their arguments: the loop has none to give)."""
+    if not all(type(layer) is GrowingLayer for layer in cache.layers):
         return False
     for module in (model, model.model):  # type: ignore[union-attr]
         if module._forward_hooks or module._forward_pre_hooks:
             return False
-    layers = model.model.layers  # type: ignore[union-attr]
-    return len(cache.layers) == len(layers) and all(type(layer) is type(layers[0]) for layer in layers)
-
-
-class LayerAttention:
-    """A layer's attention in one pass (query [M, heads * dim], key, value, its cache layer -> out [M, heads *
-    dim]): the kernel where it runs (bf16), else its torch reference; the pass's entries written in place."""
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, heads: int, scale: float, library: Library | None):
-        self.cos, self.sin = cos.contiguous(), sin.contiguous()  # kept alive: the kernel reads their memory
-        self.heads, self.scale, self.library = heads, scale, library
-
-    def __call__(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: GrowingLayer
-    ) -> torch.Tensor:
-        dim = self.cos.shape[-1]
-        # Room for the pass's entries after the layer's (stores [1, kv_heads, capacity, dim]); written below.
-        past = layer.reserve((1, key.shape[1] // dim, query.shape[0], dim), key.dtype, key.device)
-        try:
-            if self.library is not None:
-                return attention.run(self.library, query, key, value, self.cos, self.sin, layer.stores(), past,
-                                     self.heads, self.scale)  # fmt: skip
-            return attention.reference(query, key, value, self.cos, self.sin, layer.stores(), past, self.heads,
-                                       self.scale)  # fmt: skip
-        except BaseException:
-            layer.crop(-query.shape[0])  # the layer keeps what it had: the positions were reserved, maybe not written
-            raise
+    return len(cache.layers) == len(model.model.layers)  # type: ignore[union-attr, arg-type]
 
 
 @dataclass(frozen=True)
@@ -132,19 +120,25 @@ class Segment:
     keep: int
 
 
-def short_pass(model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int) -> torch.Tensor:
+def short_pass(
+    model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int, stack: Stack, attention_kernel: bool
+) -> torch.Tensor:
     """Logits [1, keep, vocab] of the last `keep` of `input_ids` [1, M] after the cache's tokens, the cache extended
     by them: what `model(input_ids=..., cache=cache, use_cache=True, logits_to_keep=keep).logits` returns, for a
-    model the loop `covers` and a pass that is `usable`."""
-    return ragged_pass(model, [Segment(cache, input_ids[0], keep)])[0][None]
+    model the loop `covers`, a cache it `runs_on` and a pass of up to PACK_UP_TO tokens; `stack` (LOOP or FUSED) and
+    `attention_kernel` as the pass's route says (passes/route.py)."""
+    return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel)[0][None]
 
 
-def ragged_pass(model: nn.Module, segments: Sequence[Segment]) -> list[torch.Tensor]:
+def ragged_pass(
+    model: nn.Module, segments: Sequence[Segment], stack: Stack, attention_kernel: bool
+) -> list[torch.Tensor]:
     """One pass over the new tokens of several sequences, each after its own cache: logits [keep, vocab] per
     segment, each cache extended by its tokens. The products, norms and MLPs run over all rows together, attention
     per sequence over its own cache; every kernel gives a row the same result whatever else is in its pass, so a
     sequence's logits are those of a pass of its own (with the torch references, up to how torch blocks a product
-    of more rows). Each segment must be `usable` on its own."""
+    of more rows). Each segment's cache must be one the loop `runs_on`; the layers run as `stack` (LOOP or FUSED)
+    says, attending by the C kernel where `attention_kernel` (LOOP; FUSED always does): the route decided both."""
     inner = model.model  # type: ignore[union-attr]
     starts = [0, *itertools.accumulate(len(segment.ids) for segment in segments)]
     x = inner.embed_tokens(torch.cat([segment.ids for segment in segments])[None])
@@ -156,44 +150,12 @@ def ragged_pass(model: nn.Module, segments: Sequence[Segment]) -> list[torch.Ten
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos[0], sin[0]  # [M, dim]
     caches = [segment.cache for segment in segments]
-    plan = fused.plan_for(model, x.dtype, caches)
-    if plan is not None:  # a low-bit bf16 view: all layers in one call
-        fused.run_layers(model, x, cos, sin, caches, starts, plan)
+    if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
+        fused.run_layers(model, x, cos, sin, caches, starts)
     else:
-        x = _layers(model, x, cos, sin, caches, starts)
+        x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel)
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
     if not len(rows):  # chunks of prompts whose logits nobody needs
         return [x.new_empty((0, 0)) for _ in segments]
     logits = model.lm_head(inner.norm(x[:, rows.to(x.device), :]))[0]  # type: ignore[operator]
     return list(logits.split([segment.keep for segment in segments]))
-
-
-def _layers(
-    model: nn.Module,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    caches: Sequence[DynamicCache],
-    starts: Sequence[int],
-) -> torch.Tensor:
-    """The decoder layers as a loop of the model's own modules, each sequence's rows attending over its own cache."""
-    inner = model.model  # type: ignore[union-attr]
-    config = model.config  # type: ignore[union-attr]
-    first = inner.layers[0].self_attn
-    heads = config.num_attention_heads
-    found = attention.kernel()
-    fits = attention.takes(x.dtype, heads, config.num_key_value_heads, first.head_dim)
-    library = found if fits and isinstance(found, Library) else None
-    spans = list(itertools.pairwise(starts))
-    attends = [LayerAttention(cos[a:b], sin[a:b], heads, first.scaling, library) for a, b in spans]
-    for index, layer in enumerate(inner.layers):
-        attn, mlp = layer.self_attn, layer.mlp  # norms and MLPs are called as they are: no plumbing there
-        h = layer.input_layernorm(x)
-        query, key, value = attn.q_proj(h)[0], attn.k_proj(h)[0], attn.v_proj(h)[0]
-        attended = [
-            attend(query[a:b], key[a:b], value[a:b], cache.layers[index])
-            for attend, cache, (a, b) in zip(attends, caches, spans, strict=True)
-        ]
-        x = x + attn.o_proj((attended[0] if len(attended) == 1 else torch.cat(attended))[None])
-        x = x + mlp(layer.post_attention_layernorm(x))
-    return x

@@ -21,6 +21,10 @@ since. So on such caches a slim pass never reuses part of the pending entries; i
 of what the previous slim pass added) and recomputes. Cropping goes through each layer's own `crop`,
 layer by layer, because layers hold different lengths while pending entries exist.
 
+Each pass takes one route (passes/route.py: the model's own forward, viasd's loop, the fused stack, merged by a
+batcher, in chunks, or split between the model's weights and a view's), decided once at its top (`_run`) and counted
+(`routes`).
+
 Passes return their logits where the model computed them (docs/gpu.md): on a GPU, reading a tensor on the host
 waits for every queued kernel, so the decoders decide on the device and move one small outcome per round to the
 host. Token ids go up without waiting (from pinned memory), and ids already on the device (a drafter's own draft
@@ -37,12 +41,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.passes import loop
-from viasd.passes.batching import batcher_of
+from viasd.passes import fused, loop
+from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import growing_cache
 from viasd.passes.features import FeatureStore, head_inputs
+from viasd.passes.layer_loop import attention_kernel
 from viasd.passes.loop import Segment
+from viasd.passes.route import Facts, Leg, Route, Schedule, Stack, decide
 from viasd.views.view import View, ViewLike, applied, as_view
 
 
@@ -88,6 +94,7 @@ class KVSession:
         self.pending_view: View | None = None
         self.forward_passes = 0  # of every view together
         self.pass_seconds = 0.0  # what those passes cost (one merged with other generations' counts whole)
+        self.routes: dict[str, int] = {}  # those passes by the route they took (passes/route.py `Kind`)
         kinds = self.cache.is_sliding
         self.mask_size_layers = frozenset(kinds.index(kind) for kind in set(kinds))
         self.windowed = any(kinds)  # sliding-window layers: partial rollbacks of pending entries are unsafe
@@ -157,92 +164,88 @@ class KVSession:
         self._crop_layers(self.committed + count)
         del self.pending[count:]
 
-    def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
-        """One pass of `view` over `ids`; logits of the last `keep` positions.
+    def route(self, tokens: int, view: View | None, keep: int) -> Route:
+        """The route of a pass of `tokens` tokens of `view` whose last `keep` need logits (passes/route.py), as the
+        session, its model and the model's batcher stand now."""
+        return self._route(tokens, view, keep, batcher_of(self.model))
 
-        A long pass of a quantized view (a prompt) reads the positions that need no logits with the model's own
-        weights, which are faster there (`QuantRecipe.own_weights_from`), and only the last `keep` with the
-        view. Which weights wrote a position's KV entries depends only on whether its logits were needed in a
-        long pass, so plain decoding and a block verification of the same view still see the same cache.
+    def _route(self, tokens: int, view: View | None, keep: int, batcher: PassBatcher | None) -> Route:
+        """The route with the batcher the pass will use (looked up once per pass)."""
+        return decide(tokens, keep, self._facts(view, batcher))
+
+    def _facts(self, view: View | None, batcher: PassBatcher | None) -> Facts:
+        """What the route of a pass of `view` depends on now (passes/route.py `Facts`), gathered in one place."""
+        skips = view is not None and view.mask is not None and not view.mask.is_full
+        runs = self.short_passes and loop.runs_on(self.model, self.cache)
+        linears = view.linears if view is not None and not skips else None
+        # A long pass of a quantized view (a prompt) may read the positions that need no logits with the model's own
+        # weights, which are faster there (`QuantRecipe.own_weights_from`).
+        own_from = linears.recipe.own_weights_from(self.device.type) if linears is not None else None
+        chunk = None if batcher is None else batcher.chunk
+        if not runs:
+            return Facts(False, chunk, skips, own_weights_from=own_from)
+        fits = not skips and fused.fits(self.model, view)
+        return Facts(True, chunk, skips, fits, attention_kernel(self.model), own_from)
+
+    def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
+        """One pass of `view` over `ids`, by the route decided here, once; logits of the last `keep` positions.
+
+        Which weights wrote a position's KV entries depends only on whether its logits were needed in a long pass
+        (a split route), so plain decoding and a block verification of the same view still see the same cache.
         """
         batcher = batcher_of(self.model)
-        if batcher is not None and len(ids) > batcher.chunk and self._short(view, batcher.chunk, batcher.chunk):
-            return self._chunked(ids, view, keep, batcher.chunk)
-        head = len(ids) - keep
-        linears = view.linears if view is not None and (view.mask is None or view.mask.is_full) else None
-        if linears is not None and head > 0:
-            start = linears.recipe.own_weights_from(self.device.type)
-            if start is not None and head >= start:
-                self._pass(ids[:head], None, 1)
-                self.forward_passes -= 1  # one pass, run in two parts
-                ids = ids[head:]
-        return self._pass(ids, view, keep)
-
-    def _short(self, view: View | None, tokens: int, limit: int = loop.PACK_UP_TO) -> bool:
-        """Whether a pass of `tokens` tokens (at most `limit`) of `view` may go through viasd's loop."""
-        return (
-            self.short_passes
-            and (view is None or view.mask is None or view.mask.is_full)  # no skipped layers
-            and loop.usable(self.model, self.cache, tokens, limit)
-        )
-
-    def _chunked(self, ids: Ids, view: View | None, keep: int, chunk: int) -> torch.Tensor:
-        """A long pass (a prompt) as passes of `chunk` tokens that a batcher merges with other generations' steps, so
-        that a long prompt does not stall them; the logits of the last `keep` positions."""
+        route = self._route(len(ids), view, keep, batcher)
         kept = []
-        for start in range(0, len(ids), chunk):
-            part = ids[start : start + chunk]
-            # Of this chunk's positions, the kept ones: a block of `keep` may start in an earlier chunk.
-            wanted = min(len(part), max(0, keep - (len(ids) - start - len(part))))
-            logits = self._pass(part, view, wanted)
-            if wanted:
+        for leg in route.legs:
+            logits = self._leg(ids[leg.start : leg.stop], None if leg.own_weights else view, leg, batcher)
+            if leg.keep and not leg.own_weights:
                 kept.append(logits)
-        self.forward_passes -= len(range(0, len(ids), chunk)) - 1  # one pass, run in parts
+        self.forward_passes += 1  # one pass, whatever its legs
+        self.routes[route.kind.value] = self.routes.get(route.kind.value, 0) + 1
         return torch.cat(kept) if len(kept) > 1 else kept[0]
 
-    def _pass(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
+    def _leg(self, ids: Ids, view: View | None, leg: Leg, batcher: PassBatcher | None) -> torch.Tensor:
+        """One leg of a pass's route: float32 logits [leg.keep, V] where the model made them."""
         device = self.device
         input_ids = ids.to(device) if isinstance(ids, torch.Tensor) else upload_ids(ids, device)
         input_ids = input_ids.reshape(1, -1)
-        batcher = batcher_of(self.model)
-        tokens = input_ids.shape[1]
-        if batcher is not None and self._short(view, tokens, batcher.chunk):
+        keep = leg.keep
+        if leg.schedule is Schedule.BATCHED:
             # Merged with other generations' passes of the same view (passes/batching.py).
+            assert batcher is not None, "a batched leg has a batcher"
             start = self.cache.layers[0].get_seq_length()
-            (logits, features), seconds = batcher.segment(view, Segment(self.cache, input_ids[0], keep))
+            (logits, features), seconds = batcher.segment(view, Segment(self.cache, input_ids[0], keep), leg)
             if self.features is not None and features is not None:
-                self.features.write(start + tokens - keep, features)
+                self.features.write(start + input_ids.shape[1] - keep, features)
             logits = logits[None]
-        elif batcher is not None:
-            logits, seconds = batcher.alone(lambda: self._own_pass(input_ids, view, keep))
+        elif leg.schedule is Schedule.QUEUED:
+            assert batcher is not None, "a queued leg has a batcher"
+            logits, seconds = batcher.alone(lambda: self._own_pass(input_ids, view, leg))
         else:
             start = time.perf_counter()
-            logits = self._own_pass(input_ids, view, keep)
+            logits = self._own_pass(input_ids, view, leg)
             seconds = time.perf_counter() - start
-        self.forward_passes += 1
         self.pass_seconds += seconds
         # float32 logits where the model made them: no host copy (on a CPU this is the tensor it always was).
         return logits[0, logits.shape[1] - keep :].float()
 
-    def _own_pass(self, input_ids: torch.Tensor, view: View | None, keep: int) -> torch.Tensor:
-        """Logits [1, keep, V] of one pass of this session alone: viasd's loop where it applies, else the model's
-        own forward."""
-        short = self._short(view, input_ids.shape[1])
+    def _own_pass(self, input_ids: torch.Tensor, view: View | None, leg: Leg) -> torch.Tensor:
+        """Logits [1, keep, V] of one pass of this session alone, by the leg's stack."""
         start = self.cache.layers[0].get_seq_length()
         with torch.inference_mode(), applied(self.model, view):
             if self.features is None:
-                return self._model_pass(input_ids, keep, short)
+                return self._model_pass(input_ids, leg)
             with head_inputs(self.model) as seen:
-                logits = self._model_pass(input_ids, keep, short)
+                logits = self._model_pass(input_ids, leg)
             if seen:  # the head read the kept positions' features: the last `keep` of this pass
-                self.features.write(start + input_ids.shape[1] - keep, seen[-1][-keep:])
+                self.features.write(start + input_ids.shape[1] - leg.keep, seen[-1][-leg.keep :])
             return logits
 
-    def _model_pass(self, input_ids: torch.Tensor, keep: int, short: bool) -> torch.Tensor:
-        if short:  # viasd's forward (passes/loop.py)
-            return loop.short_pass(self.model, input_ids, self.cache, keep)
+    def _model_pass(self, input_ids: torch.Tensor, leg: Leg) -> torch.Tensor:
+        if leg.stack is not Stack.MODEL:  # viasd's forward (passes/loop.py)
+            return loop.short_pass(self.model, input_ids, self.cache, leg.keep, leg.stack, leg.attention_kernel)
         cache = cache_argument(self.model, self.cache)
-        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **cache).logits
+        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=leg.keep, **cache).logits
 
     def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
         """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the

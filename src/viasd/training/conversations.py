@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from viasd.errors import ViasdError
 from viasd.passes.features import head_inputs
 from viasd.passes.loop import Segment, ragged_pass
+from viasd.passes.route import short_stack
 from viasd.passes.session import new_cache
 from viasd.training.prompts import Opener
 from viasd.verify.sampling import SamplingParams, draw, warp_probs
@@ -144,8 +145,9 @@ def _step(
     own weights for blocks of any length on CPUs without bf16 instructions (benchmarks/README.md), and the head then
     learns from the features of the view it drafts for."""
     segments = [Segment(conversation.cache, torch.tensor(ids), 1) for conversation, ids in parts]
+    stack, attention_kernel = short_stack(model, view)  # the route of a ragged pass of the view (passes/route.py)
     with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
-        out = ragged_pass(model, segments)
+        out = ragged_pass(model, segments, stack, attention_kernel)
     return torch.stack([rows[-1].float() for rows in out]), seen[-1]
 
 

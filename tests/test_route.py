@@ -1,0 +1,94 @@
+"""The route of a pass (passes/route.py) as a value: one decision from the pass's length and explicit facts, for a
+single token, a block, a prompt, batched rows, a chunked prompt, a quantized view's split prompt, no kernels, and a
+model the loop does not cover; sessions take it once per pass and count their passes by it."""
+
+import torch
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.passes.batching import PassBatcher
+from viasd.passes.route import Facts, Kind, Leg, Route, Schedule, Stack, decide
+from viasd.passes.session import KVSession
+from viasd.views.layer_skip import LayerMask
+from viasd.views.view import View
+
+LOOPED = Facts(loop=True, attention_kernel=True)
+ALONE, BATCHED, QUEUED = Schedule.ALONE, Schedule.BATCHED, Schedule.QUEUED
+
+
+def test_steps_and_blocks_take_the_loop_and_prompts_the_models_forward():
+    assert decide(1, 1, LOOPED) == Route(Kind.LOOP, (Leg(0, 1, 1, ALONE, Stack.LOOP, True),))
+    assert decide(5, 5, LOOPED) == Route(Kind.LOOP, (Leg(0, 5, 5, ALONE, Stack.LOOP, True),))
+    assert decide(16, 1, LOOPED).kind is Kind.LOOP  # PACK_UP_TO tokens at most
+    assert decide(17, 1, LOOPED) == Route(Kind.MODEL, (Leg(0, 17, 1, ALONE, Stack.MODEL),))
+
+
+def test_a_low_bit_view_runs_fused_and_without_kernels_the_loop_uses_the_references():
+    fused = Facts(loop=True, fused=True, attention_kernel=True)
+    assert decide(4, 4, fused) == Route(Kind.FUSED, (Leg(0, 4, 4, ALONE, Stack.FUSED),))
+    assert decide(4, 4, Facts(loop=True)) == Route(Kind.LOOP, (Leg(0, 4, 4, ALONE, Stack.LOOP, False),))
+
+
+def test_what_the_loop_does_not_run_takes_the_models_forward():
+    for facts in (Facts(loop=False), Facts(loop=True, skips=True, fused=True)):  # not covered; a layer skipped
+        assert decide(1, 1, facts) == Route(Kind.MODEL, (Leg(0, 1, 1, ALONE, Stack.MODEL),))
+        batched = Facts(facts.loop, chunk=32, skips=facts.skips)
+        assert decide(1, 1, batched) == Route(Kind.QUEUED, (Leg(0, 1, 1, QUEUED, Stack.MODEL),))
+        assert decide(70, 1, batched).kind is Kind.QUEUED  # never chunked: the batcher cannot merge it
+
+
+def test_with_a_batcher_short_passes_merge_and_long_ones_go_in_chunks():
+    facts = Facts(loop=True, chunk=32, fused=True)
+    assert decide(3, 3, facts) == Route(Kind.BATCHED, (Leg(0, 3, 3, BATCHED, Stack.FUSED),))
+    assert decide(32, 1, facts).kind is Kind.BATCHED  # a chunk's worth: longer than a short pass alone
+    route = decide(70, 5, facts)
+    assert route.kind is Kind.CHUNKED
+    assert [(leg.start, leg.stop, leg.keep, leg.schedule) for leg in route.legs] == [
+        (0, 32, 0, BATCHED), (32, 64, 0, BATCHED), (64, 70, 5, BATCHED)
+    ]  # fmt: skip
+    across = decide(66, 5, facts)  # the kept block starts in the second chunk
+    assert [(leg.start, leg.stop, leg.keep) for leg in across.legs] == [(0, 32, 0), (32, 64, 3), (64, 66, 2)]
+
+
+def test_a_quantized_views_prompt_reads_its_head_with_the_models_weights_alone_and_in_chunks():
+    facts = Facts(loop=True, fused=True, attention_kernel=True, own_weights_from=20)
+    assert decide(40, 1, facts) == Route(
+        Kind.SPLIT, (Leg(0, 39, 1, ALONE, Stack.MODEL, own_weights=True), Leg(39, 40, 1, ALONE, Stack.FUSED))
+    )
+    assert decide(19, 1, facts).kind is Kind.MODEL  # a head of 18 tokens: the view's own weights
+    chunked = decide(70, 1, Facts(loop=True, chunk=32, fused=True, attention_kernel=True, own_weights_from=20))
+    assert chunked.kind is Kind.CHUNKED
+    assert [(leg.start, leg.stop, leg.keep, leg.own_weights, leg.stack) for leg in chunked.legs] == [
+        (0, 32, 0, True, Stack.LOOP), (32, 64, 0, True, Stack.LOOP), (64, 69, 0, True, Stack.LOOP),
+        (69, 70, 1, False, Stack.FUSED),
+    ]  # fmt: skip  # the model's own layers are never fused: only a view's low-bit copies are
+
+
+def test_a_session_takes_its_route_from_its_model_cache_view_and_batcher():
+    model = tiny_model("qwen2", dtype=torch.float32)  # no attention kernel in float32: a deterministic route
+    session = KVSession(model)
+    assert session.route(1, None, 1) == Route(Kind.LOOP, (Leg(0, 1, 1, ALONE, Stack.LOOP),))
+    assert session.route(2, View(mask=LayerMask.skipping(4, [1])), 2).kind is Kind.MODEL
+    session.forward(list(range(3, 23)))
+    session.forward([5])
+    session.forward([6, 7, 8])
+    assert session.routes == {"model": 1, "loop": 2} and session.forward_passes == 3
+    batcher = PassBatcher(model, chunk=8).attach()
+    try:
+        assert session.route(3, None, 3) == Route(Kind.BATCHED, (Leg(0, 3, 3, BATCHED, Stack.LOOP),))
+        assert session.route(20, None, 1).kind is Kind.CHUNKED
+    finally:
+        batcher.detach()
+    gemma = KVSession(tiny_model("gemma"))  # an architecture the loop does not cover
+    assert gemma.route(1, None, 1) == Route(Kind.MODEL, (Leg(0, 1, 1, ALONE, Stack.MODEL),))
+
+
+def test_a_generations_statistics_count_its_passes_by_route():
+    model = tiny_model("qwen2", dtype=torch.float32)
+    decoder = PlainDecoder(model, tiny_tokenizer(64))
+    stats = decoder.generate(list(range(3, 23)), GenerationConfig(max_new_tokens=5, ignore_eos=True)).stats
+    # The prompt by the model's forward, then a step per token after the first (which the prompt's pass gives).
+    assert stats.routes == {"model": 1, "loop": 4} and stats.to_dict()["routes"] == stats.routes
+    again = decoder.generate([3, 4, 5], GenerationConfig(max_new_tokens=2, ignore_eos=True)).stats
+    assert again.routes == {"loop": 2}  # per generation, not the session's running total
