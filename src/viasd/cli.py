@@ -130,8 +130,9 @@ def generate(
         setup = engine.describe(method_spec)  # what ran: views, drafter, profile, kernels
         out = {
             "method": method,
-            "exact": setup["exact"],  # a quantized target is another model
+            "exact": setup["exact"],  # with respect to the target as run
             "target": target,
+            "target_as_run": setup["target_as_run"],  # e.g. "gguf view of <file>", "bf16 copy of <file>"
             "target_view": setup["target_view"],
             "setup": setup,
             "text": result.text,
@@ -222,13 +223,20 @@ def methods() -> None:
     from viasd.methods import METHODS, OPTIONS
 
     table = Table(title="decoding methods (variant: METHOD:key=value[:key=value])")
-    for column in ("method", "what it is", "exact", "options"):
+    for column in ("method", "what it is", "target it runs", "exact", "options"):
         table.add_column(column)
+    runs = {"view": "--quant (default: as its file stores it)", "dense": "as loaded (dense)", "file": "its GGUF file"}
     for method in METHODS.values():
-        table.add_row(
-            method.name, method.description, "yes" if method.exact else "no", ", ".join(method.options) or "-"
-        )
+        exact = "yes" if method.exact else "no"
+        table.add_row(method.name, method.description, runs[method.target], exact, ", ".join(method.options) or "-")
     Console().print(table)
+    Console().print(
+        "Exact means exact with respect to the target as run. By default a target from a GGUF file (the default "
+        "models, a .gguf --target) runs as the file stores it, its gguf view (the file's own 4-bit blocks); other "
+        "models run as loaded. --quant none (or quant=none in a variant) runs the dense bf16 copy instead; via, "
+        "via-exact and hf-assisted always run that copy. `generate --json` names the target as run (target_as_run).",
+        highlight=False,
+    )
     for option in OPTIONS.values():
         Console().print(f"  {option.name}: {option.help}", highlight=False)
 

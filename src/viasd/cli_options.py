@@ -24,8 +24,10 @@ DeviceMapOpt = Annotated[str | None, typer.Option(help="'auto' spreads a large t
 QuantOpt = Annotated[
     str | None,
     typer.Option(
-        help="Run the target as its quantized view (int8, int8wo, int4, int4a8, gguf; e.g. int8:keep=lm_head): faster, "
-        "and a different model than the target as loaded. Quantized once and cached."
+        help="What the target runs as. Default: as its file stores it: a model from a GGUF file (the default "
+        "models, a .gguf --target) runs as its gguf view, the file's own 4-bit blocks; any other model as loaded. "
+        "'none': the model as loaded, for a GGUF file its dense bf16 copy (via always runs that). Or a quantized "
+        "view (int8, int8wo, int4, int4a8, gguf; e.g. int8:keep=lm_head), quantized once and cached."
     ),
 ]
 DrafterQuantOpt = Annotated[
@@ -46,8 +48,10 @@ def engine_spec(
     quant: str | None = None,
     drafter_quant: str | None = None,
 ) -> EngineSpec:
-    """The EngineSpec of a command's shared options (quantization recipes checked here, before any model loads)."""
+    """The EngineSpec of a command's shared options (quantization recipes checked here, before any model loads; no
+    --quant: the target as its file stores it, resolved once the target is known)."""
     from viasd.methods import OPTIONS
+    from viasd.views.recipe import AS_STORED
 
     return EngineSpec(
         target=target,
@@ -57,6 +61,6 @@ def engine_spec(
         device_map=device_map,
         profile=profile,
         gamma=gamma,
-        quant=OPTIONS["quant"].parse("--quant", quant) if quant else None,
+        quant=OPTIONS["quant"].parse("--quant", quant) if quant else AS_STORED,
         drafter_quant=OPTIONS["drafter_quant"].parse("--drafter-quant", drafter_quant) if drafter_quant else None,
     )

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from viasd.errors import ViasdError
-from viasd.methods import MethodSpec, parse_method
+from viasd.methods import MethodSpec, first_set, parse_method
 from viasd.models.loading import LoadedModel, check_same_vocabulary, load_model
 from viasd.spec import EngineSpec
+from viasd.views.recipe import DENSE, QuantRecipe, TargetQuant
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -20,7 +22,6 @@ if TYPE_CHECKING:
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
     from viasd.views.layer_skip import LayerMask
-    from viasd.views.recipe import QuantRecipe
     from viasd.views.view import View
 
 
@@ -43,6 +44,8 @@ class Engine:
         self._checked_profiles: set[str] = set()  # those checked against the models (self_mask needs no drafter)
         self._views: dict[tuple[int, QuantRecipe], View] = {}
         self._heads: dict[str | None, HeadFile] = {}
+        self._stored: tuple[QuantRecipe | None] | None = None  # the target's view as its file stores it, once known
+        self._said_dense = False
 
     def _load(self, name: str) -> LoadedModel:
         from viasd.passes.prepare import prepare
@@ -73,6 +76,64 @@ class Engine:
             self._views[key] = quantized_view(model, recipe)
             self.setup_seconds[f"view {model.name} {recipe.name}"] = time.perf_counter() - start
         return self._views[key]
+
+    def target_recipe(self, asked: TargetQuant | None = None) -> QuantRecipe | None:
+        """The recipe of the view the target runs as (None: as loaded): `asked` (a method variant's quant=), else
+        --quant, else as its file stores it (`stored_recipe`)."""
+        chosen = first_set(asked, self.spec.quant)
+        if isinstance(chosen, QuantRecipe):
+            return chosen
+        if chosen == DENSE:
+            if not self._said_dense and not self.from_gguf():
+                self._said_dense = True
+                print(
+                    f"--quant none: {self.spec.target} does not come from a GGUF file, so it has no dense copy other "
+                    "than itself; it runs as loaded",
+                    file=sys.stderr,
+                )
+            return None
+        return self.stored_recipe()
+
+    def stored_recipe(self) -> QuantRecipe | None:
+        """The target's view as its file stores it: the `gguf` view of a model from a GGUF file with 4-bit blocks;
+        None for any other model (as loaded). Decided once; where a GGUF file has no 4-bit view, one line on stderr
+        says so and the target runs as its dense copy."""
+        if self._stored is None:
+            from viasd.views.gguf import stored_view
+
+            recipe, why = stored_view(self.spec.target, self.target.path)
+            if why is not None:
+                print(f"target: {why}", file=sys.stderr)
+            self._stored = (recipe,)
+        return self._stored[0]
+
+    def from_gguf(self) -> bool:
+        """Whether the target comes from a GGUF file (a default model, or loaded from a .gguf file)."""
+        from viasd.models.catalog import find_default_model
+
+        return find_default_model(self.spec.target) is not None or str(self.target.path).lower().endswith(".gguf")
+
+    def target_as_run(self, method: MethodSpec) -> str:
+        """Which target `method` runs, in words: the view of the target its settings choose, the dense copy (via,
+        hf-assisted), or the GGUF file itself (llama.cpp); what its exactness is with respect to."""
+        from viasd.models.catalog import find_default_model
+
+        entry = find_default_model(self.spec.target)
+        file = entry.gguf_filename if entry is not None else Path(str(self.target.path)).name
+        if method.method.target == "file":
+            return f"{file}, run by llama.cpp"
+        if method.base == "auto":  # the method it chose
+            chosen = getattr(self.decoder(method), "choice", {}).get("chosen")
+            if chosen:
+                return self.target_as_run(parse_method(chosen))
+        recipe = self.target_recipe(method.get("quant")) if method.method.target == "view" else None
+        dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+        if recipe is None:
+            return f"{dtype} copy of {file}" if self.from_gguf() else f"as loaded ({dtype})"
+        if recipe.gguf:
+            return f"gguf view of {file}"
+        return f"{recipe.name} view of the {dtype} weights"
 
     def draft_head(self, path: str | None = None) -> HeadFile:
         """The target's draft head: `path`, else the one `viasd train-drafter` made here, else a shipped one; read
@@ -194,7 +255,9 @@ class Engine:
         routing profile it uses, and which of viasd's kernels run (CPU) or why not."""
         spec = method if isinstance(method, MethodSpec) else parse_method(method)
         decoder = self.decoder(spec)
-        described: dict[str, Any] = {"method": spec.name, "exact": spec.exact and self.spec.quant is None}
+        # Exact with respect to the target as run, which `target_as_run` names.
+        described: dict[str, Any] = {"method": spec.name, "exact": spec.exact}
+        described["target_as_run"] = self.target_as_run(spec)
         described.update(decoder.describe())
         described["setup_seconds"] = {what: round(seconds, 3) for what, seconds in self.setup_seconds.items()}
         if next(self.target.model.parameters()).device.type == "cpu":

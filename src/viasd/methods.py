@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from viasd.decode import MAX_GAMMA
 from viasd.errors import ViasdError
-from viasd.views.recipe import QuantRecipe
+from viasd.views.recipe import AS_STORED, QuantRecipe, TargetQuant, parse_target_quant
 
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
@@ -52,6 +52,11 @@ class Parts(Protocol):
     @property
     def spec(self) -> EngineSpec:
         """The engine's settings: models, and what every method shares (--gamma, --quant, --drafter-quant)."""
+        ...
+
+    def target_recipe(self, asked: TargetQuant | None = None) -> QuantRecipe | None:
+        """The recipe of the view the target runs as (None: as loaded): `asked` (a variant's quant), else --quant,
+        else as its file stores it."""
         ...
 
     @property
@@ -150,6 +155,14 @@ def _recipe(key: str, text: str) -> QuantRecipe:
         raise ViasdError(f"method option {key}: {error}") from None
 
 
+def _target_quant(key: str, text: str) -> TargetQuant:
+    """What the target runs as: `none` (as loaded: the dense copy) or a quantization recipe."""
+    try:
+        return parse_target_quant(text)
+    except ViasdError as error:
+        raise ViasdError(f"method option {key}: {error} (or none: the target as loaded, its dense copy)") from None
+
+
 def _task_kind(key: str, text: str) -> str | None:
     from viasd.task_kind import parse_kind
 
@@ -182,8 +195,9 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "quant",
-            _recipe,
-            "run the target as its quantized view (int8, int8wo, int4, int4a8, gguf): a faster, other model",
+            _target_quant,
+            "what the target runs as: a quantized view (int8, int8wo, int4, int4a8, gguf) or none (as loaded: the "
+            "dense bf16 copy of a GGUF file); default: as its file stores it (a GGUF file's gguf view)",
         ),
         Option("drafter_quant", _recipe, "run the drafter as its quantized view (self: the target's own view)"),
         Option("lookup", _int_in(0, MAX_GAMMA), "prompt-lookup draft tokens per round, 0 = off (llama.cpp)"),
@@ -238,8 +252,9 @@ class MethodSpec:
 
     @property
     def exact(self) -> bool:
-        """Exact with respect to the target as loaded (a quantized target is another model)."""
-        return self.method.exact and self.get("quant") is None
+        """Exact with respect to the target as run (its view: a quantized target is another model; `target_as_run`
+        in `Engine.describe` names it)."""
+        return self.method.exact
 
     def get(self, key: str) -> Any:
         """An option's value, or None when the variant leaves it at the method's default."""
@@ -256,6 +271,9 @@ class Method:
     options: tuple[str, ...] = ()
     uses_drafter: bool = False
     exact: bool = True
+    # Which target it runs: "view" (the target as --quant or its quant= says, by default as its file stores it),
+    # "dense" (the model as loaded, whatever the default: via's profiles are calibrated on it) or "file" (llama.cpp).
+    target: str = "view"
 
 
 def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
@@ -263,11 +281,12 @@ def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
 
 
 def _target_recipe(parts: Parts, spec: MethodSpec) -> QuantRecipe | None:
-    return first_set(spec.get("quant"), parts.spec.quant)
+    return parts.target_recipe(spec.get("quant"))
 
 
 def _target_view(parts: Parts, spec: MethodSpec) -> View | None:
-    """The target's view for a method: its quantized view when the variant or --quant asks for one."""
+    """The target's view for a method: its quantized view when the variant or --quant asks for one, or by default
+    where it comes from a GGUF file (the file's own blocks)."""
     return parts.quantized(parts.target, _target_recipe(parts, spec))
 
 
@@ -362,7 +381,7 @@ def _self(parts: Parts, spec: MethodSpec) -> Decoder:
 def _hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.hf_assisted import HFAssistedDecoder
 
-    if parts.spec.quant or parts.spec.drafter_quant:
+    if isinstance(parts.spec.quant, QuantRecipe) or parts.spec.drafter_quant:
         raise ViasdError("hf-assisted runs transformers' own models: it takes no quantized view (--quant)")
     target = parts.target
     gamma = first_set(spec.get("gamma"), parts.spec.gamma)  # None keeps transformers' own draft policy
@@ -376,7 +395,7 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.base import context_limit
     from viasd.decode.llama_cpp import LlamaCppDecoder, load_llama
 
-    if parts.spec.quant or parts.spec.drafter_quant:
+    if parts.spec.quant != AS_STORED or parts.spec.drafter_quant:
         raise ViasdError("llama.cpp runs the GGUF file's own quantization: it takes no --quant")
     target, lookup = parts.target, spec.get("lookup") or 0
     # With lookup, llama-cpp-python keeps context x vocabulary float logits (2.5 GB for Qwen2.5 at 4096 tokens).
@@ -393,7 +412,8 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     fits = parts.drafter_fits()
     target = parts.target
     fast = int4a8_is_fast(next(target.model.parameters()).device)
-    quantized_target = parts.spec.quant is not None
+    recipe = parts.target_recipe()  # by default, as the target's file stores it
+    quantized_target = recipe is not None
     try:
         head: str | None = parts.draft_head().digest
     except ViasdError:
@@ -407,10 +427,9 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
             file=sys.stderr,
         )
     engine = parts.spec
-    quant = engine.quant.name if engine.quant else None
     settings = {
         "drafter": engine.drafter,
-        "quant": quant,
+        "quant": recipe.name if recipe else None,
         "gamma": engine.gamma,
         "profile": engine.profile,
         "head": head,
@@ -437,8 +456,11 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.tiered import TieredDecoder
     from viasd.verify.gates import Gate
 
-    if parts.spec.quant:
-        raise ViasdError(f"{spec.base} verifies against the target as loaded: it takes no --quant")
+    if isinstance(parts.spec.quant, QuantRecipe):
+        raise ViasdError(
+            f"{spec.base} verifies against the target as loaded, its dense copy (its profile was calibrated on that): "
+            "it takes no --quant"
+        )
     profile = parts.routing_profile(spec.get("profile"))
     overrides = {
         "gamma": first_set(spec.get("gamma"), parts.spec.gamma),
@@ -528,13 +550,15 @@ METHODS: dict[str, Method] = {
             ),
             uses_drafter=True,
             exact=False,
+            target="dense",
         ),
         Method(
             "via-exact",
-            "VIA-SD machinery with every token sent to the full target (equals sd)",
+            "VIA-SD machinery with every token sent to the full target (equals sd:quant=none)",
             _via,
             ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget", "head", "drafter_quant"),
             uses_drafter=True,
+            target="dense",
         ),
         Method(
             "hf-assisted",
@@ -542,6 +566,7 @@ METHODS: dict[str, Method] = {
             _hf_assisted,
             ("gamma",),
             uses_drafter=True,
+            target="dense",
         ),
         Method(
             "llama.cpp",
@@ -550,6 +575,7 @@ METHODS: dict[str, Method] = {
             _llama_cpp,
             ("lookup",),
             exact=False,
+            target="file",
         ),
     )
 }

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from viasd.decode import check_gamma
+from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
-from viasd.views.recipe import QuantRecipe
+from viasd.views.recipe import AS_STORED, DENSE, QuantRecipe, TargetQuant
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,15 @@ class EngineSpec:
     gamma: int | None = None  # draft tokens per round; None: the method's default (the profile's for via)
     self_skip_ratio: float = 0.25
     profile: str | None = None  # a routing profile's path; None: the shipped one that suits the machine
-    quant: QuantRecipe | None = None  # run the target as its quantized view: another model
+    # What the target runs as: AS_STORED (default: a model from a GGUF file as the file stores it, its gguf view;
+    # any other model as loaded), DENSE (as loaded: the dense bf16 copy), or a quantized view by this recipe.
+    quant: TargetQuant = AS_STORED
     drafter_quant: QuantRecipe | None = None  # run the drafter as its quantized view
 
     def __post_init__(self) -> None:
+        if not isinstance(self.quant, QuantRecipe) and self.quant not in (AS_STORED, DENSE):
+            raise ViasdError(
+                f"the target runs as {AS_STORED!r}, {DENSE!r} or a quantization recipe, not {self.quant!r}"
+            )
         if self.gamma is not None:
             check_gamma(self.gamma, "--gamma")

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -34,6 +34,9 @@ from viasd.cli_options import (
 from viasd.errors import ViasdError
 from viasd.jsonio import JSONFault, parse_json
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+if TYPE_CHECKING:
+    from viasd.spec import EngineSpec
 
 DEFAULT_METHODS = "plain,sd,hf-assisted,lookup,self,via,via-exact"
 # Settings that must be the same for rows of a resumed run to be comparable with the new ones.
@@ -73,6 +76,18 @@ def parse_category_budgets(text: str | None, code_budget: int | None, categories
             )
         budgets[HUMANEVAL_CATEGORY] = code_budget
     return budgets
+
+
+def _target_quant_name(spec: EngineSpec) -> str | None:
+    """The recipe the target runs as by the run's --quant (None: as loaded), resolved from the target's file as
+    `Engine.stored_recipe` resolves it: a run of the default target and one of its dense copy never mix on --resume."""
+    from viasd.views.gguf import stored_view
+    from viasd.views.recipe import AS_STORED, QuantRecipe
+
+    if isinstance(spec.quant, QuantRecipe):
+        return spec.quant.name
+    recipe = stored_view(spec.target, spec.target)[0] if spec.quant == AS_STORED else None
+    return recipe.name if recipe else None
 
 
 def default_out_dir(now: dt.datetime | None = None) -> Path:
@@ -133,7 +148,9 @@ def bench(
     methods: Annotated[
         str,
         typer.Option(
-            help="Comma-separated methods to compare, baseline 'plain' first; variants as via:gamma=4:pregate=0.5."
+            help="Comma-separated methods to compare, baseline 'plain' first; variants as via:gamma=4:pregate=0.5. "
+            "Without quant= a method runs the target as --quant says (default: a GGUF file's target as the file "
+            "stores it); plain:quant=none names its dense bf16 copy."
         ),
     ] = DEFAULT_METHODS,
     questions: Annotated[
@@ -277,7 +294,7 @@ def bench(
         "top_k": top_k,
         "seed": seed,
         "gamma": gamma,
-        "quant": spec.quant.name if spec.quant else None,
+        "quant": _target_quant_name(spec),
         "drafter_quant": spec.drafter_quant.name if spec.drafter_quant else None,
         "chat": chat,
         "questions": str(questions_file),

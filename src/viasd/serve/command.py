@@ -204,9 +204,13 @@ def serve(
         server = uvicorn.Server(config)
         bound = sock.getsockname()
         url = f"http://{f'[{bound[0]}]' if ':' in bound[0] else bound[0]}:{bound[1]}"
+        from viasd.methods import parse_method
+
+        target_as_run = engine.target_as_run(parse_method(settings.default_method))
         err.print(
             f"serving {settings.model_id} at {url}/v1 (methods: {', '.join(settings.methods)}; "
-            f"default {settings.default_method}{'; API key required' if settings.api_key else ''})",
+            f"default {settings.default_method}, target {target_as_run}"
+            f"{'; API key required' if settings.api_key else ''})",
             highlight=False,
             soft_wrap=True,
         )

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from viasd.kernels import w4a8, w6a8
+from viasd.views.recipe import QuantRecipe
 
 _SUPER = 256  # weights per Q4_K or Q6_K block
 _BYTES = 144  # a Q4_K block's size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
@@ -141,20 +142,58 @@ def source_gguf(name: str, path: str) -> Path | None:
     return location if location.is_file() and location.suffix.lower() == ".gguf" else None
 
 
-def has_q4k_blocks(name: str, path: str) -> bool:
-    """Whether the model's source GGUF file is at hand (nothing is fetched) and stores some tensor as Q4_K, so that
-    its `gguf` view takes blocks from it."""
-    import gguf
-
+def _at_hand(name: str, path: str) -> Path | None:
+    """The model's source GGUF file where it is at hand (nothing is fetched): a default model's shelved file, or the
+    .gguf file it was loaded from; None otherwise."""
     from viasd.models.catalog import find_default_model
     from viasd.models.fetch import default_cache_dir
 
     entry = find_default_model(name)
     location = default_cache_dir() / "gguf" / entry.gguf_filename if entry is not None else Path(path)
-    if not location.is_file() or location.suffix.lower() != ".gguf":
-        return False
+    return location if location.is_file() and location.suffix.lower() == ".gguf" else None
+
+
+def _tensor_types(location: Path) -> set[str] | None:
+    """The GGML type names of a GGUF file's tensors, or None where it cannot be read."""
+    import gguf
+
     try:
         reader = gguf.GGUFReader(location)
     except (OSError, ValueError):
-        return False
-    return any(tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K for tensor in reader.tensors)
+        return None
+    return {gguf.GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors}
+
+
+def has_q4k_blocks(name: str, path: str) -> bool:
+    """Whether the model's source GGUF file is at hand (nothing is fetched) and stores some tensor as Q4_K, so that
+    its `gguf` view takes blocks from it."""
+    location = _at_hand(name, path)
+    return location is not None and "Q4_K" in (_tensor_types(location) or set())
+
+
+def stored_view(name: str, path: str) -> tuple[QuantRecipe | None, str | None]:
+    """What a model (its spec `name`, its `path`; before loading, the spec for both) runs as by default: as its GGUF
+    file stores it, the `gguf` view, where it comes from a GGUF file with Q4_K tensors; else as loaded (None). The
+    second value is one line saying why a model from a GGUF file runs as its dense copy instead (None: it does not).
+    Only the file's header is read, and nothing is fetched."""
+    from viasd.models.catalog import find_default_model
+    from viasd.models.fetch import repair_command
+
+    location = _at_hand(name, path)
+    if location is None:
+        if find_default_model(name) is None:
+            return None, None  # not from a GGUF file: as loaded
+        return None, (
+            f"{name}'s GGUF file is not in the cache, so it runs as its dense copy, dequantized from the file "
+            f"(`{repair_command(name)}` keeps the file for its 4-bit view)"
+        )
+    types = _tensor_types(location)
+    if types is None:
+        return None, f"cannot read the tensor types of {location}; running its dense copy, as loaded"
+    if "Q4_K" in types:
+        return QuantRecipe.parse("gguf"), None
+    stored = ", ".join(sorted(types - {"F32", "F16", "BF16"})) or ", ".join(sorted(types))
+    return None, (
+        f"{location.name} stores its weights as {stored}, of which viasd has no 4-bit view (it takes Q4_K and Q6_K "
+        "blocks): running its dense copy, dequantized from the file (--quant int4a8 quantizes that copy to 4 bits)"
+    )

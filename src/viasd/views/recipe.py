@@ -154,6 +154,20 @@ class QuantRecipe:
         return "int8" if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.int8) else self.kind
 
 
+# What the target runs as, besides a recipe (`--quant`, a method's `quant=`; parsed at the edge, parse_target_quant):
+# AS_STORED, the default: a model that comes from a GGUF file runs as the file stores it (its `gguf` view), any other
+# model as loaded; DENSE (`none`): the model as loaded, its dense (bf16) weights, which for a model from a GGUF file
+# are a copy dequantized from it (one more rounding of the file's weights).
+AS_STORED = "file"
+DENSE = "none"
+TargetQuant = QuantRecipe | str  # a recipe, AS_STORED or DENSE
+
+
+def parse_target_quant(text: str) -> TargetQuant:
+    """`none` (DENSE), or a quantization recipe (`QuantRecipe.parse`)."""
+    return DENSE if text.strip() == DENSE else QuantRecipe.parse(text)
+
+
 # Recipes by a short name that fits where ':' and ',' cannot go (a method variant: `plain:quant=int4a8m`).
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "int4a8m": ("int4a8", {"int8": ("lm_head", "*.mlp.down_proj")}),
