@@ -227,8 +227,8 @@ def methods() -> None:
         table.add_column(column)
     runs = {"view": "--quant (default: as its file stores it)", "dense": "as loaded (dense)", "file": "its GGUF file"}
     for method in METHODS.values():
-        exact = "yes" if method.exact else "no"
-        table.add_row(method.name, method.description, runs[method.target], exact, ", ".join(method.options) or "-")
+        exact, options = "yes" if method.exact else "no", ", ".join(method.options) or "-"
+        table.add_row(method.name, escape(method.description), runs[method.target], exact, options)
     Console().print(table)
     Console().print(
         "Exact means exact with respect to the target as run. By default a target from a GGUF file (the default "
