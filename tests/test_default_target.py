@@ -169,3 +169,5 @@ def test_via_and_llama_cpp_refuse_an_explicit_quant_but_not_the_default(tmp_path
         engine.decoder("llama.cpp")
     with pytest.raises(ViasdError, match=r"llama\.cpp reads GGUF files"):  # the default: the next check says more
         dense_engine(tmp_path).decoder("llama.cpp")
+    with pytest.raises(ViasdError, match=r"llama\.cpp reads GGUF files"):  # none: llama.cpp runs the file all the same
+        dense_engine(tmp_path, quant=DENSE).decoder("llama.cpp")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from viasd.decode import MAX_GAMMA
 from viasd.errors import ViasdError
-from viasd.views.recipe import AS_STORED, QuantRecipe, TargetQuant, parse_target_quant
+from viasd.views.recipe import QuantRecipe, TargetQuant, parse_target_quant
 
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
@@ -395,7 +395,7 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.base import context_limit
     from viasd.decode.llama_cpp import LlamaCppDecoder, load_llama
 
-    if parts.spec.quant != AS_STORED or parts.spec.drafter_quant:
+    if isinstance(parts.spec.quant, QuantRecipe) or parts.spec.drafter_quant:  # none: it runs the file all the same
         raise ViasdError("llama.cpp runs the GGUF file's own quantization: it takes no --quant")
     target, lookup = parts.target, spec.get("lookup") or 0
     # With lookup, llama-cpp-python keeps context x vocabulary float logits (2.5 GB for Qwen2.5 at 4096 tokens).

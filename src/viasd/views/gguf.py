@@ -16,6 +16,7 @@ weight before use, so a file of another model, or a conversion that reordered a 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -154,14 +155,25 @@ def _at_hand(name: str, path: str) -> Path | None:
 
 
 def _tensor_types(location: Path) -> set[str] | None:
-    """The GGML type names of a GGUF file's tensors, or None where it cannot be read."""
+    """The GGML type names of a GGUF file's tensors, or None where it cannot be read (its header read once per
+    file, size and modification time: a start-up asks twice, for the default target and for `auto`)."""
+    try:
+        stat = location.stat()
+    except OSError:
+        return None
+    types = _read_tensor_types(str(location), stat.st_size, stat.st_mtime_ns)
+    return set(types) if types is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_tensor_types(location: str, size: int, mtime_ns: int) -> frozenset[str] | None:
     import gguf
 
     try:
         reader = gguf.GGUFReader(location)
     except (OSError, ValueError):
         return None
-    return {gguf.GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors}
+    return frozenset(gguf.GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors)
 
 
 def has_q4k_blocks(name: str, path: str) -> bool:
