@@ -318,6 +318,11 @@ def bench(
 
     with err.status(f"loading {target}"):
         engine = Engine(spec)
+    recipe = engine.target_recipe()  # as the loaded target resolves it (a default model fetched just now has its file)
+    if settings["quant"] != (recipe.name if recipe else None):
+        settings["quant"] = recipe.name if recipe else None
+        if previous_env:
+            check_resumable(previous_env.get("settings", {}), settings)
     parameter = next(engine.target.model.parameters())
     models = {
         "target": target,
