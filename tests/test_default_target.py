@@ -31,6 +31,7 @@ GGUF = QuantRecipe.parse("gguf")
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "cache"))  # views made here stay here
+    monkeypatch.setattr(auto, "int4a8_is_fast", lambda device: True)  # as on an x86 CPU with the kernel built
 
 
 def gguf_engine(tmp_path: Path, quant: object = AS_STORED) -> Engine:
@@ -171,3 +172,14 @@ def test_via_and_llama_cpp_refuse_an_explicit_quant_but_not_the_default(tmp_path
         dense_engine(tmp_path).decoder("llama.cpp")
     with pytest.raises(ViasdError, match=r"llama\.cpp reads GGUF files"):  # none: llama.cpp runs the file all the same
         dense_engine(tmp_path, quant=DENSE).decoder("llama.cpp")
+
+
+def test_where_the_4_bit_kernel_does_not_run_the_default_is_the_dense_copy(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(auto, "int4a8_is_fast", lambda device: False)  # a GPU, or a CPU without viasd's kernels
+    engine = gguf_engine(tmp_path)
+    assert engine.target_recipe() is None and engine.target_recipe() is None
+    assert engine.describe("plain")["target_as_run"] == "bf16 copy of tiny.gguf"
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not run on cpu" in err[0] and "--quant gguf" in err[0], err
+    (tmp_path / "asked").mkdir()
+    assert gguf_engine(tmp_path / "asked", GGUF).target_recipe() == GGUF  # asked for: the view all the same

@@ -96,12 +96,21 @@ class Engine:
 
     def stored_recipe(self) -> QuantRecipe | None:
         """The target's view as its file stores it: the `gguf` view of a model from a GGUF file with 4-bit blocks;
-        None for any other model (as loaded). Decided once; where a GGUF file has no 4-bit view, one line on stderr
-        says so and the target runs as its dense copy."""
+        None for any other model (as loaded). Decided once; where a GGUF file has no 4-bit view, or the view's kernel
+        does not run where the target is (a GPU, a CPU viasd's kernels are not built for), one line on stderr says
+        so and the target runs as its dense copy."""
         if self._stored is None:
+            from viasd.auto import int4a8_is_fast
             from viasd.views.gguf import stored_view
 
             recipe, why = stored_view(self.spec.target, self.target.path)
+            device = next(self.target.model.parameters()).device
+            if recipe is not None and not int4a8_is_fast(device):
+                recipe = None
+                why = (
+                    f"the 4-bit kernel of its GGUF file's view does not run on {device} here, so it runs as its dense "
+                    "copy (--quant gguf runs the view anyway, on torch ops)"
+                )
             if why is not None:
                 print(f"target: {why}", file=sys.stderr)
             self._stored = (recipe,)
