@@ -87,7 +87,7 @@ class Engine:
             if not self._said_dense and not self.from_gguf():
                 self._said_dense = True
                 print(
-                    f"--quant none: {self.spec.target} does not come from a GGUF file, so it has no dense copy other "
+                    f"quant none: {self.spec.target} does not come from a GGUF file, so it has no dense copy other "
                     "than itself; it runs as loaded",
                     file=sys.stderr,
                 )
