@@ -183,3 +183,15 @@ def test_where_the_4_bit_kernel_does_not_run_the_default_is_the_dense_copy(tmp_p
     assert len(err) == 1 and "does not run on cpu" in err[0] and "--quant gguf" in err[0], err
     (tmp_path / "asked").mkdir()
     assert gguf_engine(tmp_path / "asked", GGUF).target_recipe() == GGUF  # asked for: the view all the same
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_help_says_what_the_default_target_is_and_how_to_name_the_dense_copy(command, monkeypatch):
+    from typer.testing import CliRunner
+
+    from viasd.cli import app
+
+    monkeypatch.setenv("COLUMNS", "400")  # one help line per option: no wrapped words
+    out = CliRunner().invoke(app, [command, "--help"])
+    assert out.exit_code == 0
+    assert "as its file stores it" in out.output and "'none': the model as loaded" in out.output
