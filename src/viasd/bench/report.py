@@ -424,7 +424,7 @@ def plot(
         return
     quality = {m: list(results) for m, results in (quality or {}).items() if results}
     panels = 5 if quality else 4
-    width_in = max(10, 0.9 * len(categories) * max(1, len(methods)) / 3)
+    width_in = max(10, 0.9 * len(categories) * max(1, len(methods)) / 3) + 4  # + the legends, right of the panels
     fig, axes = plt.subplots(panels, 1, figsize=(width_in, 17 + (4 if quality else 0)))
     width = 0.8 / max(1, len(methods))
     xs = range(len(categories))
@@ -450,7 +450,7 @@ def plot(
             ax.axhline(ref, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(list(xs), categories, rotation=30, ha="right")
         ax.set_title(title)
-        ax.legend(fontsize="small", ncol=min(len(methods), 7))
+        _legend_outside(ax)
     ax = axes[2]
     seen = dict.fromkeys(t for s in overall for t in s.tier_fractions)
     tiers = [t for t in _TIER_COLOURS if t in seen] + [t for t in seen if t not in _TIER_COLOURS]  # bottom up
@@ -462,8 +462,9 @@ def plot(
         bottoms = [b + v for b, v in zip(bottoms, shares, strict=True)]
     ax.set_ylim(0, 1.05)
     ax.set_title("tier fractions: who decided the evaluated draft tokens (all tasks)")
+    _method_ticks(ax, methods)
     if tiers:
-        ax.legend(fontsize="small")
+        _legend_outside(ax)
     ax = axes[3]
     bottoms = [0.0] * len(methods)
     for part, colour in zip(COST_PARTS, ("#984ea3", "#377eb8", "#ff7f00", "#999999"), strict=True):
@@ -472,7 +473,8 @@ def plot(
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     ax.set_ylabel("seconds per token")
     ax.set_title("where the time goes: seconds per generated token by component (all tasks)")
-    ax.legend(fontsize="small")
+    _method_ticks(ax, methods)
+    _legend_outside(ax)
     if quality:
         _lost_and_gained(axes[4], quality, baseline)
     fig.tight_layout()
@@ -499,7 +501,18 @@ def _lost_and_gained(ax: Any, quality: Mapping[str, Sequence[Paired]], baseline:
     ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
     ax.set_ylabel("tasks")
     ax.set_title(f"quality, task by task: tasks gained (up) and lost (down) against {baseline} (exact sign test p)")
-    ax.legend(fontsize="small", ncol=min(2 * len(quality), 6))
+    _legend_outside(ax)
+
+
+def _legend_outside(ax: Any) -> None:
+    """The panel's legend to the right of its axes, one entry a line: method names are long, and a legend inside (or
+    wider than) the axes hides bars or squeezes the panel."""
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _method_ticks(ax: Any, methods: Sequence[str]) -> None:
+    """Method names under a panel's bars, slanted so that long ones do not run into each other."""
+    ax.set_xticks(range(len(methods)), methods, rotation=20, ha="right", fontsize="small")
 
 
 def _save(fig: Any, path: str | Path) -> None:
