@@ -24,7 +24,10 @@ def train_drafter(
     tokens: Annotated[int, typer.Option(help="Stop writing data once it holds this many tokens.")] = 400_000,
     quant: Annotated[
         str | None,
-        typer.Option(help="The target's view that writes the data (default: gguf for a GGUF model, else int4a8)."),
+        typer.Option(
+            help="The target's view that writes the data (default: gguf for a GGUF model, else int4a8; none: the "
+            "dense weights)."
+        ),
     ] = None,
     rows: Annotated[int, typer.Option(help="Conversations written at once (one pass serves them all).")] = 16,
     width: Annotated[int, typer.Option(help="The head's hidden width.")] = 1024,
@@ -56,16 +59,24 @@ def train_drafter(
     from viasd.training.train import Checkpoint, TrainSettings, train
     from viasd.training.writing import write_data
     from viasd.views.gguf import source_gguf
-    from viasd.views.recipe import QuantRecipe
+    from viasd.views.recipe import DENSE, QuantRecipe
 
     engine = Engine(spec)
     loaded = engine.target
-    recipe = spec.quant or QuantRecipe.parse("gguf" if source_gguf(loaded.name, loaded.path) else "int4a8")
+    # The view that writes the data: --quant's recipe; `none`: the dense weights; by default the file's own (a
+    # GGUF file's gguf view), else int4a8, the fast kernels' view (the head drafts for the target as run).
+    if isinstance(spec.quant, QuantRecipe):
+        recipe: QuantRecipe | None = spec.quant
+    elif spec.quant == DENSE:
+        recipe = None
+    else:
+        recipe = QuantRecipe.parse("gguf" if source_gguf(loaded.name, loaded.path) else "int4a8")
     view = engine.quantized(loaded, recipe)
+    view_name = recipe.name if recipe is not None else DENSE
     fingerprint = model_fingerprint(loaded.model)
     home = cache_folder("heads") / fingerprint
     folder = DataFolder(
-        home / "data", {"view": recipe.name, "seed": seed, "max_request": MAX_REQUEST, "max_answer": MAX_ANSWER}
+        home / "data", {"view": view_name, "seed": seed, "max_request": MAX_REQUEST, "max_answer": MAX_ANSWER}
     )
     held = write_data(
         loaded.model,
@@ -102,6 +113,6 @@ def train_drafter(
         log=typer.echo,
     )
     path = out or trained_head_path(fingerprint)
-    info = {**settings.to_dict(), **measured, "data_view": recipe.name}
+    info = {**settings.to_dict(), **measured, "data_view": view_name}
     save_head(path, head.to(torch.bfloat16), fingerprint, vocabulary_fingerprint(loaded.tokenizer), info)
     typer.echo(f"draft head written to {path}: use it with --method sd:drafter=head")
