@@ -112,7 +112,7 @@ def decide(tokens: int, keep: int, facts: Facts) -> Route:
             for start in range(first, last, chunk):
                 stop = min(start + chunk, last)
                 # Of this chunk's positions, the kept ones: a block of `keep` may start in an earlier chunk.
-                wanted = 0 if own else min(stop - start, max(0, keep - (tokens - stop)))
+                wanted = 1 if own else min(stop - start, max(0, keep - (tokens - stop)))  # own: 1, see split
                 legs.append(_leg(start, stop, wanted, facts, own_weights=own))
         return Route(Kind.CHUNKED, tuple(legs))
     if split:  # keep=1 for the head: the model's own forward reads 0 as "every position"
@@ -133,7 +133,10 @@ def _leg(start: int, stop: int, keep: int, facts: Facts, own_weights: bool) -> L
     # The model's own weights are never low-bit ones: only a view's layers run fused.
     stack = Stack.FUSED if facts.fused and not own_weights else Stack.LOOP
     kernel = facts.attention_kernel and stack is Stack.LOOP
-    if facts.chunk is not None and looped and 0 < tokens <= facts.chunk:
+    # The model's own (bf16 or float32) weights never merge: torch's products round a row differently by how many
+    # rows the product has (oneDNN with AMX or AVX-512 BF16, BLAS in float32), so a generation's prompt must be read
+    # in the same passes as it would be alone. The low-bit views' kernels are row-independent and do merge.
+    if facts.chunk is not None and looped and not own_weights and 0 < tokens <= facts.chunk:
         return Leg(start, stop, keep, Schedule.BATCHED, stack, kernel, own_weights)
     schedule = Schedule.ALONE if facts.chunk is None else Schedule.QUEUED
     if looped and 0 < tokens <= PACK_UP_TO:
