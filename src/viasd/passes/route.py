@@ -10,7 +10,7 @@ these routes (docs/design.md draws them):
 * `queued`: the model's own forward (or, for a pass the batcher would not merge, the loop), alone, in turn with
   the batcher's merged passes (one pass on a model at a time).
 * `chunked`: a long pass (a prompt) as batched passes of the batcher's chunk size, so that it stalls nobody (a
-  quantized view's head in chunks of the model's own weights, as `split` reads it).
+  quantized view's head in queued chunks of the model's own weights, as `split` reads it: those never merge).
 * `split`: a prompt of a quantized view: the positions that need no logits with the model's own weights, the rest
   with the view (`QuantRecipe.own_weights_from`).
 
