@@ -26,9 +26,9 @@ def test_plain_names_and_variants_parse():
     assert dict(spec.options) == {"gamma": 3, "cap": 12, "pregate": 0.4, "profile": "my.json"}
     assert parse_method("sd:gamma=6").get("gamma") == 6 and parse_method("sd").get("gamma") is None
     assert not parse_method("lookup").uses_drafter and parse_method("hf-assisted:gamma=2").uses_drafter
-    # Every method's options are registered options, and the relaxed method says so.
+    # Every method's options are registered options; the relaxed method and the other runtimes say so.
     assert all(set(m.options) <= set(OPTIONS) for m in METHODS.values())
-    assert [m.name for m in METHODS.values() if not m.exact] == ["via", "llama.cpp"]  # relaxed; another runtime
+    assert [m.name for m in METHODS.values() if not m.exact] == ["via", "llama.cpp", "llama-server"]
 
 
 @pytest.mark.parametrize(

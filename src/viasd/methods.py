@@ -226,6 +226,11 @@ OPTIONS: dict[str, Option] = {
             f"token budget per prompt token below which the hybrid leaves its model drafter out ({HYBRID_BUDGET:g}; "
             "0: never)",
         ),
+        Option(
+            "draft",
+            _choice("none", "model"),
+            "llama-server's own speculation: model (the drafter's GGUF file as its draft model, -md) or none",
+        ),
     )
 }
 
@@ -404,6 +409,31 @@ def _llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
     return LlamaCppDecoder(target.model, target.tokenizer, llama, lookup, spec.name)
 
 
+def _llama_server(parts: Parts, spec: MethodSpec) -> Decoder:
+    """llama.cpp's own server on the target's GGUF file (draft=model: with the drafter's GGUF file as its draft
+    model), with the threads torch uses."""
+    import torch
+
+    from viasd.decode.base import context_limit
+    from viasd.decode.llama_server import LlamaServerDecoder, start_server
+    from viasd.views.gguf import source_gguf
+
+    if isinstance(parts.spec.quant, QuantRecipe) or parts.spec.drafter_quant:
+        raise ViasdError("llama-server runs the GGUF file's own quantization: it takes no --quant")
+    draft = None
+    if spec.get("gamma") is not None and spec.get("draft") != "model":
+        raise ViasdError(f"method {spec.name!r}: option 'gamma' needs draft=model")
+    if spec.get("draft") == "model":
+        drafter = parts.spec.drafter
+        draft = source_gguf(drafter, drafter)
+        if draft is None:
+            raise ViasdError(f"llama-server:draft=model reads the drafter's GGUF file: {drafter!r} is not one")
+    target = parts.target
+    context = min(context_limit(target.model) or 8192, 8192)
+    server = start_server(parts.gguf(), torch.get_num_threads(), context, draft, spec.get("gamma"))
+    return LlamaServerDecoder(target.model, target.tokenizer, server, context, draft is not None, spec.name)
+
+
 def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
     from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
@@ -574,6 +604,15 @@ METHODS: dict[str, Method] = {
             "viasd[llamacpp])",
             _llama_cpp,
             ("lookup",),
+            exact=False,
+            target="file",
+        ),
+        Method(
+            "llama-server",
+            "llama.cpp's own server on the target's GGUF file (baseline; draft=model: its speculative decoding with "
+            "the drafter's GGUF file, gamma=N its most draft tokens; needs the llama-server binary)",
+            _llama_server,
+            ("draft", "gamma"),
             exact=False,
             target="file",
         ),
