@@ -86,6 +86,20 @@ class Penalties:
         )
 
 
+def parse_bias(items: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    """`TOKEN_ID=BIAS` texts (the CLI's --logit-bias) as (token id, bias) pairs; the last one of a token counts."""
+    bias: dict[int, float] = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ViasdError(f"a logit bias is TOKEN_ID=BIAS (e.g. 42=-100), got {item!r}") from None
+    return tuple(bias.items())
+
+
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
