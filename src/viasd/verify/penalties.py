@@ -119,10 +119,10 @@ def penalised(
     n, width = logits.shape
     device = logits.device
     out = logits.float().clone()
-    drafted = torch.as_tensor(drafts, dtype=torch.long, device=device).reshape(-1)
+    drafted = drafts.to(device).reshape(-1) if isinstance(drafts, torch.Tensor) else _upload(drafts, torch.long, device)
     if drafted.numel() < n - 1:
         raise ValueError(f"{n} rows need at least {n - 1} drafts before them, got {drafted.numel()}")
-    output = torch.as_tensor(list(context[penalties.prompt_length :]), dtype=torch.long, device=device)
+    output = _upload(context[penalties.prompt_length :], torch.long, device)
     shared = torch.cat([output, drafted[: drafted.numel() - (n - 1)]])  # tokens every row follows
     tail = drafted[drafted.numel() - (n - 1) :]  # row i also follows tail[:i]
     counts = _counts(shared, width, device)[None].repeat(n, 1)
@@ -132,8 +132,8 @@ def penalised(
         steps[1:].scatter_(1, tail.clamp(0, width - 1)[:, None], inside.float()[:, None])
         counts += steps.cumsum(dim=0)
     if penalties.bias:
-        ids = torch.tensor([t for t, _ in penalties.bias if t < width], dtype=torch.long, device=device)
-        values = torch.tensor([v for t, v in penalties.bias if t < width], dtype=torch.float32, device=device)
+        ids = _upload([t for t, _ in penalties.bias if t < width], torch.long, device)
+        values = _upload([v for t, v in penalties.bias if t < width], torch.float32, device)
         out[:, ids] += values
     if penalties.min_tokens:
         generated = output.numel() + drafted.numel() - (n - 1) + torch.arange(n, device=device)
@@ -141,10 +141,10 @@ def penalised(
         if ends:
             early = (generated < penalties.min_tokens)[:, None]
             banned = torch.zeros(width, dtype=torch.bool, device=device)
-            banned[torch.tensor(ends, dtype=torch.long, device=device)] = True
+            banned[_upload(ends, torch.long, device)] = True
             out = out.masked_fill(early & banned[None], float("-inf"))
     if penalties.repetition != 1.0:
-        prompt = torch.as_tensor(list(context[: penalties.prompt_length]), dtype=torch.long, device=device)
+        prompt = _upload(context[: penalties.prompt_length], torch.long, device)
         seen = (counts > 0) | (_counts(prompt, width, device) > 0)[None]
         scaled = torch.where(out > 0, out / penalties.repetition, out * penalties.repetition)
         out = torch.where(seen, scaled, out)
@@ -153,6 +153,13 @@ def penalised(
     if penalties.presence:
         out = out - penalties.presence * (counts > 0).float()
     return out
+
+
+def _upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`; to a GPU the copy is queued without waiting for the device (a copy from
+    pageable memory would wait for every kernel queued before it)."""
+    host = torch.tensor(list(values), dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def _counts(tokens: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
