@@ -189,7 +189,7 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "t3 t4"}]}
         ("/v1/chat/completions", "repetition_penalty", [1, 0.5, 1.7, 0, -1, "1", None]),
         ("/v1/completions", "min_p", [0, 0.5, 1, 1.5, -0.1, None]),
         ("/v1/chat/completions", "logit_bias", [{}, {"3": 5}, {"3": -100}, {"3": 101}, {"x": 1}, {"3": "1"}, [], None]),
-        ("/v1/completions", "stop_token_ids", [[], [3], [-1], ["3"], [1.5], None]),
+        ("/v1/completions", "stop_token_ids", [[], [3], [VOCAB - 1], [VOCAB], [-1], ["3"], [1.5], None]),
         ("/v1/completions", "guided_json", [None, {}, "x", 0]),
         ("/v1/chat/completions", "spaces_between_special_tokens", [True, False, None, 1]),
         ("/v1/chat/completions", "length_penalty", [1, 1.0, 0.5, None]),

@@ -7,7 +7,9 @@ HF and vLLM); frequency_penalty subtracts penalty x count and presence_penalty s
 token of the output so far. Temperature, min_p, top-k and top-p come after (`sampling.warp_probs`).
 
 Speculative methods stay exact because each row is adjusted by exactly the tokens before its own position (prompt
-+ committed + the drafts before it), which is what plain decoding would have seen there.
++ committed + the drafts before it), which is what plain decoding would have seen there. A drafter that samples
+(a model, a draft head) adjusts its own rows alike and reports the distributions it drew from, so its drafts are kept
+often; a deterministic one (prompt lookup) needs nothing: its one-hot drafts are checked against the adjusted target.
 """
 
 from __future__ import annotations
