@@ -35,6 +35,9 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         (["generate", "hi", "--method", "sd:cap=4"], None, "method 'sd' takes no option 'cap'"),
         (["generate", "hi", "--seed", str(2**64)], None, "seed must be an integer in [-9223372036854775808, 1844"),
         (["generate", "hi", "--temperature", "nan"], None, "temperature must be a finite number"),
+        (["generate", "hi", "--presence-penalty", "3"], None, "presence_penalty must be a number in [-2, 2], got 3"),
+        (["generate", "hi", "--logit-bias", "42"], None, "a logit bias is TOKEN_ID=BIAS (e.g. 42=-100), got '42'"),
+        (["generate", "hi", "-n", "2", "--min-tokens", "3"], None, "min_tokens (3) must not exceed max_new_tokens (2)"),
         (["generate", "hi", "--target", NO_MODEL, "--gamma", "0"], None, "--gamma must be in 1..64, got 0"),
         (["generate", "hi", "--target", NO_MODEL, "--gamma", "65"], None, "--gamma must be in 1..64, got 65"),
         (

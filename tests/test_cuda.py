@@ -25,6 +25,7 @@ from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.passes.session import KVSession, upload_ids
 from viasd.verify.acceptance import residual_rows
 from viasd.verify.gates import Gate
+from viasd.verify.penalties import Penalties, penalised
 from viasd.verify.resident import block_outcomes, first_rejection
 from viasd.verify.sampling import SamplingParams, pick, soft_probs, warp_probs
 from viasd.views.layer_skip import LayerMask
@@ -189,3 +190,38 @@ def test_a_slim_tier_that_is_the_target_samples_the_targets_law():
     counts, stats = sample_counts(via, prompt, params, length, n)
     assert sum(s.tiers["slim"].rejected for s in stats) > n // 10
     assert pooled_pvalue(exact_joint(target, prompt, params, vocab, length), counts, n) > ALPHA
+
+
+PENALTIES = Penalties(0.5, 0.3, 1.3, 6, ((3, 1.0), (9, -2.0)), prompt_length=len(PROMPT), ends=frozenset({1}))
+
+
+def test_penalties_never_wait_for_the_device():
+    """verify/penalties.py adjusts logits where they live: host ids are uploaded without a wait, device drafts are
+    read there."""
+    logits = torch.randn(5, 64, device="cuda")
+    drafts = upload_ids([1, 2, 3, 63], torch.device("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = penalised(logits, PENALTIES, [*PROMPT, 5, 6], [1, 2, 3, 63])
+        last = penalised(logits[-1:], PENALTIES, [*PROMPT, 5, 6], drafts)
+        warp_probs(rows, SamplingParams(temperature=0.8, min_p=0.1))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(last[0], rows[-1])
+
+
+def test_greedy_under_penalties_equals_plain_on_the_device():
+    target, tok = cuda(tiny_model("llama")), tiny_tokenizer(64)
+    sampling = SamplingParams(penalties=Penalties(0.5, 0.5, 1.3, bias=((8, 1.5),)))
+    config = GenerationConfig(max_new_tokens=32, ignore_eos=True, sampling=sampling)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config).tokens
+    assert (
+        plain != PlainDecoder(target, tok).generate(PROMPT, GenerationConfig(max_new_tokens=32, ignore_eos=True)).tokens
+    )
+    for drafter in (ModelDrafter(cuda(tiny_model("llama", layers=2, seed=1))), ModelDrafter(target)):
+        assert SpeculativeDecoder(target, tok, drafter, gamma=4).generate(PROMPT, config).tokens == plain
+    lossless = TieredDecoder(
+        target, tok, ModelDrafter(target), [LayerMask.full(4)], RoundPolicy(Gate("kl", (-1.0, math.inf)), cap=8)
+    )
+    assert lossless.generate(PROMPT, config).tokens == plain

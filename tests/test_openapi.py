@@ -177,3 +177,56 @@ def test_the_schema_and_the_validation_agree_on_logprobs(path: str, base: dict[s
             if not published:
                 message = answer.json()["error"]["message"]
                 assert answer.status_code == 400 and "logprobs" in message and "\n" not in message, message
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "t3 t4"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "values"),
+    [
+        ("/v1/completions", "presence_penalty", [0, 0.5, -2, 2, 2.5, -3, "1", True, None]),
+        ("/v1/chat/completions", "repetition_penalty", [1, 0.5, 1.7, 0, -1, "1", None]),
+        ("/v1/completions", "min_p", [0, 0.5, 1, 1.5, -0.1, None]),
+        ("/v1/chat/completions", "logit_bias", [{}, {"3": 5}, {"3": -100}, {"3": 101}, {"x": 1}, {"3": "1"}, [], None]),
+        ("/v1/completions", "stop_token_ids", [[], [3], [VOCAB - 1], [VOCAB], [-1], ["3"], [1.5], None]),
+        ("/v1/completions", "guided_json", [None, {}, "x", 0]),
+        ("/v1/chat/completions", "spaces_between_special_tokens", [True, False, None, 1]),
+        ("/v1/chat/completions", "length_penalty", [1, 1.0, 0.5, None]),
+        ("/v1/completions", "use_beam_search", [False, True, None]),
+        (
+            "/v1/chat/completions",
+            "chat_template_kwargs",
+            [{}, {"enable_thinking": False}, {"tokenize": True}, [], None],
+        ),
+        ("/v1/chat/completions", "add_generation_prompt", [True, False, None, "yes"]),
+        ("/v1/completions", "truncate_prompt_tokens", [1, 5, 0, -1, None]),
+        ("/v1/completions", "frobnicate", [1, None, "x"]),
+    ],
+)
+def test_the_schema_and_the_validation_agree_on_penalties_and_extensions(
+    path: str, field: str, values: list[Any]
+) -> None:
+    """Each value of a penalty or a vLLM extension (and of a field no API defines) is accepted by both the published
+    schema and the server, or refused by both."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    from viasd.engine import Engine, EngineSpec
+    from viasd.models.loading import LoadedModel
+    from viasd.serve.app import create_app
+    from viasd.serve.settings import ServeSettings
+
+    loaded = LoadedModel(model=tiny_model(vocab_size=VOCAB), tokenizer=tiny_chat_tokenizer(VOCAB), name="t", path="t")
+    engine = Engine(EngineSpec(target="t", device="cpu"), target=loaded)
+    settings = ServeSettings(model_id="t", methods=("plain",), max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=1)
+    base = CHAT_BODY if "chat" in path else {"prompt": "t3 t4"}
+    with TestClient(create_app(engine, settings)) as client:
+        doc = client.get("/openapi.json").json()
+        request = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        schema = jsonschema_rs.validator_for({**request, "components": doc["components"]})
+        for value in values:
+            body = {**base, field: value, "max_tokens": 1}
+            answer = client.post(path, json=body)
+            published = schema.is_valid(body)
+            assert published == (answer.status_code == 200), (value, published, answer.status_code, answer.text)
+            if answer.status_code == 400:
+                assert answer.json()["error"]["param"].split(".")[0] == field, answer.text

@@ -718,6 +718,7 @@ def test_numeric_edge_values_are_served_or_refused_never_500(tiny_app: TestClien
 
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t3 t4"}], "max_tokens": 2})
 TEXT = ("/v1/completions", {"prompt": "t3 t4", "max_tokens": 2})
+OPENED = (CHAT[0], {**CHAT[1], "add_generation_prompt": True})
 
 
 @pytest.mark.parametrize(
@@ -751,6 +752,39 @@ TEXT = ("/v1/completions", {"prompt": "t3 t4", "max_tokens": 2})
         (CHAT, "web_search_options", {}, "web search is not supported"),
         (CHAT, "store", True, "completions are not stored"),
         (CHAT, "service_tier", "priority", "service tiers are not offered"),
+        (TEXT, "frequency_penalty", 3, "frequency_penalty must be a finite number in [-2, 2], got 3"),
+        (CHAT, "presence_penalty", -2.5, "presence_penalty must be a finite number in [-2, 2]"),
+        (TEXT, "repetition_penalty", 0, "repetition_penalty must be a finite number > 0"),
+        (TEXT, "min_p", 1.5, "min_p must be a finite number in [0, 1]"),
+        (TEXT, "min_tokens", -1, "min_tokens must be an integer >= 0"),
+        (TEXT, "min_tokens", 3, "min_tokens (3) exceeds max_tokens (2)"),
+        (TEXT, "logit_bias", {"t3": 1}, "keys must be token ids"),
+        (TEXT, "logit_bias", {"3": 101}, "values must be numbers in [-100, 100]"),
+        (CHAT, "logit_bias", {"64": 1}, "token id 64 is outside the vocabulary (0..63)"),
+        (TEXT, "stop_token_ids", [64], "token id 64 is outside the vocabulary"),
+        (TEXT, "stop_token_ids", [-1], "token ids must be >= 0"),
+        (CHAT, "guided_json", {"type": "object"}, "guided decoding is not supported"),
+        (TEXT, "guided_regex", "t[0-9]", "guided decoding is not supported"),
+        (CHAT, "guided_choice", ["t3", "t4"], "guided decoding is not supported"),
+        (CHAT, "guided_grammar", "root ::= x", "guided decoding is not supported"),
+        (CHAT, "guided_decoding_backend", "xgrammar", "guided decoding is not supported"),
+        (TEXT, "prompt_logprobs", 1, "log probabilities are not supported"),
+        (CHAT, "best_of", 2, "only best_of=1"),
+        (TEXT, "use_beam_search", True, "beam search is not supported"),
+        (CHAT, "length_penalty", 0.8, "needs beam search"),
+        (CHAT, "response_format", {"type": "json_object"}, "only response_format type 'text'"),
+        (TEXT, "response_format", {"type": "json_schema"}, "only response_format type 'text'"),
+        (CHAT, "spaces_between_special_tokens", False, "only true is supported"),
+        (TEXT, "truncate_prompt_tokens", 0, "truncate_prompt_tokens must be an integer >= 1"),
+        (CHAT, "chat_template", "{{ messages }}", "the model's is used"),
+        (CHAT, "chat_template_kwargs", {"tokenize": True}, "'tokenize' is not a template variable"),
+        (CHAT, "documents", [{"text": "x"}], "documents are not supported"),
+        (CHAT, "echo", True, "echo is not supported"),
+        (CHAT, "add_generation_prompt", "yes", "add_generation_prompt must be a boolean"),
+        (OPENED, "continue_final_message", True, "cannot be true with add_generation_prompt true"),
+        (TEXT, "include_stop_str_in_output", 1, "include_stop_str_in_output must be a boolean"),
+        (TEXT, "frobnicate", 1, "frobnicate: unknown parameter"),
+        (CHAT, "temprature", 0.5, "temprature: unknown parameter"),
     ],
 )
 def test_a_field_of_another_type_or_a_parameter_not_honoured_is_refused_naming_it(
@@ -771,6 +805,15 @@ def test_a_field_of_another_type_or_a_parameter_not_honoured_is_refused_naming_i
         (CHAT, {"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": None}),
         (CHAT, {"user": "u", "prompt_cache_key": "c", "safety_identifier": "s", "stream_options": None}),
         (TEXT, {"temperature": 0, "seed": -1, "stream": False, "ignore_eos": True, "logprobs": 0}),
+        (TEXT, {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_p": 0.1}),
+        (TEXT, {"min_tokens": 1, "logit_bias": {"3": -100, "4": 2.5}, "stop_token_ids": [5], "best_of": 1}),
+        (TEXT, {"include_stop_str_in_output": True, "skip_special_tokens": False, "truncate_prompt_tokens": 1}),
+        (CHAT, {"spaces_between_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0, "echo": False}),
+        (
+            CHAT,
+            {"add_generation_prompt": True, "chat_template_kwargs": {"enable_thinking": False}, "guided_json": None},
+        ),
+        (CHAT, {"add_generation_prompt": False, "continue_final_message": True, "response_format": {"type": "text"}}),
     ],
 )
 def test_parameters_at_their_openai_types_and_honoured_values_are_served(
@@ -835,7 +878,7 @@ def test_settings_and_requests_are_validated() -> None:
     for bad_body in (
         {"messages": []},
         {"messages": messages, "n": 3},
-        {"messages": messages, "presence_penalty": 0.5},
+        {"messages": messages, "presence_penalty": 2.5},
         {"messages": messages, "tools": [{"type": "function"}]},
         {"messages": messages, "stop": [""]},
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -888,3 +931,97 @@ def test_concurrent_requests_are_batched_and_each_gets_what_it_gets_alone(tmp_pa
         batcher = batcher_of(loaded.model)
         assert batcher is not None and batcher.merged_rows > 0
     assert together == alone and all(alone)
+
+
+GREEDY_TEXT = {"prompt": "t3 t4 t5 t3 t4", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def completion_text(tiny_app: TestClient, **extra: Any) -> tuple[str, str]:
+    response = tiny_app.post("/v1/completions", json={**GREEDY_TEXT, **extra})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["text"], choice["finish_reason"]
+
+
+def test_penalties_and_bias_change_the_output_alike_in_every_method(tiny_app: TestClient) -> None:
+    """logit_bias by token id, presence/frequency/repetition penalties and min_p are applied (the output changes as
+    they say) and prompt lookup gives plain decoding's text under them, token for token."""
+    plain, _ = completion_text(tiny_app, method="plain")
+    first = plain.split()[0]
+    banned, _ = completion_text(tiny_app, method="plain", logit_bias={first[1:]: -100})
+    assert first not in banned.split()
+    assert completion_text(tiny_app, logit_bias={"7": 100})[0] == " ".join(["t7"] * 6)
+    # A bias of 3 on t7 against a frequency penalty of 2 per use: t7 comes at most twice.
+    assert completion_text(tiny_app, logit_bias={"7": 3}, frequency_penalty=2)[0].split().count("t7") <= 2
+    for extra in (
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+        {"repetition_penalty": 1.8, "logit_bias": {"9": 4}},
+        {"presence_penalty": -1, "min_p": 0.3},
+    ):
+        texts = {method: completion_text(tiny_app, method=method, **extra)[0] for method in ("plain", "lookup")}
+        assert texts["plain"] == texts["lookup"], extra
+        assert texts["plain"] != plain or "min_p" in extra, extra  # greedy: min_p keeps the top token
+
+
+def test_stop_token_ids_min_tokens_and_include_stop_str_in_output(tiny_app: TestClient) -> None:
+    plain, _ = completion_text(tiny_app)
+    words = plain.split()
+    stop = int(words[2][1:])
+    cut = words.index(f"t{stop}")
+    text, reason = completion_text(tiny_app, stop_token_ids=[stop])
+    assert (text.split(), reason) == (words[:cut], "stop")
+    text, reason = completion_text(tiny_app, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert (text.split(), reason) == (words[: cut + 1], "stop")
+    text, _ = completion_text(tiny_app, stop_token_ids=[stop], min_tokens=cut + 2)
+    assert len(text.split()) >= cut + 2 and f"t{stop}" not in text.split()[: cut + 2]
+    text, reason = completion_text(tiny_app, stop=words[1], include_stop_str_in_output=True)
+    assert text == plain[: plain.index(words[1]) + len(words[1])] and reason == "stop"
+    usage = tiny_app.post("/v1/completions", json={**GREEDY_TEXT, "truncate_prompt_tokens": 2}).json()["usage"]
+    assert usage["prompt_tokens"] == 2
+
+
+def test_a_method_that_cannot_honour_a_penalty_is_refused_before_it_runs() -> None:
+    from viasd.serve.errors import APIError
+    from viasd.serve.request_config import generation_config
+    from viasd.serve.schemas import CompletionRequest
+    from viasd.serve.settings import ServeSettings
+
+    settings = ServeSettings(model_id="m", methods=("hf-assisted",), max_tokens_limit=16, default_max_tokens=4)
+    for field, value in (("min_p", 0.2), ("repetition_penalty", 1.1), ("logit_bias", {"3": 1}), ("min_tokens", 2)):
+        request = CompletionRequest.model_validate({"prompt": "t3", field: value})
+        with pytest.raises(APIError, match=f"cannot honour {field}") as caught:
+            generation_config(request, settings, "hf-assisted", 64)
+        assert caught.value.param == field
+    neutral = {"prompt": "t3", "min_p": 0, "repetition_penalty": 1, "logit_bias": {}, "presence_penalty": 0}
+    assert generation_config(CompletionRequest.model_validate(neutral), settings, "hf-assisted", 64).max_new_tokens == 4
+
+
+def test_the_official_client_sends_penalties_and_vllm_extensions(tiny_app: TestClient) -> None:
+    """The openai package's own arguments (presence_penalty, logit_bias...) and vLLM's in extra_body are honoured; a
+    refused one raises BadRequestError naming it."""
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=tiny_app, max_retries=0)
+    out = client.completions.create(
+        model="tiny",
+        prompt="t3 t4",
+        max_tokens=4,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"7": 100},
+        extra_body={"ignore_eos": True, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2},
+    )
+    assert out.choices[0].text == "t7 t7 t7 t7"
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "t3 t4"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={"9": 100},
+        extra_body={"ignore_eos": True, "stop_token_ids": [9], "include_stop_str_in_output": True},
+    )
+    assert chat.choices[0].message.content == "t9" and chat.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "t3"}], extra_body={"guided_choice": ["t3"]}
+        )
+    assert caught.value.param == "guided_choice" and "guided decoding" in caught.value.message

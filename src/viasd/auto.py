@@ -214,6 +214,7 @@ class AutoDecoder(Decoder):
         super().__init__(chosen.target, chosen.tokenizer, chosen.view)
         self.chosen = chosen
         self.choice = choice
+        self.honours_penalties = chosen.honours_penalties
         if method:
             self.method = method
 

@@ -84,7 +84,16 @@ def generate(
     top_p: Annotated[float, typer.Option()] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability; 0 disables it.")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="-2 to 2: subtracted once per token in the output.")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(help="-2 to 2: subtracted per use in the output.")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="> 0, on prompt and output tokens; 1 disables it.")] = 1.0,
+    min_tokens: Annotated[int, typer.Option(help="No end token or stop string before this many tokens.")] = 0,
+    logit_bias: Annotated[
+        list[str] | None, typer.Option(help="TOKEN_ID=BIAS, BIAS in [-100, 100], added to that logit (repeatable).")
+    ] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    stop_token_id: Annotated[list[int] | None, typer.Option(help="Token id that ends the output (repeatable).")] = None,
     system: Annotated[str | None, typer.Option(help="System message.")] = None,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text and statistics.")] = False,
@@ -99,11 +108,26 @@ def generate(
     from viasd.decode.base import GenerationConfig
     from viasd.engine import Engine
     from viasd.prompting import encode_prompt
+    from viasd.verify.penalties import Penalties, parse_bias
     from viasd.verify.sampling import SamplingParams
 
     text = _read_prompt(prompt)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop or ()))
+    penalties = Penalties(
+        presence=presence_penalty,
+        frequency=frequency_penalty,
+        repetition=repetition_penalty,
+        min_tokens=min_tokens,
+        bias=parse_bias(logit_bias or ()),
+    )
+    sampling = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p, penalties=penalties
+    )
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_strings=tuple(stop or ()),
+        stop_token_ids=tuple(stop_token_id or ()),
+    )
     spec = engine_spec(
         target,
         drafter,

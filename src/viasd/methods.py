@@ -279,6 +279,8 @@ class Method:
     # Which target it runs: "view" (the target as --quant or its quant= says, by default as its file stores it),
     # "dense" (the model as loaded, whatever the default: via's profiles are calibrated on it) or "file" (llama.cpp).
     target: str = "view"
+    # Whether it applies min_p, the penalties, logit_bias and min_tokens (verify/penalties.py); else it refuses them.
+    penalties: bool = True
 
 
 def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
@@ -597,6 +599,7 @@ METHODS: dict[str, Method] = {
             ("gamma",),
             uses_drafter=True,
             target="dense",
+            penalties=False,
         ),
         Method(
             "llama.cpp",
@@ -606,6 +609,7 @@ METHODS: dict[str, Method] = {
             ("lookup",),
             exact=False,
             target="file",
+            penalties=False,
         ),
         Method(
             "llama-server",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.decode.output import OutputSink, StopConditions
 from viasd.decode.stats import GenerationStats
-from viasd.errors import ViasdError
+from viasd.errors import UnsupportedParameter, ViasdError
 from viasd.verify.sampling import SamplingParams
 from viasd.views.view import View
 
@@ -24,16 +24,30 @@ if TYPE_CHECKING:
 
 @dataclass
 class GenerationConfig:
-    """What to generate: budget, sampling and extra stop strings."""
+    """What to generate: budget, sampling, extra stop strings and stop tokens, and how the text is written.
+
+    stop_token_ids end the generation like EOS (even with ignore_eos). include_stop_str_in_output keeps the stop
+    string (or stop token) that ended it in the output; skip_special_tokens leaves special tokens out of the text.
+    """
 
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ViasdError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.sampling.penalties.min_tokens > self.max_new_tokens:
+            raise ViasdError(
+                f"min_tokens ({self.sampling.penalties.min_tokens}) must not exceed max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ViasdError(f"stop token ids must be integers >= 0, got {list(self.stop_token_ids)}")
 
 
 @dataclass
@@ -79,6 +93,8 @@ class Decoder(ABC):
     faster, different model). Subclasses implement `_decode`."""
 
     method: str = "decoder"
+    # Whether the method applies min_p and the penalties (verify/penalties.py); those that cannot refuse them.
+    honours_penalties: bool = True
 
     def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase, view: View | None = None) -> None:
         self.target = target
@@ -103,17 +119,26 @@ class Decoder(ABC):
             if len(prompt) >= self.context_limit:
                 raise ViasdError(f"the prompt has {len(prompt)} tokens; the model's context holds {self.context_limit}")
             budget = min(budget, self.context_limit - len(prompt))
+        if not self.honours_penalties and (name := config.sampling.first_set()) is not None:
+            raise UnsupportedParameter(name, f"method {self.method!r} cannot honour {name}; leave it out")
         stop = StopConditions(
             max_new_tokens=budget,
             eos_token_ids=frozenset() if config.ignore_eos else self.eos_ids,
             stop_strings=tuple(config.stop_strings),
+            stop_token_ids=frozenset(config.stop_token_ids),
+            min_tokens=config.sampling.penalties.min_tokens,
+            include_stop=config.include_stop_str_in_output,
+            skip_special_tokens=config.skip_special_tokens,
         )
         sink = OutputSink(self.tokenizer, stop, on_text)
         stats = GenerationStats(method=self.method, prompt_tokens=len(prompt))
+        # The penalties learn where the output starts and which tokens min_tokens bans: every token that ends it.
+        bound = config.sampling.penalties.bound(len(prompt), stop.eos_token_ids | stop.stop_token_ids)
+        params = replace(config.sampling, penalties=bound)
         sessions = {id(session): session for session in self.sessions()}.values()  # each once
         before = [dict(session.routes) for session in sessions]
         start = time.perf_counter()
-        self._decode(prompt, sink, config.sampling, stats)
+        self._decode(prompt, sink, params, stats)
         stats.total_seconds = time.perf_counter() - start
         for session, counted in zip(sessions, before, strict=True):
             for route, count in session.routes.items():

@@ -163,6 +163,7 @@ class HFAssistedDecoder(Decoder):
     """
 
     method = "hf-assisted"
+    honours_penalties = False  # transformers' own logits processors differ from verify/penalties.py
 
     def __init__(
         self,

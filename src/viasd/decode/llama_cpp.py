@@ -54,6 +54,7 @@ class LlamaCppDecoder(Decoder):
     tokens, context size, text)."""
 
     method = "llama.cpp"
+    honours_penalties = False  # llama.cpp's samplers order and define them differently
 
     def __init__(
         self,

@@ -10,11 +10,20 @@ from transformers import PreTrainedTokenizerBase
 
 @dataclass
 class StopConditions:
-    """When a generation ends: EOS tokens, stop strings, or the token budget."""
+    """When a generation ends: EOS tokens, stop tokens, stop strings, or the token budget.
+
+    min_tokens: stop strings count only from then on (ending tokens are banned before, verify/penalties.py).
+    include_stop: the stop string or stop token that ended the output stays in it. skip_special_tokens: special
+    tokens are left out of the text.
+    """
 
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    include_stop: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -32,6 +41,7 @@ class OutputSink:
     finish_reason: str | None = None
     _emitted: int = 0
     _text: str = ""
+    _stops_from: int | None = None  # where stop strings may start in the text (None: min_tokens not reached yet)
 
     @property
     def done(self) -> bool:
@@ -51,6 +61,12 @@ class OutputSink:
         for token in new_tokens:
             if self.done:
                 break
+            if token in self.stop.stop_token_ids:
+                self.finish_reason = "stop"
+                if self.stop.include_stop:
+                    self.tokens.append(token)
+                    taken += 1
+                break
             if token in self.stop.eos_token_ids:
                 self.finish_reason = "eos"
                 break
@@ -62,12 +78,21 @@ class OutputSink:
         return taken
 
     def _update_text(self) -> None:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.stop.stop_strings:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-                self.finish_reason = "stop"
+        skip = self.stop.skip_special_tokens
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=skip)
+        if self._stops_from is None and len(self.tokens) >= self.stop.min_tokens:
+            # A stop string counts once it ends in token min_tokens or later (none before min_tokens tokens).
+            before = self.tokens[: max(self.stop.min_tokens - 1, 0)]
+            self._stops_from = len(self.tokenizer.decode(before, skip_special_tokens=skip)) if before else 0
+        found = [
+            (cut, len(s))
+            for s in self.stop.stop_strings
+            if self._stops_from is not None and (cut := text.find(s, max(self._stops_from - len(s) + 1, 0))) >= 0
+        ]
+        if found:
+            cut, length = min(found)
+            text = text[: cut + length] if self.stop.include_stop else text[:cut]
+            self.finish_reason = "stop"
         self._text = text
         if self.on_text is None:
             return

@@ -30,13 +30,14 @@ from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.passes.executor import PassExecutor
-from viasd.prompting import Message, encode_messages
+from viasd.prompting import PLAIN_TEMPLATE, ChatTemplate, Message, encode_messages
 from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
 from viasd.serve.metrics import Metrics
 from viasd.serve.middleware import GuardMiddleware
 from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
+from viasd.serve.request_config import generation_config as request_generation_config
 from viasd.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -56,7 +57,6 @@ from viasd.serve.schemas import (
     field_range,
 )
 from viasd.serve.settings import ServeSettings
-from viasd.verify.sampling import SamplingParams
 
 log = logging.getLogger("viasd.serve")
 
@@ -109,6 +109,8 @@ def validation_message(errors: Sequence[Any], model: type[BaseModel] | None = No
         bounds = field_range(model, loc[0]) if model is not None and len(loc) == 1 else None
         if item.get("type") in _RANGE_ERRORS and bounds:
             problems.append(f"{where} must be {bounds}, got {_shown(item.get('input'))}")
+        elif item.get("type") == "extra_forbidden":
+            problems.append(f"{where}: unknown parameter (not in OpenAI's API nor among the extensions served here)")
         elif item.get("type") in _TYPE_ERRORS:
             problems.append(f"{where} must be {_TYPE_ERRORS[item['type']]}, got {_shown(item.get('input'))}")
         else:
@@ -264,31 +266,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             )
         return chosen
 
-    def generation_config(req: ChatCompletionRequest | CompletionRequest) -> GenerationConfig:
-        max_tokens = req.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = settings.default_max_tokens
-        elif max_tokens > settings.max_tokens_limit:
-            raise APIError(
-                400,
-                f"max_tokens is {max_tokens}; this server allows at most {settings.max_tokens_limit} "
-                "(--max-tokens-limit)",
-                code="max_tokens_too_large",
-                param="max_tokens",
-            )
-        sampling = SamplingParams(
-            temperature=settings.default_temperature if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            seed=req.seed,
-        )
-        return GenerationConfig(
-            max_new_tokens=max_tokens, sampling=sampling, stop_strings=req.stop_strings(), ignore_eos=req.ignore_eos
-        )
+    def generation_config(req: ChatCompletionRequest | CompletionRequest, method: str) -> GenerationConfig:
+        return request_generation_config(req, settings, method, vocab_size)
 
-    async def encode(messages: Sequence[Message], chat: bool) -> list[int]:
+    async def encode(messages: Sequence[Message], chat: bool, template: ChatTemplate = PLAIN_TEMPLATE) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(tokenizer_pool, encode_messages, engine.tokenizer, messages, chat)
+        return await loop.run_in_executor(tokenizer_pool, encode_messages, engine.tokenizer, messages, chat, template)
 
     def check_prompt(ids: Sequence[int], param: str) -> None:
         if len(ids) > settings.max_prompt_tokens:
@@ -333,7 +316,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         except GenerationCancelled as error:
             raise APIError(499, "the client closed the request", code="cancelled") from error
         except ViasdError as error:
-            raise APIError(400, str(error)) from error
+            raise APIError(400, str(error), param=getattr(error, "param", None)) from error
         finally:
             job.cancel.set()  # no-op when finished; stops the generation if this handler was cancelled
 
@@ -420,8 +403,9 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
         method = pick_method(req.method)
-        config = generation_config(req)
-        prompt = await encode([m.as_prompt_message() for m in req.messages], chat=True)
+        config = generation_config(req, method)
+        prompt = await encode([m.as_prompt_message() for m in req.messages], chat=True, template=req.template())
+        prompt = prompt[-(req.truncate_prompt_tokens or len(prompt)) :]
         check_prompt(prompt, "messages")
         job = start(request, prompt, method, config)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -462,7 +446,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         req = await parse_body(request, CompletionRequest)
         check_model(req.model)
         method = pick_method(req.method)
-        config = generation_config(req)
+        config = generation_config(req, method)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             prompt = [int(t) for t in req.prompt]
             bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -472,6 +456,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         else:
             text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
             prompt = await encode([{"role": "user", "content": text}], chat=False)
+        prompt = prompt[-(req.truncate_prompt_tokens or len(prompt)) :]
         check_prompt(prompt, "prompt")
         job = start(request, prompt, method, config)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())

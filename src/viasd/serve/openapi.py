@@ -106,7 +106,8 @@ def install_openapi(
 
 def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> None:
     """Publish the server's own limits in the request schemas: the model id, the loaded methods, the
-    largest max_tokens and the vocabulary (every other value is refused with 400 or 404)."""
+    largest max_tokens and the vocabulary of prompt and stop token ids (every other value is refused with 400 or
+    404)."""
     limits: dict[str, dict[str, Any]] = {
         "model": {"enum": [served.model_id]},
         "method": {"enum": list(served.methods)},
@@ -121,6 +122,8 @@ def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> No
         for branch in properties.get("prompt", {}).get("anyOf", []):
             if branch.get("items", {}).get("type") == "integer":
                 branch["items"]["maximum"] = served.vocab_size - 1
+        if "stop_token_ids" in properties:
+            _typed_branch(properties["stop_token_ids"])["items"]["maximum"] = served.vocab_size - 1
 
 
 def _typed_branch(prop: dict[str, Any]) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 Every parameter of OpenAI's API is declared with OpenAI's type, checked strictly as OpenAI checks it (`true` is
 not 1, `"8"` is not 8, `8.0` is not an integer), and is either honoured or refused with a message that names it
-(n > 1, penalties, logprobs, tools, audio, predicted outputs...): a silently ignored parameter would give the
-client wrong output. Fields OpenAI does not define are ignored, as vLLM does. Extensions: `method`, `top_k`,
-`ignore_eos`, and `usage.speculative` in responses.
+(n > 1, logprobs, tools, audio, predicted outputs...): a silently ignored parameter would give the client wrong
+output. So are the extensions of vLLM's OpenAI server that clients send (min_p, repetition_penalty, min_tokens,
+stop_token_ids, guided decoding, beam search...; `_VLLM_REFUSED` lists those refused). A field neither API defines
+is refused too, as OpenAI refuses it (vLLM ignores it): a misspelt parameter would otherwise be dropped unseen.
+viasd's own extensions: `method`, and `usage.speculative` in responses.
 
 `logprobs` has OpenAI's type on each endpoint, checked strictly so that the validation and the published schema
 accept the same values: a boolean in chat completions (`false` or left out; `0` is refused, as OpenAI refuses it),
@@ -14,14 +16,17 @@ an integer in the legacy text completions (`0` or left out; `false` is refused).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
+_TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: a token id written as a decimal string
 # Published in the schema for fields that are accepted only at their neutral value; the validators below
 # enforce them with messages that say why.
 _ONLY_ZERO: dict[str, Any] = {"enum": [0, None], "description": "only 0 is supported"}
@@ -76,16 +81,37 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM's extensions that viasd does not honour, and why; each is refused whenever it is given (not null).
+_VLLM_REFUSED = {
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "guided_decoding_backend": "guided decoding is not supported",
+    "guided_whitespace_pattern": "guided decoding is not supported",
+    "structured_outputs": "guided decoding is not supported",
+    "prompt_logprobs": "log probabilities are not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported (logit_bias of -100 bans a token)",
+    "bad_words": "bad_words is not supported",
+    "logits_processors": "custom logits processors are not supported",
+}
+# Published for them: leave it out (or null).
+_REFUSED_SCHEMA: dict[str, Any] = {"enum": [None], "description": "vLLM extension, not supported: leave it out"}
+
+
 class _Request(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(default=None, ge=0, description="extension: 0 disables top-k")
+    top_k: int | None = Field(default=None, ge=0, description="extension (vLLM): 0 disables top-k")
+    min_p: float | None = Field(
+        default=None, ge=0.0, le=1.0, allow_inf_nan=False, description="extension (vLLM): 0 disables min-p"
+    )
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="any 64-bit integer")
     stop: str | list[str] | None = Field(
         default=None, json_schema_extra={"minLength": 1, "maxItems": MAX_STOP_STRINGS, "items": {"minLength": 1}}
@@ -93,12 +119,63 @@ class _Request(BaseModel):
     n: int | None = Field(default=None, json_schema_extra={"enum": [1, None]}, description="only 1 is supported")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, allow_inf_nan=False, json_schema_extra=_ONLY_ZERO)
-    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False, json_schema_extra=_ONLY_ZERO)
-    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, allow_inf_nan=False, description="extension (vLLM): 1 disables it"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"minimum": -100, "maximum": 100},
+        },
+        description="token id (a decimal string) -> a bias in [-100, 100] added to its logit",
+    )
+    min_tokens: int | None = Field(
+        default=None, ge=0, description="extension (vLLM): no end token or stop string before this many tokens"
+    )
+    stop_token_ids: list[int] | None = Field(
+        default=None,
+        json_schema_extra={"items": {"minimum": 0}},
+        description="extension (vLLM): more tokens that end the output",
+    )
+    include_stop_str_in_output: bool | None = Field(
+        default=None, description="extension (vLLM): keep the stop string or token that ended the output"
+    )
+    skip_special_tokens: bool | None = Field(
+        default=None, description="extension (vLLM): leave special tokens out of the text (default true)"
+    )
+    spaces_between_special_tokens: bool | None = Field(
+        default=None, json_schema_extra={"enum": [True, None]}, description="extension (vLLM): only true"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="extension (vLLM): keep only the prompt's last this many tokens"
+    )
+    best_of: int | None = Field(default=None, json_schema_extra={"enum": [1, None]}, description="only 1")
+    use_beam_search: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
+    length_penalty: float | None = Field(
+        default=None, allow_inf_nan=False, json_schema_extra={"enum": [1, None]}, description="only 1 (no beams)"
+    )
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
+        description="only type 'text' is supported",
+    )
+    guided_json: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    guided_regex: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    guided_choice: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    guided_grammar: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    guided_decoding_backend: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    guided_whitespace_pattern: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    structured_outputs: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    prompt_logprobs: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    allowed_token_ids: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    bad_words: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    logits_processors: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     user: str | None = None
     method: str | None = Field(default=None, description="extension: decoding method, one of the loaded ones")
-    ignore_eos: bool = Field(default=False, description="extension: keep generating past end-of-sequence")
+    ignore_eos: bool = Field(default=False, description="extension (vLLM): keep generating past end-of-sequence")
 
     @field_validator("n")
     @classmethod
@@ -107,19 +184,68 @@ class _Request(BaseModel):
             raise ValueError("only n=1 is supported")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported (use 0 or leave it out)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids written as decimal strings, got {_shown(key)}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"values must be numbers in [-100, 100], got {_shown(bias)} for token {key}")
         return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(token < 0 for token in value):
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    @field_validator(*_VLLM_REFUSED)
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{_VLLM_REFUSED[info.field_name or '']} (leave {info.field_name} out)")
+        return value
+
+    @field_validator("spaces_between_special_tokens")
+    @classmethod
+    def _spaces(cls, value: bool | None) -> bool | None:
+        if value is False:
+            raise ValueError("only true is supported (the tokenizer decides the spacing)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beams(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("beam search is not supported (false or leave it out)")
+        return value
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _no_length_penalty(cls, value: float | None) -> float | None:
+        if value is not None and value != 1.0:
+            raise ValueError("needs beam search, which is not supported (1 or leave it out)")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("type", "text") != "text":
+            raise ValueError("only response_format type 'text' is supported")
+        return value
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs."""
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
@@ -192,7 +318,10 @@ _NOT_HONOURED = {
     "reasoning_effort": "this model does not reason",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
+    "chat_template": "a chat template of the request's own is not supported (the model's is used)",
+    "documents": "documents are not supported",
 }
+_CHAT_REFUSED = ("chat_template", "documents")
 
 
 class ChatCompletionRequest(_Request):
@@ -201,11 +330,20 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
     tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
-    response_format: dict[str, Any] | None = Field(
-        default=None,
-        json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
-        description="only type 'text' is supported",
+    add_generation_prompt: bool | None = Field(
+        default=None, description="extension (vLLM): end the prompt with the assistant's turn opening (default true)"
     )
+    continue_final_message: bool | None = Field(
+        default=None, description="extension (vLLM): continue the last (assistant) message instead of a new turn"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KEYS)}}},
+        description="extension (vLLM): more variables for the chat template (e.g. enable_thinking)",
+    )
+    chat_template: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    documents: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    echo: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
     top_logprobs: int | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
     tool_choice: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
     function_call: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
@@ -242,7 +380,29 @@ class ChatCompletionRequest(_Request):
             raise ValueError(f"{kind} are not supported (none, auto or leave {info.field_name} out)")
         return value
 
-    @field_validator("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KEYS & set(value or {}))
+        if reserved:
+            raise ValueError(f"{reserved[0]!r} is not a template variable here (it is set by the request itself)")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true with add_generation_prompt true (a new turn, or the last one continued)")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echo is not supported (false or leave it out)")
+        return value
+
+    @field_validator("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", *_CHAT_REFUSED)
     @classmethod
     def _left_out(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
@@ -274,9 +434,17 @@ class ChatCompletionRequest(_Request):
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools or self.functions:
             raise ValueError("tools and functions are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
         return self
+
+    def template(self) -> ChatTemplate:
+        """How the chat template renders this request's messages."""
+        return ChatTemplate(
+            add_generation_prompt=not self.continue_final_message
+            if self.add_generation_prompt is None
+            else self.add_generation_prompt,
+            continue_final_message=bool(self.continue_final_message),
+            variables=tuple(sorted((self.chat_template_kwargs or {}).items())),
+        )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -289,7 +457,6 @@ class CompletionRequest(_Request):
     )
     echo: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0}, description="not supported")
-    best_of: int | None = Field(default=None, json_schema_extra={"enum": [1, None]}, description="only 1")
     logprobs: int | None = Field(default=None, json_schema_extra=_ONLY_ZERO)
 
     @field_validator("logprobs", mode="before")
@@ -307,8 +474,6 @@ class CompletionRequest(_Request):
             raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
         return self
 
     def requested_max_tokens(self) -> int | None:

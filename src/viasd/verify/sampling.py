@@ -7,11 +7,12 @@ where the logits live, as a tensor, with no host sync (greedy decoding everywher
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from viasd.errors import ViasdError
+from viasd.verify.penalties import Penalties
 
 # The seeds a torch generator accepts: any 64-bit integer, signed or unsigned.
 SEED_MIN = -(2**63)
@@ -25,12 +26,18 @@ BAD_TOKEN = -1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. temperature 0 (or below GREEDY_BELOW) means greedy (argmax)."""
+    """How tokens are chosen. temperature 0 (or below GREEDY_BELOW) means greedy (argmax).
+
+    min_p: tokens less likely than min_p times the most likely one (after the temperature) are dropped (0: off).
+    penalties: adjust the logits by the tokens before each position first (verify/penalties.py).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    penalties: Penalties = field(default_factory=Penalties)
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -41,6 +48,13 @@ class SamplingParams:
             raise ViasdError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k}")
         if self.seed is not None and (not _is_integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ViasdError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits), got {self.seed}")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ViasdError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+
+    def first_set(self) -> str | None:
+        """The API name of the first parameter set beyond temperature, top-p, top-k and seed (min_p, the penalties),
+        for methods that honour only those; None when there is none."""
+        return "min_p" if self.min_p else self.penalties.first_set()
 
     @property
     def greedy(self) -> bool:
@@ -91,12 +105,16 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Greedy gives one-hot rows at the argmax, so speculative sampling on them reduces to exact matching.
     Every row is a finite distribution: the largest score is shifted to 0 before dividing by the
     temperature (so tiny temperatures cannot overflow), top-p keeps at least the most likely token, and
-    a row that still has no finite mass (NaN logits) falls back to its argmax.
+    a row that still has no finite mass (NaN logits) falls back to its argmax. Order: temperature, min-p, top-k,
+    top-p (as vLLM).
     """
     logits = logits.float()
     if params.greedy:
         return one_hot_argmax(logits)
     scores = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    if params.min_p > 0.0:
+        # p(v) >= min_p * p(top) <=> score(v) >= log(min_p), the top score being 0; the top token always stays.
+        scores = scores.masked_fill(scores < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
