@@ -1,0 +1,185 @@
+"""The prefix cache across generations (passes/prefix_cache.py): a later prompt that starts like an earlier
+generation's tokens starts from their kept KV, and gets what it gets without the cache."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from helpers import ATOL, assert_cache_equals, fresh_cache
+from tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
+from viasd.decode.base import Decoder, GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.round import RoundPolicy
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.decode.tiered import TieredDecoder
+from viasd.drafters.hybrid import HybridDrafter
+from viasd.drafters.model_drafter import ModelDrafter
+from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.passes.prefix_cache import PrefixCache, copy_session, resumable_cut, resume_session
+from viasd.passes.session import KVSession
+from viasd.verify.gates import Gate
+from viasd.verify.sampling import SamplingParams
+from viasd.views.layer_skip import LayerMask
+
+FIRST = [3, 4, 5, 6, 7, 3, 4, 5, 9, 12, 14, 15]
+
+
+def copied_tensors(copy) -> list[torch.Tensor]:
+    return [t.clone() for layer in copy.layers for t in (layer.keys, layer.values)]
+
+
+def unchanged(copy, before: list[torch.Tensor]) -> bool:
+    now = [t for layer in copy.layers for t in (layer.keys, layer.values)]
+    return all(torch.equal(a, b) for a, b in zip(now, before, strict=True))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_resumed_cache_equals_a_fresh_pass_and_the_entry_is_never_changed(arch):
+    model = tiny_model(arch)
+    session = KVSession(model)
+    session.extend_to(FIRST)
+    steps = [20, 21, 22, 23]
+    for token in steps:  # decoding steps, then slim entries beyond the committed ones (pending: never kept)
+        session.forward([token])
+    session.forward_slim([30, 31], LayerMask.skipping(4, [2]))
+    copy = copy_session(session)
+    assert copy is not None and copy.tokens == tuple(FIRST + steps)
+    before = copied_tensors(copy)
+    second = FIRST + steps[:2] + [40, 41, 42]
+    cut = resumable_cut(copy, second)
+    assert cut == len(FIRST) + 2  # the common prefix
+    resumed = KVSession(model)
+    resume_session(resumed, copy, cut)
+    assert resumed.tokens == second[:cut] and not resumed.pending
+    resumed.extend_to(second)
+    assert_cache_equals(resumed.cache, fresh_cache(model, second), len(second), atol=ATOL.get(arch, 1e-10))
+    resumed.forward([43, 44])  # the resumed session writes on, crops back: the entry stays as it was
+    resumed.truncate(3)
+    resumed.forward([45])
+    assert unchanged(copy, before)
+    # A prompt the entry holds whole: its last tokens are read again for their logits, never cropped from it.
+    assert resumable_cut(copy, FIRST) == len(FIRST) - 2
+    assert resumable_cut(copy, [9, 9, 9, 9]) == 0
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_windows_resume_only_where_the_window_is_held(arch):
+    window = 6
+    model = tiny_model(arch, sliding_window=window)
+    prompt = [(7 * i) % 60 + 3 for i in range(20)]
+    session = KVSession(model)
+    session.extend_to(prompt)
+    for token in (50, 51, 52, 53):
+        session.forward([token])
+    untrimmed = copy_session(session)  # the sliding layers hold every position since nothing was cropped yet
+    assert untrimmed is not None and untrimmed.serves(3)
+    session.truncate(session.committed - 1)  # a rollback trims them to the window that ends at the cut
+    copy = copy_session(session)
+    assert copy is not None
+    held = [*prompt, 50, 51, 52]
+    assert copy.serves(len(held))
+    assert not copy.serves(len(held) - 1)  # a window the sliding layers no longer hold
+    assert resumable_cut(copy, [*prompt[:10], 1, 2, 3]) == 0
+    assert resumable_cut(copy, [*held[:-1], 60, 61, 62]) == 0
+    later = [*held, 60, 61]
+    cut = resumable_cut(copy, later)
+    assert cut == len(held)
+    resumed, fresh = KVSession(model), KVSession(model)
+    resume_session(resumed, copy, cut)
+    atol = ATOL.get(arch, 1e-10)
+    assert torch.allclose(resumed.extend_to(later), fresh.extend_to(later), atol=atol)
+    for token in (5, 9, 13):  # decoding on (and a rollback of one step) past the window
+        assert torch.allclose(resumed.forward([token]), fresh.forward([token]), atol=atol)
+    resumed.truncate(resumed.committed - 1)
+    fresh.truncate(fresh.committed - 1)
+    assert torch.allclose(resumed.forward([17]), fresh.forward([17]), atol=atol)
+
+
+def tiny_decoders(arch: str = "qwen2") -> dict[str, Decoder]:
+    target = tiny_model(arch)
+    tok = tiny_tokenizer(64)
+    drafter = tiny_model(arch, layers=2, seed=1)
+    relaxed = RoundPolicy(Gate("confidence", (0.02, 0.6)), cap=6)
+    return {
+        "plain": PlainDecoder(target, tok),
+        "sd": SpeculativeDecoder(target, tok, ModelDrafter(drafter), gamma=3),
+        "lookup": SpeculativeDecoder(target, tok, PromptLookupDrafter(), gamma=4),
+        "hybrid": SpeculativeDecoder(target, tok, HybridDrafter(PromptLookupDrafter(), ModelDrafter(drafter))),
+        "via": TieredDecoder(target, tok, ModelDrafter(drafter), [LayerMask.skipping(4, [1])], relaxed),
+    }
+
+
+def cached(decoder: Decoder, cache: PrefixCache, key: str, prompt: list[int], config: GenerationConfig) -> list[int]:
+    """What the server does: a generation started from the cache, kept there when it ends."""
+    result = decoder.generate(prompt, config, resume=functools.partial(cache.resume, key))
+    cache.keep(key, decoder.sessions())
+    return result.tokens
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=7)])
+@pytest.mark.parametrize("method", ["plain", "sd", "lookup", "hybrid", "via"])
+def test_a_later_turn_gets_with_the_cache_what_it_gets_without(method, params):
+    decoder = tiny_decoders()[method]
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True, sampling=params)
+    cache = PrefixCache(1 << 30)
+    first = cached(decoder, cache, method, FIRST, config)
+    second = FIRST + first + [40, 41, 42, 43]
+    third_turn = cached(decoder, cache, method, second, config)
+    counts = cache.counts()
+    assert counts.hits == 1 and counts.misses == 1 and counts.reused_tokens > len(FIRST)
+    assert third_turn == decoder.generate(second, config).tokens  # the same decoder, the cache off
+    # A regenerated answer (the same prompt again) and a prompt sharing only the start come out the same too.
+    for prompt in (second, [*FIRST[:6], 33, 34, 35]):
+        assert cached(decoder, cache, method, prompt, config) == decoder.generate(prompt, config).tokens
+    assert cache.counts().hits == 3
+
+
+def test_entries_of_one_method_never_start_another():
+    decoders = tiny_decoders()
+    cache = PrefixCache(1 << 30)
+    config = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    cached(decoders["sd"], cache, "sd", FIRST, config)
+    assert cache.resume("plain", decoders["plain"].sessions(), [*FIRST, 40, 41]) == 0
+    assert cache.counts().misses == 2
+
+
+def session_bytes(model, tokens: list[int]) -> int:
+    session = KVSession(model)
+    session.forward(tokens)
+    copy = copy_session(session)
+    assert copy is not None
+    return copy.nbytes
+
+
+def test_the_memory_bound_holds_and_the_least_recently_used_entry_goes_first():
+    model = tiny_model()
+    decoder = PlainDecoder(model, tiny_tokenizer(64))
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    prompts = [[10 + i] * 6 + [3, 4, 5, 6] for i in range(4)]  # unrelated prompts of one length
+    one = session_bytes(model, prompts[0] + [0] * 3)  # an entry: the prompt and all but the last new token
+    cache = PrefixCache(2 * one + one // 2)  # room for two
+    for prompt in prompts[:3]:
+        cached(decoder, cache, "plain", prompt, config)
+        assert cache.counts().bytes <= cache.capacity_bytes
+    counts = cache.counts()
+    assert counts.entries == 2 and counts.evictions == 1 and counts.bytes == 2 * one
+    assert cache.resume("plain", decoder.sessions(), prompts[0] + [1, 2]) == 0  # the oldest went
+    assert cache.resume("plain", decoder.sessions(), prompts[1] + [1, 2]) > 0  # now the most recently used
+    cached(decoder, cache, "plain", prompts[3], config)  # evicts prompts[2]'s entry, not prompts[1]'s
+    assert cache.resume("plain", decoder.sessions(), prompts[2] + [1, 2]) == 0
+    assert cache.resume("plain", decoder.sessions(), prompts[1] + [1, 2]) > 0
+    assert cache.counts().evictions == 2 and cache.counts().bytes <= cache.capacity_bytes
+    # An entry that extends another replaces it (a chat's next turn), without counting as an eviction.
+    answer = decoder.generate(prompts[1], config).tokens
+    cached(decoder, cache, "plain", [*prompts[1], *answer, 7], config)
+    assert cache.counts().entries == 2 and cache.counts().evictions == 2
+    assert cache.counts().bytes <= cache.capacity_bytes
+    small = PrefixCache(one - 1)  # an entry larger than the whole bound is not kept
+    cached(decoder, small, "plain", prompts[0], config)
+    assert small.counts().entries == 0 and small.counts().bytes == 0
+    off = PrefixCache(0)
+    cached(decoder, off, "plain", prompts[0], config)
+    assert off.counts() == type(off.counts())()
