@@ -4,6 +4,8 @@ generation's tokens starts from their kept KV, and gets what it gets without the
 from __future__ import annotations
 
 import functools
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -183,3 +185,67 @@ def test_the_memory_bound_holds_and_the_least_recently_used_entry_goes_first():
     off = PrefixCache(0)
     cached(decoder, off, "plain", prompts[0], config)
     assert off.counts() == type(off.counts())()
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+def served_texts(app, bodies: list[dict[str, Any]], together: bool) -> list[str]:
+    """The completions' texts, asked one after another or all at once."""
+    if not together:
+        return [app.post("/v1/completions", json=body).json()["choices"][0]["text"] for body in bodies]
+    texts: list[str] = [""] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+
+    def ask(index: int) -> None:
+        barrier.wait(timeout=30)
+        texts[index] = app.post("/v1/completions", json=bodies[index]).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return texts
+
+
+def test_served_later_turns_alone_and_batched_get_what_they_get_with_the_cache_off(tmp_path, monkeypatch):
+    """Second turns of four conversations (plain and prompt lookup), asked alone and eight at once on an app that runs
+    four generations together with the cache on, answer as the app with the cache off does; /metrics counts it."""
+    from fastapi.testclient import TestClient
+
+    from test_serve import metric
+    from viasd.engine import Engine, EngineSpec
+    from viasd.models.loading import LoadedModel
+    from viasd.serve.app import create_app
+    from viasd.serve.settings import ServeSettings
+    from viasd.views.recipe import QuantRecipe
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    loaded = LoadedModel(model=tiny_model(), tokenizer=tiny_tokenizer(64), name="tiny", path="tiny")
+    # The 4-bit view: viasd's kernels give a row the same bits whatever else is in its pass.
+    engine = Engine(EngineSpec(target="tiny", device="cpu", quant=QuantRecipe.parse("int4a8")), target=loaded)
+    prompts = ["t3 t4 t5 t6 t3 t4", "t9 t8 t7", "t20 t21 t22 t20 t21", "t5 t5 t6 t7 t8 t9 t10"]
+
+    def body(prompt: str, index: int) -> dict[str, Any]:
+        return {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "method": ("plain", "lookup")[index % 2]}  # fmt: skip
+
+    def settings(megabytes: int) -> ServeSettings:
+        return ServeSettings(model_id="tiny", methods=("plain", "lookup"), max_tokens_limit=16, default_max_tokens=4,
+                             max_active=4, prefix_cache_mb=megabytes)  # fmt: skip
+
+    with TestClient(create_app(engine, settings(0))) as app:
+        firsts = served_texts(app, [body(prompts[i % 4], i) for i in range(8)], together=False)
+        seconds = [body(f"{prompts[i % 4]} {firsts[i]} t30 t31", i) for i in range(8)]
+        want = served_texts(app, seconds, together=False)
+        assert "viasd_prefix_cache" not in app.get("/metrics").text
+    with TestClient(create_app(engine, settings(64))) as app:
+        assert served_texts(app, [body(prompts[i % 4], i) for i in range(8)], together=False) == firsts
+        assert served_texts(app, seconds, together=False) == want
+        assert served_texts(app, seconds, together=True) == want
+        text = app.get("/metrics").text
+    assert metric(text, "viasd_prefix_cache_hits_total") >= 16
+    assert metric(text, "viasd_prefix_cache_reused_tokens_total") > 0
+    assert 0 < metric(text, "viasd_prefix_cache_bytes") <= metric(text, "viasd_prefix_cache_capacity_bytes") == 64 << 20
+    assert metric(text, "viasd_prefix_cache_evictions_total") == 0 and all(firsts)
