@@ -210,8 +210,9 @@ def served_texts(app, bodies: list[dict[str, Any]], together: bool) -> list[str]
 
 
 def test_served_later_turns_alone_and_batched_get_what_they_get_with_the_cache_off(tmp_path, monkeypatch):
-    """Second turns of four conversations (plain and prompt lookup), asked alone and eight at once on an app that runs
-    four generations together with the cache on, answer as the app with the cache off does; /metrics counts it."""
+    """Second turns of four conversations (plain, prompt lookup and sd), asked alone and eight at once on an app
+    that runs four generations together with the cache on, answer as the app with the cache off does; /metrics
+    counts it."""
     from fastapi.testclient import TestClient
 
     from test_serve import metric
@@ -223,17 +224,19 @@ def test_served_later_turns_alone_and_batched_get_what_they_get_with_the_cache_o
 
     monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
     loaded = LoadedModel(model=tiny_model(), tokenizer=tiny_tokenizer(64), name="tiny", path="tiny")
+    drafter = LoadedModel(model=tiny_model(layers=2, seed=1), tokenizer=tiny_tokenizer(64), name="d", path="d")
     # The 4-bit view: viasd's kernels give a row the same bits whatever else is in its pass.
-    engine = Engine(EngineSpec(target="tiny", device="cpu", quant=QuantRecipe.parse("int4a8")), target=loaded)
+    spec = EngineSpec(target="tiny", drafter="d", device="cpu", quant=QuantRecipe.parse("int4a8"))
+    engine = Engine(spec, target=loaded, drafter=drafter)
     prompts = ["t3 t4 t5 t6 t3 t4", "t9 t8 t7", "t20 t21 t22 t20 t21", "t5 t5 t6 t7 t8 t9 t10"]
 
     def body(prompt: str, index: int) -> dict[str, Any]:
         return {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "method": ("plain", "lookup")[index % 2]}  # fmt: skip
+                "method": ("plain", "lookup", "sd")[index % 3]}  # fmt: skip
 
     def settings(megabytes: int) -> ServeSettings:
-        return ServeSettings(model_id="tiny", methods=("plain", "lookup"), max_tokens_limit=16, default_max_tokens=4,
-                             max_active=4, prefix_cache_mb=megabytes)  # fmt: skip
+        return ServeSettings(model_id="tiny", methods=("plain", "lookup", "sd"), max_tokens_limit=16,
+                             default_max_tokens=4, max_active=4, prefix_cache_mb=megabytes)  # fmt: skip
 
     with TestClient(create_app(engine, settings(0))) as app:
         firsts = served_texts(app, [body(prompts[i % 4], i) for i in range(8)], together=False)
