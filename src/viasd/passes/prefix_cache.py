@@ -143,11 +143,6 @@ class _Entry:
     sessions: tuple[SessionCopy | None, ...]
     nbytes: int
 
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        first = self.sessions[0]
-        return first.tokens if first is not None else ()
-
     def covers(self, other: _Entry) -> bool:
         """Whether this entry serves every cut `other` serves (each session's tokens extend `other`'s, no sliding
         windows), so `other` is no longer needed."""
