@@ -17,9 +17,11 @@ from viasd.decode.plain import PlainDecoder
 from viasd.decode.round import RoundPolicy
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.decode.tiered import TieredDecoder
+from viasd.drafters.head import HeadDrafter
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.heads.network import DraftHead, HeadConfig
 from viasd.passes.prefix_cache import PrefixCache, copy_session, resumable_cut, resume_session
 from viasd.passes.session import KVSession
 from viasd.verify.gates import Gate
@@ -100,6 +102,15 @@ def test_sliding_windows_resume_only_where_the_window_is_held(arch):
     assert torch.allclose(resumed.forward([17]), fresh.forward([17]), atol=atol)
 
 
+def tiny_head(seed: int = 0) -> DraftHead:
+    """A random draft head over the tiny models' whole vocabulary, peaked enough to draft."""
+    torch.manual_seed(seed)
+    head = DraftHead(HeadConfig(hidden=64, width=32, vocab=64), torch.arange(64)).to(torch.float64)
+    for parameter in head.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    return head
+
+
 def tiny_decoders(arch: str = "qwen2") -> dict[str, Decoder]:
     target = tiny_model(arch)
     tok = tiny_tokenizer(64)
@@ -110,6 +121,7 @@ def tiny_decoders(arch: str = "qwen2") -> dict[str, Decoder]:
         "sd": SpeculativeDecoder(target, tok, ModelDrafter(drafter), gamma=3),
         "lookup": SpeculativeDecoder(target, tok, PromptLookupDrafter(), gamma=4),
         "hybrid": SpeculativeDecoder(target, tok, HybridDrafter(PromptLookupDrafter(), ModelDrafter(drafter))),
+        "head": SpeculativeDecoder(target, tok, HeadDrafter(tiny_head(), target), gamma=4),
         "via": TieredDecoder(target, tok, ModelDrafter(drafter), [LayerMask.skipping(4, [1])], relaxed),
     }
 
@@ -122,7 +134,7 @@ def cached(decoder: Decoder, cache: PrefixCache, key: str, prompt: list[int], co
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=7)])
-@pytest.mark.parametrize("method", ["plain", "sd", "lookup", "hybrid", "via"])
+@pytest.mark.parametrize("method", ["plain", "sd", "lookup", "hybrid", "head", "via"])
 def test_a_later_turn_gets_with_the_cache_what_it_gets_without(method, params):
     decoder = tiny_decoders()[method]
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True, sampling=params)
@@ -190,6 +202,12 @@ def test_the_memory_bound_holds_and_the_least_recently_used_entry_goes_first():
 # ---------------------------------------------------------------------------------------------- the server
 
 
+def metric(text: str, name: str) -> float:
+    """The value of the unlabelled sample `name` in a Prometheus text."""
+    (value,) = [line.split()[-1] for line in text.splitlines() if line.startswith(f"{name} ")]
+    return float(value)
+
+
 def served_texts(app, bodies: list[dict[str, Any]], together: bool) -> list[str]:
     """The completions' texts, asked one after another or all at once."""
     if not together:
@@ -215,7 +233,6 @@ def test_served_later_turns_alone_and_batched_get_what_they_get_with_the_cache_o
     counts it."""
     from fastapi.testclient import TestClient
 
-    from test_serve import metric
     from viasd.engine import Engine, EngineSpec
     from viasd.models.loading import LoadedModel
     from viasd.serve.app import create_app
