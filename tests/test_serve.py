@@ -864,6 +864,7 @@ def test_settings_and_requests_are_validated() -> None:
         {"methods": ("sd",), "default_max_tokens": 10, "max_tokens_limit": 5},
         {"methods": ("sd",), "api_key": " "},
         {"methods": ("sd",), "max_queue": -1},
+        {"methods": ("sd",), "prefix_cache_mb": -1},
         {"methods": ("sd",), "shutdown_timeout": -1},
         {"methods": ("sd",), "shutdown_timeout": float("nan")},
     ):

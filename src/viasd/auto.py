@@ -224,6 +224,9 @@ class AutoDecoder(Decoder):
     def sessions(self) -> tuple[KVSession, ...]:
         return self.chosen.sessions()
 
+    def reset(self, prompt_length: int, budget: int) -> None:
+        self.chosen.reset(prompt_length, budget)
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         stats.choice = {
             "method": self.choice["chosen"],

@@ -88,6 +88,10 @@ def decision_generator(params: SamplingParams, device: torch.device) -> torch.Ge
     return params.generator(device if params.on_device(device) else "cpu")
 
 
+# Starts a decoder's sessions (target first), just reset, from kept entries of the prompt's leading tokens.
+Resume = Callable[[Sequence["KVSession"], Sequence[int]], object]
+
+
 class Decoder(ABC):
     """One decoding method over a target model, run as `view` (None: as it is; a quantized view makes a
     faster, different model). Subclasses implement `_decode`."""
@@ -108,8 +112,10 @@ class Decoder(ABC):
         prompt_ids: Sequence[int],
         config: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
+        resume: Resume | None = None,
     ) -> GenerationResult:
-        """Generate a continuation of `prompt_ids`; `on_text` receives the text as it is committed."""
+        """Generate a continuation of `prompt_ids`; `on_text` receives the text as it is committed. `resume` may start
+        the decoder's sessions, once reset, from kept entries of the prompt's leading tokens (a prefix cache's)."""
         config = config or GenerationConfig()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -138,6 +144,9 @@ class Decoder(ABC):
         sessions = {id(session): session for session in self.sessions()}.values()  # each once
         before = [dict(session.routes) for session in sessions]
         start = time.perf_counter()
+        self.reset(len(prompt), budget)
+        if resume is not None:
+            resume(self.sessions(), prompt)
         self._decode(prompt, sink, params, stats)
         stats.total_seconds = time.perf_counter() - start
         for session, counted in zip(sessions, before, strict=True):
@@ -157,6 +166,12 @@ class Decoder(ABC):
         """The KV sessions this decoder's model passes run on (target, drafter): their passes are counted by route
         in each generation's statistics. None for decoders that run no pass of viasd's."""
         return ()
+
+    def reset(self, prompt_length: int, budget: int) -> None:
+        """Start a new generation of at most `budget` tokens after a prompt of `prompt_length`: every session empty
+        (subclasses tell their drafter too)."""
+        for session in self.sessions():
+            session.reset()
 
     @abstractmethod
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:

@@ -169,6 +169,7 @@ class LlamaServerDecoder(Decoder):
     (stop tokens, context size, text)."""
 
     method = "llama-server"
+    honours_penalties = False  # llama.cpp's penalties are defined and ordered differently: refused, not mapped
 
     def __init__(
         self,

@@ -30,7 +30,6 @@ class PlainDecoder(Decoder):
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
-        self.session.reset()
         with stats.timed("verify"):
             logits = self.session.extend_to(prompt, keep=1)
             while True:

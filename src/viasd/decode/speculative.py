@@ -80,10 +80,12 @@ class SpeculativeDecoder(Decoder):
     def sessions(self) -> tuple[KVSession, ...]:
         return (self.session, *self.drafter.sessions)
 
+    def reset(self, prompt_length: int, budget: int) -> None:
+        super().reset(prompt_length, budget)
+        self.drafter.reset(prompt_length, budget)
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
-        self.session.reset()
-        self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
         drafting = DraftTally()
         while not sink.done:

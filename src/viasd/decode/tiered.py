@@ -106,10 +106,12 @@ class TieredDecoder(Decoder):
     def sessions(self) -> tuple[KVSession, ...]:
         return (self.session, *self.drafter.sessions)
 
+    def reset(self, prompt_length: int, budget: int) -> None:
+        super().reset(prompt_length, budget)
+        self.drafter.reset(prompt_length, budget)
+
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
-        self.session.reset()
-        self.drafter.reset(len(prompt), sink.remaining)
         drafter_before = self.drafter.forward_passes
         stats.task_kind, policy = self.routing(prompt)
         slims = self.kind_slims.get(stats.task_kind or "", self.slims)
@@ -121,7 +123,7 @@ class TieredDecoder(Decoder):
             # the whole prompt instead of re-reading it themselves (a slim prefill would be thrown away by
             # the first full pass). The last prompt token stays out so the first round has a position to score.
             with stats.timed("verify"):
-                self.session.forward(prompt[:-1], keep=1)
+                self.session.extend_to(prompt[:-1], keep=1)  # after the tokens a prefix cache resumed
             stats.record_prefill(names)
         unchecked = 0  # committed tokens the full target has not verified since its last pass
         while not sink.done:

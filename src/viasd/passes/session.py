@@ -142,6 +142,13 @@ class KVSession:
         if self.features is not None:
             self.features.reset()
 
+    def adopt(self, cache: DynamicCache, tokens: Sequence[int]) -> None:
+        """Start a generation from `cache`, which holds exactly the committed entries of `tokens` (a prefix cache's
+        copy, passes/prefix_cache.py): no pending entries, no features."""
+        self.reset()
+        self.cache = cache
+        self._tokens = list(tokens)
+
     def _crop_layers(self, length: int) -> None:
         for layer in self.cache.layers:
             extra = layer.get_seq_length() - length

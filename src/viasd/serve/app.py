@@ -30,11 +30,12 @@ from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.passes.executor import PassExecutor
+from viasd.passes.prefix_cache import PrefixCache
 from viasd.prompting import PLAIN_TEMPLATE, ChatTemplate, Message, encode_messages
 from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
-from viasd.serve.metrics import Metrics
+from viasd.serve.metrics import Metrics, prefix_cache_text
 from viasd.serve.middleware import GuardMiddleware
 from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
 from viasd.serve.request_config import generation_config as request_generation_config
@@ -165,6 +166,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         settings.max_rows,
         settings.adaptive_drafts,
         executor,
+        PrefixCache(settings.prefix_cache_mb << 20) if settings.prefix_cache_mb else None,
     )
     # When --shutdown-timeout is over, the requests still running are told so and their generations stopped.
     drain = Drain(settings.shutdown_timeout, on_end=lambda: service.close(wait=False))
@@ -380,6 +382,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     async def prometheus() -> PlainTextResponse:
         waiting, running = service.depth()
         text = metrics.render(waiting=waiting, running=running, capacity=service.capacity)
+        if service.prefix_cache is not None:
+            text += prefix_cache_text(service.prefix_cache.counts())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> ModelCard:

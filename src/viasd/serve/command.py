@@ -29,6 +29,7 @@ from viasd.cli_options import (
 )
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+from viasd.serve.settings import DEFAULT_PREFIX_CACHE_MB
 
 if TYPE_CHECKING:
     import uvicorn
@@ -116,6 +117,14 @@ def serve(
             "(seeded sampled requests always keep theirs).",
         ),
     ] = True,
+    prefix_cache_mb: Annotated[
+        str,
+        typer.Option(
+            metavar="<MiB>",
+            help="MiB of finished requests' KV caches kept for later prompts that start the same way (a chat's "
+            "earlier turns), least recently used out; 0 turns the prefix cache off.",
+        ),
+    ] = str(DEFAULT_PREFIX_CACHE_MB),
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait while --max-active generate; more are refused with 503.")
     ] = 16,
@@ -137,7 +146,7 @@ def serve(
     """Serve the target over an OpenAI-compatible HTTP API (chat and text completions, streaming)."""
     from rich.console import Console
 
-    from viasd.serve.settings import ServeSettings, parse_methods
+    from viasd.serve.settings import ServeSettings, parse_megabytes, parse_methods
 
     err = Console(stderr=True)
     if not 0 <= port <= 65535:
@@ -157,6 +166,7 @@ def serve(
         adaptive_drafts=adaptive_drafts,
         max_queue=max_queue,
         shutdown_timeout=shutdown_timeout,
+        prefix_cache_mb=parse_megabytes(prefix_cache_mb),
     )
     sock = bind_socket(host, port)
     try:

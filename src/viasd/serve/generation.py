@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
 from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.executor import PassExecutor, confine_openmp
+from viasd.passes.prefix_cache import PrefixCache
 from viasd.serve.errors import APIError
 from viasd.serve.metrics import Metrics
 
@@ -60,13 +62,15 @@ class GenerationService:
 
     def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, max_active: int = 1,
                  max_rows: int = 64, adaptive_drafts: bool = True,
-                 executor: PassExecutor | None = None) -> None:  # fmt: skip
+                 executor: PassExecutor | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
         self.max_active = max_active
         self.max_rows = max_rows
         self.adaptive_drafts = adaptive_drafts
+        self.prefix_cache = prefix_cache  # finished generations' KV, resumed by later prompts that start the same way
         self.executor = executor  # with one, every pass runs on its thread and the workers keep OpenMP to themselves
         self._workers = ThreadPoolExecutor(
             max_workers=max_active,
@@ -150,7 +154,7 @@ class GenerationService:
                 slot = self._slots.get()  # a worker thread has one: there are as many slots as threads
                 try:
                     with self._batched():
-                        result = self.engine.generate(prompt, method, config, on_text=on_text, slot=slot)
+                        result = self._generate(prompt, method, config, on_text, slot)
                 finally:
                     self._slots.put(slot)
             except GenerationCancelled:
@@ -190,6 +194,17 @@ class GenerationService:
         result = asyncio.wrap_future(future, loop=loop)
         result.add_done_callback(_mark_retrieved)
         return Job(method=method, cancel=cancel, result=result, pieces=pieces)
+
+    def _generate(self, prompt: list[int], method: str, config: GenerationConfig,
+                  on_text: Callable[[str], None], slot: int) -> GenerationResult:  # fmt: skip
+        """One generation on `slot`'s decoder, started from the prefix cache and kept there when it ends."""
+        cache = self.prefix_cache
+        if cache is None:
+            return self.engine.generate(prompt, method, config, on_text=on_text, slot=slot)
+        decoder = self.engine.decoder(method, slot)
+        result = decoder.generate(prompt, config, on_text=on_text, resume=functools.partial(cache.resume, method))
+        cache.keep(method, decoder.sessions())
+        return result
 
     def close(self, wait: bool = True) -> None:
         """Refuse new jobs, cancel the ones still queued or running, and (optionally) wait for the thread."""

@@ -14,8 +14,12 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from viasd.decode.stats import GenerationStats
+
+if TYPE_CHECKING:
+    from viasd.passes.prefix_cache import PrefixCacheCounts
 
 
 @dataclass
@@ -225,3 +229,24 @@ class Metrics:
             (({"method": m, "tier": k}, _ratio(t.tier_decided[k], sum(t.tier_decided.values()))) for m, t, k in tiers),
         )
         return out.text()
+
+
+def prefix_cache_text(counts: PrefixCacheCounts) -> str:
+    """The prefix cache's figures (passes/prefix_cache.py) in the exposition format, after `Metrics.render`'s."""
+    out = _Writer()
+    for name, kind, help_text, value in (
+        ("hits_total", "counter", "Prompts that started from kept KV entries.", counts.hits),
+        ("misses_total", "counter", "Prompts that found no kept entries to start from.", counts.misses),
+        ("reused_tokens_total", "counter", "Prompt tokens whose target KV came from the cache.", counts.reused_tokens),
+        (
+            "evictions_total",
+            "counter",
+            "Entries dropped, least recently used, to stay within the bound.",
+            counts.evictions,
+        ),
+        ("entries", "gauge", "Entries kept now.", counts.entries),
+        ("bytes", "gauge", "Bytes of KV entries kept now.", counts.bytes),
+        ("capacity_bytes", "gauge", "Most bytes the cache keeps (--prefix-cache-mb).", counts.capacity_bytes),
+    ):
+        out.family(f"viasd_prefix_cache_{name}", kind, help_text, [({}, value)])
+    return out.text()

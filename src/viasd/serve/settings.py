@@ -9,6 +9,7 @@ from viasd.errors import ViasdError
 from viasd.methods import parse_method
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_PREFIX_CACHE_MB = 512  # about 13,000 tokens of the default pair's bf16 KV (40 KiB a token)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ServeSettings:
     max_queue: int = 16  # requests that may wait while `max_active` generate; more get 503
     default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
     shutdown_timeout: float = 30.0  # seconds requests in flight may run on after SIGTERM or Ctrl-C (serve/drain.py)
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB  # finished generations' KV kept for later prompts (0: off)
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -49,6 +51,10 @@ class ServeSettings:
                 raise ViasdError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.shutdown_timeout < math.inf:  # NaN fails this too
             raise ViasdError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
+        if self.prefix_cache_mb < 0:
+            raise ViasdError(
+                f"--prefix-cache-mb must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}"
+            )
         if self.max_queue < 0:
             raise ViasdError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.default_max_tokens > self.max_tokens_limit:
@@ -61,6 +67,16 @@ class ServeSettings:
     @property
     def default_method(self) -> str:
         return self.methods[0]
+
+
+def parse_megabytes(text: str) -> int:
+    """--prefix-cache-mb's '512' -> 512: a whole number of MiB >= 0 (0: off), refused in one line otherwise."""
+    value = text.strip()
+    if not (value.isascii() and value.isdigit()):  # ASCII digits only: no sign, point, exponent, NaN or '²'
+        raise ViasdError(
+            f"--prefix-cache-mb must be a whole number of MiB >= 0 (0 turns the prefix cache off), got {text!r}"
+        )
+    return int(value)
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
