@@ -10,17 +10,27 @@ from transformers import (
     GemmaConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from viasd.passes.packed_attention import use_packed_attention
 
-ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2", "qwen3", "llama3", "mistral", "phi3")
+# The families viasd's loop runs (passes/loop.py `MIRRORED`); "llama3" is Llama with Llama 3's rope scaling.
+LOOP_ARCHITECTURES = ("llama", "qwen2", "qwen3", "llama3", "mistral", "phi3")
+# Llama 3.x's rope scaling, with an original context short enough that tiny tests reach past it.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
 
 _CONFIGS = {
     "llama": LlamaConfig,
+    "llama3": LlamaConfig,
     "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "phi3": Phi3Config,
     "gemma": GemmaConfig,
     "gemma2": Gemma2Config,
     "mistral": MistralConfig,
@@ -84,7 +94,8 @@ def tiny_model(
 ) -> torch.nn.Module:
     """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform.
 
-    sliding_window: the attention window of the sliding layers (Gemma2: every other layer; Mistral: all).
+    sliding_window: the attention window of the sliding layers (Gemma2: every other layer; Mistral: all, 4096 unless
+    given).
     packed: attend as loaded CPU models do (`viasd.passes.packed_attention`); False: transformers' own sdpa.
     """
     kwargs = dict(
@@ -106,6 +117,8 @@ def tiny_model(
         kwargs.update(sliding_window=sliding_window or 128, query_pre_attn_scalar=16)
     elif sliding_window is not None:
         kwargs.update(sliding_window=sliding_window)
+    if arch == "llama3":
+        kwargs.update(rope_scaling=dict(LLAMA3_ROPE))
     config = _CONFIGS[arch](**kwargs)
     config._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
     torch.manual_seed(seed)
