@@ -29,7 +29,7 @@ from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View
 
-NEW_FAMILIES = ("qwen3", "llama3", "mistral", "phi3")
+NEW_FAMILIES = ("qwen3", "llama3", "mistral", "phi3", "gemma3")
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
@@ -46,18 +46,19 @@ def test_greedy_speculative_decoding_takes_short_passes_and_gives_plain_greedys_
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_a_sliding_window_shorter_than_the_context_is_the_models_own_arithmetic(dtype, monkeypatch):
-    """Mistral with an 8-token window over some 200 tokens: the loop attends over transformers' own sliding cache
-    layer with the model's mask, so blocks, rollbacks past the window and quantized views keep its bits."""
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])  # every layer sliding; every other one, with its own rope
+def test_a_sliding_window_shorter_than_the_context_is_the_models_own_arithmetic(arch, dtype, monkeypatch):
+    """An 8-token window over some 70 tokens: the loop attends over transformers' own sliding cache layer with the
+    model's mask, so blocks, rollbacks past the window and quantized views keep its bits."""
     monkeypatch.setenv("VIASD_KERNELS", "off")
-    model = tiny_model("mistral", dtype=dtype, sliding_window=8)
+    model = tiny_model(arch, dtype=dtype, sliding_window=8)
     assert loop.covers(model)
     for view in (None, View(linears=quantize(model, QuantRecipe.parse("int4a8")))):
         pairs, own, short = own_and_short(model, view, seed=3)
         for want, got in pairs:
             assert torch.equal(got, want)
         for a, b in zip(own.layers, short.layers, strict=True):
-            assert a.get_seq_length() == b.get_seq_length() > 8
+            assert a.get_seq_length() == b.get_seq_length() > 40  # far past the window
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
@@ -80,7 +81,7 @@ def test_llama3_rope_scaling_comes_from_the_models_rotary_embedding():
     assert not torch.equal(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
     x = torch.zeros(1, 3, 64, dtype=torch.float64)
     positions = torch.tensor([[40, 41, 7]])
-    cos, sin = loop.rotary(scaled, x, positions, (0, 2, 3))
+    cos, sin = loop.rotary(scaled, x, positions, (0, 2, 3))["all"]
     want_cos, want_sin = scaled.model.rotary_emb(x, positions)
     assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
 
@@ -127,12 +128,19 @@ def test_a_merged_pass_gives_each_sequence_the_rope_frequencies_of_its_own_pass(
             assert torch.allclose(got, want.logits[0], rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+LACKING = {
+    "qwen3": "it has no per-head q/k norms",
+    "mistral": "it has no sliding windows",
+    "gemma3": "it has no Gemma 3's (1 + w) norms, feed-forward norms and GELU MLP",
+}
+
+
+@pytest.mark.parametrize("arch", list(LACKING))
 def test_a_family_the_fused_stack_lacks_runs_layer_by_layer_and_says_why_once(arch, capsys):
     model = prepare(tiny_model(arch, dtype=torch.bfloat16, sliding_window=8 if arch == "mistral" else None))
     view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
     reason = fused.why_not(model.config)
-    assert reason == {"qwen3": "it has no per-head q/k norms", "mistral": "it has no sliding windows"}[arch]
+    assert reason == LACKING[arch]
     notice.warn_once.cache_clear()
     assert short_stack(model, view)[0] is Stack.LOOP and short_stack(model, view)[0] is Stack.LOOP
     assert capsys.readouterr().err.count(reason) == 1

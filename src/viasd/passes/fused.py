@@ -128,7 +128,7 @@ FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "
 # The families whose decoder layers the kernel computes, and what it lacks for the others viasd's loop covers
 # (passes/loop.py `MIRRORED`): their short passes run layer by layer.
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
-LACKS = {"qwen3": "per-head q/k norms"}
+LACKS = {"qwen3": "per-head q/k norms", "gemma3_text": "Gemma 3's (1 + w) norms, feed-forward norms and GELU MLP"}
 WHY_NOT = "_viasd_fused_why_not"  # where a prepared model keeps `why_not`'s verdict (passes/prepare.py)
 
 
@@ -167,22 +167,22 @@ def fits(model: nn.Module, view: View | None) -> bool:
         return False
     config = model.config  # type: ignore[union-attr]
     dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
-    if dtype != torch.bfloat16 or getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return False
-    if config.hidden_size % LANES or config.intermediate_size % LANES:
-        return False
-    head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
-    if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
-        return False
     copies = view.linears.modules
     linears = FUSED_LINEARS if getattr(config, "model_type", None) == "phi3" else LINEARS
     names = _names(config.num_hidden_layers, linears)
-    if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
+    if dtype != torch.bfloat16 or not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
         return False
     family = _why_not(model)
     if family is not None:  # a view the kernel would take, of a decoder it does not compute: said once
         warn_once(f"the fused layers do not run this model ({family}): short passes of low-bit views run their "
                   "layers one by one")  # fmt: skip
+        return False
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    if config.hidden_size % LANES or config.intermediate_size % LANES:
+        return False
+    head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
+    if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
         return False
     return isinstance(fused_layers.kernel(), Library) and agrees()
 

@@ -85,11 +85,13 @@ def run(
     caches: Sequence[DynamicCache],
     starts: Sequence[int],
     attention_kernel: bool,
+    sliding: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The decoder layers on x [1, M, hidden] as a loop of the model's own modules (as they are in place: a view's
     copies where one is applied), rows starts[s] .. starts[s + 1] being the new tokens of the sequence whose cache is
     caches[s], attending over it (by the C kernel where `attention_kernel`, else its torch reference); cos and sin
-    [M, dim]. Returns the new x; each cache is extended by its sequence's entries."""
+    [M, dim], of the sliding-window layers `sliding` where they have their own (Gemma 3). Returns the new x; each
+    cache is extended by its sequence's entries."""
     inner = model.model  # type: ignore[union-attr]
     config = model.config  # type: ignore[union-attr]
     first = inner.layers[0].self_attn
@@ -98,16 +100,24 @@ def run(
     assert library is None or isinstance(library, Library), "the route said the kernel is there"
     spans = list(itertools.pairwise(starts))
     attends = [LayerAttention(cos[a:b], sin[a:b], heads, first.scaling, library) for a, b in spans]
+    local_cos, local_sin = (cos, sin) if sliding is None else sliding
     for index, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp  # norms and MLPs are called as they are: no plumbing there
         h = layer.input_layernorm(x)
         query, key, value = projections(attn, h, heads)
-        attended = [
-            window_attention.attend(query[a:b], key[a:b], value[a:b], cos[a:b], sin[a:b], own, heads, first.scaling)
-            if type(own := cache.layers[index]) is DynamicSlidingWindowLayer  # no C kernel for windows: torch's
-            else attend(query[a:b], key[a:b], value[a:b], own)
-            for attend, cache, (a, b) in zip(attends, caches, spans, strict=True)
-        ]
-        x = x + attn.o_proj((attended[0] if len(attended) == 1 else torch.cat(attended))[None])
-        x = x + mlp(layer.post_attention_layernorm(x))
+        attended = []
+        for attend, cache, (a, b) in zip(attends, caches, spans, strict=True):
+            own = cache.layers[index]
+            if type(own) is DynamicSlidingWindowLayer:  # no C kernel for windows: torch's, over transformers' layer
+                rows = query[a:b], key[a:b], value[a:b], local_cos[a:b], local_sin[a:b]
+                attended.append(window_attention.attend(*rows, own, heads, first.scaling))
+            else:
+                attended.append(attend(query[a:b], key[a:b], value[a:b], own))
+        out = attn.o_proj((attended[0] if len(attended) == 1 else torch.cat(attended))[None])
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms on both sides of each sub-layer
+            x = x + layer.post_attention_layernorm(out)
+            x = x + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(x)))
+        else:
+            x = x + out
+            x = x + mlp(layer.post_attention_layernorm(x))
     return x

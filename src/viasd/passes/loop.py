@@ -46,7 +46,17 @@ MIRRORED = {
     "qwen3": ("Qwen3DecoderLayer", "Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),  # + per-head q/k norms
     "mistral": ("MistralDecoderLayer", "MistralAttention", "MistralMLP", "MistralRMSNorm"),  # + sliding windows
     "phi3": ("Phi3DecoderLayer", "Phi3Attention", "Phi3MLP", "Phi3RMSNorm"),  # q|k|v and gate|up as one projection
+    # Gemma 3's text decoder: feed-forward norms, q/k norms, a rotary embedding per layer type, sliding layers
+    "gemma3_text": ("Gemma3DecoderLayer", "Gemma3Attention", "Gemma3MLP", "Gemma3RMSNorm"),
 }
+FEED_FORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3's, besides Llama's two
+
+
+def rope_parameters(config: object) -> list[dict]:
+    """The config's rotary parameters: one set, or one per layer type (Gemma 3: `{layer type: parameters}`)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested or [rope]
 
 
 def per_call_rope(rope_type: str) -> bool:
@@ -69,9 +79,11 @@ def why_not(model: nn.Module) -> str | None:
     kinds = set(get_layer_types_and_kwargs(config)[0])  # what transformers makes the cache layers by
     if not kinds <= {"full_attention", "sliding_attention"}:
         return f"they cover full and sliding-window attention, not {', '.join(sorted(kinds))}"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if any(rope.get("partial_rotary_factor", 1.0) != 1.0 for rope in rope_parameters(config)):
         return "they rotate every dimension of a head, not a part of it (partial_rotary_factor)"
+    for field in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(config, field, None):
+            return f"they have no {field}"
     if getattr(config, "_attn_implementation", None) != PACKED:
         return f"the model attends by {getattr(config, '_attn_implementation', None)!r}, not packed sdpa"
     layer_class, attention_class, mlp_class, norm_class = classes
@@ -81,9 +93,10 @@ def why_not(model: nn.Module) -> str | None:
         got = tuple(type(part).__name__ for part in parts)
         if got != want:
             return f"its layers are {', '.join(got)}, not the {', '.join(want)} they mirror"
-        head_norms = [type(norm).__name__ for norm in (getattr(layer.self_attn, n, None) for n in ("q_norm", "k_norm"))]
-        if head_norms != ["NoneType"] * 2 and head_norms != [norm_class] * 2:
-            return f"its q/k norms are {', '.join(head_norms)}, not {norm_class}"
+        for owner, names in ((layer.self_attn, ("q_norm", "k_norm")), (layer, FEED_FORWARD_NORMS)):
+            extra = [type(getattr(owner, name, None)).__name__ for name in names]
+            if extra != ["NoneType"] * 2 and extra != [norm_class] * 2:
+                return f"its {' and '.join(names)} are {', '.join(extra)}, not {norm_class}"
     if type(inner.norm).__name__ != norm_class:
         return f"its final norm is {type(inner.norm).__name__}, not {norm_class}"
     return None
@@ -149,20 +162,26 @@ def short_pass(
     return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel)[0][None]
 
 
-def rotary(
-    model: nn.Module, x: torch.Tensor, positions: torch.Tensor, starts: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+Angles = tuple[torch.Tensor, torch.Tensor]  # cos and sin [M, dim]
+
+
+def rotary(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, starts: Sequence[int]) -> dict[str, Angles]:
     """cos and sin [M, dim] of the pass's positions [1, M] by the model's own rotary embedding (so any scaling its
-    config names is applied as its forward applies it); per sequence (rows starts[s] .. starts[s + 1]) where the
-    frequencies depend on the call's longest position, one call otherwise (each angle is one product: the same
-    bits in any call)."""
+    config names is applied as its forward applies it), by layer type ("all" where one embedding serves every
+    layer; Gemma 3's has one per type); per sequence (rows starts[s] .. starts[s + 1]) where the frequencies
+    depend on the call's longest position, one call otherwise (each angle is one product: the same bits in any
+    call)."""
     rotary_emb = model.model.rotary_emb  # type: ignore[union-attr]
-    rope = getattr(model.config, "rope_parameters", None) or {}  # type: ignore[union-attr]
-    if len(starts) > 2 and per_call_rope(rope.get("rope_type", "default")):
-        parts = [rotary_emb(x[:, a:b], positions[:, a:b]) for a, b in itertools.pairwise(starts)]
-        return torch.cat([cos[0] for cos, _ in parts]), torch.cat([sin[0] for _, sin in parts])
-    cos, sin = rotary_emb(x, positions)
-    return cos[0], sin[0]
+    kinds = getattr(rotary_emb, "layer_types", None) or [None]
+    per_call = any(per_call_rope(rope.get("rope_type", "default")) for rope in rope_parameters(model.config))
+    spans = list(itertools.pairwise(starts)) if per_call and len(starts) > 2 else [(0, positions.shape[1])]
+    angles = {}
+    for kind in kinds:
+        extra = () if kind is None else (kind,)
+        parts = [rotary_emb(x[:, a:b], positions[:, a:b], *extra) for a, b in spans]
+        cos, sin = (parts[0][i][0] if len(parts) == 1 else torch.cat([part[i][0] for part in parts]) for i in (0, 1))
+        angles["all" if kind is None else kind] = (cos, sin)
+    return angles
 
 
 def ragged_pass(
@@ -182,12 +201,13 @@ def ragged_pass(
         for segment in segments
         for past in [segment.cache.layers[0].get_seq_length()]
     ])[None]  # fmt: skip
-    cos, sin = rotary(model, x, positions, starts)
+    angles = rotary(model, x, positions, starts)
+    cos, sin = angles.get("all") or angles.get("full_attention") or angles["sliding_attention"]
     caches = [segment.cache for segment in segments]
     if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
         fused.run_layers(model, x, cos, sin, caches, starts)
     else:
-        x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel)
+        x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel, angles.get("sliding_attention"))
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
     if not len(rows):  # chunks of prompts whose logits nobody needs
         return [x.new_empty((0, 0)) for _ in segments]
