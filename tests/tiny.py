@@ -36,6 +36,7 @@ _CONFIGS = {
     "gemma2": Gemma2Config,
     "gemma3": Gemma3TextConfig,
     "mistral": MistralConfig,
+    "mistral-v0.2": MistralConfig,  # full attention, as Mistral 7B from v0.2 on
 }
 
 
@@ -122,6 +123,8 @@ def tiny_model(
         kwargs.update(sliding_window=sliding_window or 128, query_pre_attn_scalar=16, layer_types=kinds[:layers])
     elif sliding_window is not None:
         kwargs.update(sliding_window=sliding_window)
+    if arch == "mistral-v0.2":
+        kwargs.update(sliding_window=None)
     if arch == "llama3":
         kwargs.update(rope_scaling=dict(LLAMA3_ROPE))
     config = _CONFIGS[arch](**kwargs)
