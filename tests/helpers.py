@@ -4,6 +4,7 @@ here, never from one another."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection
 from pathlib import Path
 
@@ -16,7 +17,10 @@ from transformers import DynamicCache
 
 from tiny import tiny_model
 from viasd.drafters.base import Drafter, Proposal
-from viasd.passes.session import KVSession
+from viasd.passes import loop as short_pass
+from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.route import short_stack
+from viasd.passes.session import KVSession, new_cache
 from viasd.verify.sampling import SamplingParams
 from viasd.views.quantize import quantizable
 from viasd.views.view import View, ViewLike, applied
@@ -53,6 +57,34 @@ def assert_cache_equals(
         assert torch.allclose(layer.keys[..., :length, :], ref.keys, atol=atol), f"layer {i} keys"
         assert torch.allclose(layer.values[..., :length, :], ref.values, atol=atol), f"layer {i} values"
         assert layer.keys.shape[-2] >= length
+
+
+# ------------------------------------------------------------------------------------------- short passes
+
+
+def own_and_short(model, view, seed=0):
+    """Pairs of (own forward, short pass) logits over random blocks after a prompt, on two caches; and the caches."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(64) for _ in range(200)]
+    own, short = new_cache(model), new_cache(model)
+    pairs = []
+    stack = short_stack(model, view)
+    with torch.inference_mode(), applied(model, view):
+        for cache in (own, short):
+            model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
+        at = 20
+        for _ in range(12):
+            length = rng.randint(1, PACK_UP_TO)
+            block = torch.tensor([ids[at : at + length]])
+            want = model(input_ids=block, cache=own, use_cache=True, logits_to_keep=length).logits
+            pairs.append((want, short_pass.short_pass(model, block, short, length, *stack)))
+            if rng.random() < 0.5:  # a rejected draft: both caches roll back alike
+                drop = rng.randint(0, length - 1)
+                for cache in (own, short):
+                    cache.crop(-drop) if drop else None
+                length -= drop
+            at += length
+    return pairs, own, short
 
 
 # -------------------------------------------------------------------------------------- greedy outputs

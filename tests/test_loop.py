@@ -3,13 +3,12 @@ model's own arithmetic, bit for bit, in every dtype and in quantized views; with
 and bf16 passes keep the kernels' contracts (within bf16 noise, each token the same in any block). A model the loop
 does not cover runs its own forward and says so once; sessions take the loop only where it applies."""
 
-import random
-
 import pytest
 import torch
 from transformers import DynamicCache
 
-from tiny import tiny_model
+from helpers import own_and_short
+from tiny import LOOP_ARCHITECTURES, tiny_model
 from viasd.kernels import attention as short_attention
 from viasd.kernels import notice
 from viasd.kernels.build import Library
@@ -24,33 +23,8 @@ from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
 
-def own_and_short(model, view, seed=0):
-    """Pairs of (own forward, short pass) logits over random blocks after a prompt, on two caches; and the caches."""
-    rng = random.Random(seed)
-    ids = [rng.randrange(64) for _ in range(200)]
-    own, short = new_cache(model), new_cache(model)
-    pairs = []
-    stack = short_stack(model, view)
-    with torch.inference_mode(), applied(model, view):
-        for cache in (own, short):
-            model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
-        at = 20
-        for _ in range(12):
-            length = rng.randint(1, PACK_UP_TO)
-            block = torch.tensor([ids[at : at + length]])
-            want = model(input_ids=block, cache=own, use_cache=True, logits_to_keep=length).logits
-            pairs.append((want, short_pass.short_pass(model, block, short, length, *stack)))
-            if rng.random() < 0.5:  # a rejected draft: both caches roll back alike
-                drop = rng.randint(0, length - 1)
-                for cache in (own, short):
-                    cache.crop(-drop) if drop else None
-                length -= drop
-            at += length
-    return pairs, own, short
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", LOOP_ARCHITECTURES)
 def test_with_the_kernels_off_the_loop_is_the_models_own_arithmetic(arch, dtype, monkeypatch):
     monkeypatch.setenv("VIASD_KERNELS", "off")  # every operation its torch reference
     model = tiny_model(arch, dtype=dtype)
@@ -74,7 +48,7 @@ def test_in_float32_the_loop_is_the_models_own_arithmetic_with_the_kernels_on(re
 
 
 @pytest.mark.skipif(not isinstance(short_attention.kernel(), Library), reason="no attention kernel here")
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", LOOP_ARCHITECTURES)
 def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselves(arch):
     """With the attention kernel a bf16 pass is no longer the model's own bits, but within bf16 noise of them, and
     a token gets the same logits whatever block it comes in (what exact greedy verification needs): compared here
@@ -83,7 +57,9 @@ def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselv
     view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
     pairs, _, _ = own_and_short(model, view, seed=2)
     for want, got in pairs:
-        assert (got.float() - want.float()).abs().max() <= 0.1 * want.float().abs().max()
+        # bf16 noise through 4 layers of a peaked tiny model: 5-11% of the largest logit over seeds 0-3 of these
+        # families (the kernel's correctly rounded attention against torch's); a wrong rotation or mask is far more.
+        assert (got.float() - want.float()).abs().max() <= 0.125 * want.float().abs().max()
     tokens = torch.tensor([[5, 9, 11, 3, 7, 30, 2, 8]])
     stepped, blocked = new_cache(model), new_cache(model)
     stack = short_stack(model, view)
@@ -103,9 +79,13 @@ def test_what_the_loop_does_not_cover_runs_the_models_own_forward_and_says_so_on
     for arch in ("gemma", "gemma2", "gemma"):
         assert not short_pass.covers(tiny_model(arch))
     assert "not gemma" in short_pass.why_not(tiny_model("gemma"))
-    windowed = tiny_model("qwen2")
-    windowed.config.layer_types = ["sliding_attention"] * len(windowed.model.layers)
-    assert "sliding windows" in short_pass.why_not(windowed)
+    chunked = tiny_model("qwen2")
+    chunked.config.layer_types = ["chunked_attention"] * len(chunked.model.layers)
+    chunked.config.attention_chunk_size = 4
+    assert "not chunked_attention" in short_pass.why_not(chunked)
+    partial = tiny_model("phi3")
+    partial.config.rope_parameters["partial_rotary_factor"] = 0.5
+    assert "partial_rotary_factor" in short_pass.why_not(partial)
     assert not short_pass.covers(tiny_model("llama", packed=False))  # transformers' own attention
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3  # gemma's, once; gemma2's; transformers' own attention

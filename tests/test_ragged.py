@@ -35,10 +35,14 @@ def assert_caches_equal(a, b):
 
 
 @pytest.mark.parametrize(
-    ("arch", "dtype"), [("llama", torch.float32), ("qwen2", torch.float32), ("qwen2", torch.bfloat16)]
-)
+    ("arch", "dtype"),
+    [("llama", torch.float32), ("qwen2", torch.float32), ("qwen2", torch.bfloat16), ("qwen3", torch.float32),
+     ("llama3", torch.float32), ("mistral", torch.float32), ("phi3", torch.float32), ("phi3", torch.bfloat16),
+     ("gemma3", torch.float32)],
+)  # fmt: skip
 def test_each_sequence_gets_what_it_gets_alone(arch, dtype):
-    model = tiny_model(arch, dtype=dtype)
+    # A window of 16 positions: the longer prompts' sliding layers are past it.
+    model = tiny_model(arch, dtype=dtype, sliding_window=16 if arch in ("mistral", "gemma3") else None)
     view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in (7, 19, 3, 30)]  # caches of different lengths

@@ -31,7 +31,7 @@ def reference(model) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma2", "mistral", "gemma3"])
 def test_exact_methods_equal_transformers_generate_beyond_the_window(arch):
     target = tiny_model(arch, sliding_window=WINDOW)
     drafter = ModelDrafter(tiny_model(arch, layers=2, seed=1, sliding_window=WINDOW))

@@ -7,23 +7,36 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from viasd.passes.packed_attention import use_packed_attention
 
-ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2")
+ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2", "qwen3", "llama3", "mistral", "phi3", "gemma3")
+# The families viasd's loop runs (passes/loop.py `MIRRORED`); "llama3" is Llama with Llama 3's rope scaling.
+LOOP_ARCHITECTURES = ("llama", "qwen2", "qwen3", "llama3", "mistral", "phi3", "gemma3")
+# Llama 3.x's rope scaling, with an original context short enough that tiny tests reach past it.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
 
 _CONFIGS = {
     "llama": LlamaConfig,
+    "llama3": LlamaConfig,
     "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "phi3": Phi3Config,
     "gemma": GemmaConfig,
     "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,
     "mistral": MistralConfig,
+    "mistral-v0.2": MistralConfig,  # full attention, as Mistral 7B from v0.2 on
 }
 
 
@@ -84,7 +97,8 @@ def tiny_model(
 ) -> torch.nn.Module:
     """A randomly initialised model; init_scale makes its next-token distributions peaked, not uniform.
 
-    sliding_window: the attention window of the sliding layers (Gemma2: every other layer; Mistral: all).
+    sliding_window: the attention window of the sliding layers (Gemma2 and Gemma3: every other layer, 128 unless
+    given; Mistral: all, 4096 unless given).
     packed: attend as loaded CPU models do (`viasd.passes.packed_attention`); False: transformers' own sdpa.
     """
     kwargs = dict(
@@ -104,8 +118,15 @@ def tiny_model(
     )
     if arch == "gemma2":
         kwargs.update(sliding_window=sliding_window or 128, query_pre_attn_scalar=16)
+    elif arch == "gemma3":  # Gemma 3's local and global layers, alternating here (5 to 1 in its checkpoints)
+        kinds = ["sliding_attention", "full_attention"] * layers
+        kwargs.update(sliding_window=sliding_window or 128, query_pre_attn_scalar=16, layer_types=kinds[:layers])
     elif sliding_window is not None:
         kwargs.update(sliding_window=sliding_window)
+    if arch == "mistral-v0.2":
+        kwargs.update(sliding_window=None)
+    if arch == "llama3":
+        kwargs.update(rope_scaling=dict(LLAMA3_ROPE))
     config = _CONFIGS[arch](**kwargs)
     config._attn_implementation = "eager" if arch == "gemma2" else "sdpa"
     torch.manual_seed(seed)

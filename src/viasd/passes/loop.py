@@ -2,13 +2,13 @@
 
 A pass of a model goes one of two ways (passes/route.py decides which, once per pass). The model's own forward
 (transformers') is the reference and runs any architecture; prompts, layer-skipping views and architectures this
-loop does not cover take it. A pass of up to `PACK_UP_TO` tokens of a covered model (Llama and Qwen2, full
-attention, on a CPU: `covers`) takes this loop over the model's own modules (its norms, projections or their
-quantized copies, rotary embedding and cache layers), without transformers' per-layer plumbing (output capturing,
-mask builders, attention lookup, wrappers), which cost a decoding step of the 4-bit target several milliseconds.
-In the loop each operation is a kernel of viasd's or that kernel's torch reference (kernels/): the attention of a
-bf16 model is kernels/attention.py's kernel, and a bf16 view whose Linear layers are all low-bit runs its whole
-decoder stack as one kernel (passes/fused.py).
+loop does not cover take it. A pass of up to `PACK_UP_TO` tokens of a covered model (the families of `MIRRORED`, on
+a CPU: `covers`; docs/design.md has the table) takes this loop over the model's own modules (its norms, projections
+or their quantized copies, rotary embedding and cache layers), without transformers' per-layer plumbing (output
+capturing, mask builders, attention lookup, wrappers), which cost a decoding step of the 4-bit target several
+milliseconds. In the loop each operation is a kernel of viasd's or that kernel's torch reference (kernels/): the
+attention of a bf16 model is kernels/attention.py's kernel, and a bf16 view whose Linear layers are all low-bit runs
+its whole decoder stack as one kernel (passes/fused.py).
 
 With the references (float32 and float64 models, or `VIASD_KERNELS=off`) the loop is the model's own arithmetic:
 the same torch operations in the same order, so its logits and cache entries are bit-identical to the model's
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from viasd.kernels.notice import warn_once
 from viasd.passes import fused, layer_loop
@@ -42,12 +43,32 @@ from viasd.passes.route import Stack
 MIRRORED = {
     "llama": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
     "qwen2": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+    "qwen3": ("Qwen3DecoderLayer", "Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),  # + per-head q/k norms
+    "mistral": ("MistralDecoderLayer", "MistralAttention", "MistralMLP", "MistralRMSNorm"),  # + sliding windows
+    "phi3": ("Phi3DecoderLayer", "Phi3Attention", "Phi3MLP", "Phi3RMSNorm"),  # q|k|v and gate|up as one projection
+    # Gemma 3's text decoder: feed-forward norms, q/k norms, a rotary embedding per layer type, sliding layers
+    "gemma3_text": ("Gemma3DecoderLayer", "Gemma3Attention", "Gemma3MLP", "Gemma3RMSNorm"),
 }
+FEED_FORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3's, besides Llama's two
+
+
+def rope_parameters(config: object) -> list[dict]:
+    """The config's rotary parameters: one set, or one per layer type (Gemma 3: `{layer type: parameters}`)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested or [rope]
+
+
+def per_call_rope(rope_type: str) -> bool:
+    """Whether a rotary embedding's frequencies depend on the longest position of the call (as transformers'
+    `dynamic_rope_update` picks them): a merged pass computes them per sequence (`rotary`), as its own pass would."""
+    return "dynamic" in rope_type or rope_type == "longrope"
 
 
 def why_not(model: nn.Module) -> str | None:
-    """None when the loop computes what `model`'s own forward computes (a CPU Llama or Qwen2 model of
-    transformers' own classes, full attention everywhere, prepared with packed attention: passes/prepare.py);
+    """None when the loop computes what `model`'s own forward computes (a CPU model of a family in `MIRRORED`, of
+    transformers' own classes, prepared with packed attention: passes/prepare.py; sliding-window layers in the
+    cache layers transformers makes for them; any rotary scaling, taken from the model's own rotary embedding);
     else why not."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -55,8 +76,14 @@ def why_not(model: nn.Module) -> str | None:
     inner = getattr(model, "model", None)
     if classes is None or inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return f"they cover {' and '.join(MIRRORED)} decoders, not {model_type or type(model).__name__}"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "they cover full attention only, not sliding windows"
+    kinds = set(get_layer_types_and_kwargs(config)[0])  # what transformers makes the cache layers by
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return f"they cover full and sliding-window attention, not {', '.join(sorted(kinds))}"
+    if any(rope.get("partial_rotary_factor", 1.0) != 1.0 for rope in rope_parameters(config)):
+        return "they rotate every dimension of a head, not a part of it (partial_rotary_factor)"
+    for field in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(config, field, None):
+            return f"they have no {field}"
     if getattr(config, "_attn_implementation", None) != PACKED:
         return f"the model attends by {getattr(config, '_attn_implementation', None)!r}, not packed sdpa"
     layer_class, attention_class, mlp_class, norm_class = classes
@@ -66,6 +93,10 @@ def why_not(model: nn.Module) -> str | None:
         got = tuple(type(part).__name__ for part in parts)
         if got != want:
             return f"its layers are {', '.join(got)}, not the {', '.join(want)} they mirror"
+        for owner, names in ((layer.self_attn, ("q_norm", "k_norm")), (layer, FEED_FORWARD_NORMS)):
+            extra = [type(getattr(owner, name, None)).__name__ for name in names]
+            if extra != ["NoneType"] * 2 and extra != [norm_class] * 2:
+                return f"its {' and '.join(names)} are {', '.join(extra)}, not {norm_class}"
     if type(inner.norm).__name__ != norm_class:
         return f"its final norm is {type(inner.norm).__name__}, not {norm_class}"
     return None
@@ -100,9 +131,10 @@ def _covers(model: nn.Module) -> bool:
 
 def runs_on(model: nn.Module, cache: DynamicCache) -> bool:
     """Whether passes on `cache` may go through the loop, for a model it `covers` (the pass's length apart: the route
-    decides that, passes/route.py): in-place cache layers (sessions make them), one per decoder layer, and no forward
-    hooks on the model (its own forward gives hooks their arguments: the loop has none to give)."""
-    if not all(type(layer) is GrowingLayer for layer in cache.layers):
+        decides that, passes/route.py): in-place cache layers (sessions make them) or transformers' sliding-window ones
+    (passes/window_attention.py), one per decoder layer, and no forward
+        hooks on the model (its own forward gives hooks their arguments: the loop has none to give)."""
+    if not all(type(layer) in (GrowingLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
         return False
     for module in (model, model.model):  # type: ignore[union-attr]
         if module._forward_hooks or module._forward_pre_hooks:
@@ -130,6 +162,28 @@ def short_pass(
     return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel)[0][None]
 
 
+Angles = tuple[torch.Tensor, torch.Tensor]  # cos and sin [M, dim]
+
+
+def rotary(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, starts: Sequence[int]) -> dict[str, Angles]:
+    """cos and sin [M, dim] of the pass's positions [1, M] by the model's own rotary embedding (so any scaling its
+    config names is applied as its forward applies it), by layer type ("all" where one embedding serves every
+    layer; Gemma 3's has one per type); per sequence (rows starts[s] .. starts[s + 1]) where the frequencies
+    depend on the call's longest position, one call otherwise (each angle is one product: the same bits in any
+    call)."""
+    rotary_emb = model.model.rotary_emb  # type: ignore[union-attr]
+    kinds = getattr(rotary_emb, "layer_types", None) or [None]
+    per_call = any(per_call_rope(rope.get("rope_type", "default")) for rope in rope_parameters(model.config))
+    spans = list(itertools.pairwise(starts)) if per_call and len(starts) > 2 else [(0, positions.shape[1])]
+    angles = {}
+    for kind in kinds:
+        extra = () if kind is None else (kind,)
+        parts = [rotary_emb(x[:, a:b], positions[:, a:b], *extra) for a, b in spans]
+        cos, sin = (parts[0][i][0] if len(parts) == 1 else torch.cat([part[i][0] for part in parts]) for i in (0, 1))
+        angles["all" if kind is None else kind] = (cos, sin)
+    return angles
+
+
 def ragged_pass(
     model: nn.Module, segments: Sequence[Segment], stack: Stack, attention_kernel: bool
 ) -> list[torch.Tensor]:
@@ -147,13 +201,13 @@ def ragged_pass(
         for segment in segments
         for past in [segment.cache.layers[0].get_seq_length()]
     ])[None]  # fmt: skip
-    cos, sin = inner.rotary_emb(x, positions)
-    cos, sin = cos[0], sin[0]  # [M, dim]
+    angles = rotary(model, x, positions, starts)
+    cos, sin = angles.get("all") or angles.get("full_attention") or angles["sliding_attention"]
     caches = [segment.cache for segment in segments]
     if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
         fused.run_layers(model, x, cos, sin, caches, starts)
     else:
-        x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel)
+        x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel, angles.get("sliding_attention"))
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])
     if not len(rows):  # chunks of prompts whose logits nobody needs
         return [x.new_empty((0, 0)) for _ in segments]
