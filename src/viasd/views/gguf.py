@@ -215,10 +215,6 @@ class GgufWeights:
         """Module `module`'s 6-bit weights from the file's Q6_K blocks, or None (as `own`)."""
         return self.own(module, weight, ("Q6_K",))  # type: ignore[return-value]
 
-    def int8a8(self, module: str, weight: torch.Tensor) -> w8a8.EightBitWeights | None:
-        """Module `module`'s 8-bit weights from the file's Q8_0 or Q5_K blocks, or None (as `own`)."""
-        return self.own(module, weight, ("Q8_0", "Q5_K"))  # type: ignore[return-value]
-
 
 def _unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
     """A query or key projection's rows (any per-row data: whole rows of blocks) in the order of the model converted
