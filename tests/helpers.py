@@ -5,13 +5,14 @@ here, never from one another."""
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 from torch import nn
 from transformers import DynamicCache
 
@@ -127,10 +128,37 @@ def random_q6k(rows: int, columns: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, columns // 256 * 210)
 
 
-def qwen2_with_gguf(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Path, set[str]]:
-    """A tiny Qwen2 whose Linear weights are the dequantized blocks of a GGUF file written beside it: Q4_K, but Q6_K
-    for the value projections (as Q4_K_M keeps some at 6 bits) and float32 for the head. Also returns the names of
-    the layers the file has blocks for."""
+def random_q5k(rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random Q5_K bytes [rows, columns / 256 * 176]: any codes, fifth bits and 6-bit scales make a valid block; d
+    and dmin are kept to the magnitudes real layers have."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // 256, 176), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(5e-5, 5e-4, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    blocks[:, 2:4] = rng.uniform(1e-4, 2e-3, size=(len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, columns // 256 * 176)
+
+
+def random_blocks(kind: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Raw blocks of GGML type `kind` [rows, bytes]: random bytes of real magnitudes for the K types, the gguf
+    package's own quantization of a random weight for the others."""
+    made = {"Q4_K": random_q4k, "Q5_K": random_q5k, "Q6_K": random_q6k}
+    if kind in made:
+        return made[kind](rows, columns, seed)
+    weight = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32) * 0.05
+    return gguf_quantize(weight, gguf.GGMLQuantizationType[kind])
+
+
+def q4k_but_q6k_values(name: str) -> str:
+    """Q4_K_M's mix: Q4_K, but Q6_K for the value projections (as Q4_K_M keeps some at 6 bits)."""
+    return "Q6_K" if name.endswith("v_proj") else "Q4_K"
+
+
+def qwen2_with_gguf(
+    tmp_path: Path, dtype: torch.dtype = torch.float32, kind_of: Callable[[str], str] = q4k_but_q6k_values
+) -> tuple[torch.nn.Module, Path, set[str]]:
+    """A tiny Qwen2 whose Linear weights are the dequantized blocks of a GGUF file written beside it, each layer in
+    the GGML type `kind_of(name)` (by default Q4_K_M's mix), but float32 for the head. Also returns the names of the
+    layers the file has blocks for."""
     model = tiny_model("qwen2", hidden=256, layers=2, dtype=dtype)
     writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
     writer.add_block_count(2)
@@ -142,8 +170,8 @@ def qwen2_with_gguf(tmp_path: Path, dtype: torch.dtype = torch.float32) -> tuple
             if name == "lm_head" or columns % 256:
                 writer.add_tensor(f"{names.get_name(name)}.weight", linear.weight.float().numpy())
                 continue
-            six = name.endswith("v_proj")
-            kind, raw = (Q6_K, random_q6k(rows, columns, i)) if six else (Q4_K, random_q4k(rows, columns, i))
+            kind = gguf.GGMLQuantizationType[kind_of(name)]
+            raw = random_blocks(kind.name, rows, columns, i)
             linear.weight.copy_(torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32)))
             writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=kind)
             in_blocks.add(name)

@@ -22,7 +22,7 @@ from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.methods import METHODS, parse_method
 from viasd.models.loading import LoadedModel
-from viasd.views.gguf import stored_view
+from viasd.views.gguf import has_own_blocks, stored_view
 from viasd.views.recipe import AS_STORED, DENSE, QuantRecipe
 
 GGUF = QuantRecipe.parse("gguf")
@@ -47,13 +47,14 @@ def dense_engine(tmp_path: Path, quant: object = AS_STORED) -> Engine:
     return Engine(EngineSpec(target=str(tmp_path), drafter="d", device="cpu", quant=quant), target=target)  # type: ignore[arg-type]
 
 
-def q8_gguf(path: Path) -> Path:
-    """A GGUF file that stores its weights as Q8_0 (and F32): a type with no 4-bit view."""
+def blocks_gguf(path: Path, *kinds: str) -> Path:
+    """A GGUF file that stores a weight in each of `kinds` (GGML type names), and a norm as F32."""
     writer = gguf.GGUFWriter(path, "qwen2")
     writer.add_block_count(1)
     weight = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
-    writer.add_tensor("blk.0.attn_q.weight", gguf_quantize(weight, gguf.GGMLQuantizationType.Q8_0),
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    for name, kind in zip(("attn_q", "attn_k", "attn_v"), kinds, strict=False):
+        quant = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(f"blk.0.{name}.weight", gguf_quantize(weight, quant), raw_dtype=quant)
     writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -118,17 +119,34 @@ def test_none_for_a_model_without_a_gguf_file_says_so_in_one_line(tmp_path, capf
     assert len(err) == 1 and "does not come from a GGUF file" in err[0] and "runs as loaded" in err[0]
 
 
-def test_a_gguf_file_without_4_bit_blocks_runs_its_dense_copy_with_one_line(tmp_path, capfd):
-    path = q8_gguf(tmp_path / "q8.gguf")
+def test_a_gguf_file_without_blocks_a_kernel_takes_runs_its_dense_copy_with_one_line(tmp_path, capfd):
+    path = blocks_gguf(tmp_path / "q5.gguf", "Q5_0")
     recipe, why = stored_view(str(path), str(path))
-    assert recipe is None and why is not None and "Q8_0" in why and "dense copy" in why
+    assert recipe is None and why is not None and "Q5_0" in why and "dense copy" in why
     target = LoadedModel(tiny_model("qwen2", dtype=torch.float32), tiny_tokenizer(64), str(path), str(path))
     engine = Engine(EngineSpec(target=str(path), drafter="d", device="cpu"), target=target)
     out = engine.generate(PROMPT, "plain", GenerationConfig(max_new_tokens=2))
     engine.generate(PROMPT, "lookup", GenerationConfig(max_new_tokens=2))
-    assert out.tokens and engine.describe("plain")["target_as_run"] == "fp32 copy of q8.gguf"
+    assert out.tokens and engine.describe("plain")["target_as_run"] == "fp32 copy of q5.gguf"
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Q8_0" in err[0], err  # said once, not per method
+    assert len(err) == 1 and "Q5_0" in err[0], err  # said once, not per method
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_gguf_file_with_blocks_a_kernel_takes_runs_its_gguf_view(tmp_path, kind):
+    path = blocks_gguf(tmp_path / "own.gguf", kind)
+    assert stored_view(str(path), str(path)) == (GGUF, None) and has_own_blocks(str(path), str(path))
+
+
+def test_block_types_without_a_kernel_beside_ones_with_are_named_in_one_line(tmp_path, capfd):
+    path = blocks_gguf(tmp_path / "mixed.gguf", "Q4_1", "Q5_0", "Q5_1")
+    recipe, why = stored_view(str(path), str(path))
+    assert recipe == GGUF and why is not None and "\n" not in why
+    assert "Q5_0, Q5_1 tensors run as int8 weight-only" in why and "no kernel for Q5_0, Q5_1" in why
+    target = LoadedModel(tiny_model("qwen2", dtype=torch.float32), tiny_tokenizer(64), str(path), str(path))
+    engine = Engine(EngineSpec(target=str(path), drafter="d", device="cpu"), target=target)
+    assert engine.target_recipe() == GGUF and engine.target_recipe() == GGUF
+    assert capfd.readouterr().err.strip().splitlines() == [f"target: {why}"]  # said once
 
 
 def test_a_default_model_whose_file_is_not_at_hand_runs_its_dense_copy(tmp_path):

@@ -22,7 +22,7 @@ import torch
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd.errors import ViasdError
-from viasd.kernels import attention, bf16, build, fused_layers, interface, notice, w4a8, w6a8
+from viasd.kernels import attention, bf16, build, fused_layers, interface, notice, w4a8, w6a8, w8a8
 from viasd.kernels.build import Build, Library
 from viasd.kernels.cpu import cpu_flags
 from viasd.kernels.state import kernel_states
@@ -57,7 +57,7 @@ def test_the_header_is_the_interface_every_function_it_declares_is_in_the_librar
     loaded = build.library()
     if isinstance(loaded, str):
         pytest.skip(loaded)
-    for function in ("w4a8_linear", "w6a8_linear", "bf16_linear", "short_attention", "fused_layers"):
+    for function in ("w4a8_linear", "w6a8_linear", "w8a8_linear", "bf16_linear", "short_attention", "fused_layers"):
         assert callable(getattr(loaded.lib, function))
 
 
@@ -193,8 +193,8 @@ def fresh_process() -> Iterator[None]:
     """The kernels as a new process finds them: nothing loaded or checked, nothing said yet (and so again after)."""
 
     def forget() -> None:
-        for cached in (build.library, w4a8.compiled, w6a8.compiled, bf16.compiled, attention.compiled,
-                       fused_layers.compiled, notice.warn_once):  # fmt: skip
+        for cached in (build.library, w4a8.compiled, w6a8.compiled, w8a8.compiled, bf16.compiled,
+                       attention.compiled, fused_layers.compiled, notice.warn_once):  # fmt: skip
             cached.cache_clear()
 
     forget()

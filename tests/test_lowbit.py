@@ -1,5 +1,5 @@
-"""viasd's low-bit products, both formats through one driver (kernels/lowbit.c; w4a8, w6a8): the tiled layouts keep
-every code and scale, the torch references are the exact products of int8 activations and the weights, and every
+"""viasd's low-bit products, every format through one driver (kernels/lowbit.c; w4a8, w6a8, w8a8): the tiled layouts
+keep every code and scale, the torch references are the exact products of int8 activations and the weights, and every
 build this CPU runs computes them, for blocks of 1 to 16 tokens (partial tiles of rows too), each token the same bits
 in any block and with any number of threads; both builds give the same bits; without a kernel the product says so
 once and computes the same; bf16 goes in and out as one float32 product rounded once."""
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from viasd.kernels import build, w4a8, w6a8
+from viasd.kernels import build, w4a8, w6a8, w8a8
 from viasd.kernels.build import Library
 from viasd.kernels.cpu import cpu_flags
 
-FORMATS = {"w4a8": w4a8, "w6a8": w6a8}
+FORMATS = {"w4a8": w4a8, "w6a8": w6a8, "w8a8": w8a8}
 RUNNABLE = [b for b in build.BUILDS if all(flag in cpu_flags() for flag in b.needs)]
 
 
@@ -65,6 +65,20 @@ def test_the_6_bit_layout_keeps_every_code_and_scale():
     assert torch.equal(w6a8.dequantize(weights), want)
     with pytest.raises(ValueError, match="multiple of 256"):
         w6a8.pack(codes[:, :320], sub[:, :20], d)
+
+
+def test_the_8_bit_layout_keeps_every_code_scale_and_minimum():
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (21, 96), generator=generator)  # a whole tile and a partial one
+    scale, low = torch.rand(21, 3, generator=generator), -torch.rand(21, 3, generator=generator)
+    weights = w8a8.layout(codes, scale, low)
+    assert weights.codes.shape == (2, 24, 64) and weights.scale.shape == (2, 3, 16) and weights.n == 21
+    assert torch.equal(w8a8.codes_of(weights), codes.to(torch.int8))
+    assert int(weights.codes[0, 1, 4 * 2 + 3]) == int(codes[2, 4 + 3])  # quad 1, row 2, byte 3: input 7
+    want = scale.repeat_interleave(32, 1) * codes + low.repeat_interleave(32, 1)
+    assert torch.equal(w8a8.dequantize(weights), want)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        w8a8.layout(codes[:, :80], scale, low)
 
 
 @pytest.mark.parametrize("name", FORMATS)

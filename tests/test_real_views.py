@@ -17,11 +17,15 @@ import pytest
 from viasd.cache import CACHE_ENV_VAR
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
+from viasd.kernels import w4a8, w8a8
+from viasd.kernels.build import Library
 from viasd.models.catalog import DEFAULT_MODELS
 from viasd.models.fetch import default_cache_dir
 from viasd.models.loading import load_model
 from viasd.passes.prepare import prepare
 from viasd.prompting import encode_prompt
+from viasd.views.gguf import stored_view
+from viasd.views.linears import Int4Int8Linear, Int8Int8Linear
 from viasd.views.make import quantized_view
 from viasd.views.recipe import QuantRecipe
 
@@ -53,3 +57,37 @@ def test_every_view_of_every_catalog_model_runs_twice_in_a_row(
         read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
         assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err, kind
         assert read.tokens == made.tokens and len(made.tokens) > 0, kind
+
+
+def test_smollm2s_q4_1_blocks_run_on_viasds_kernels_as_on_their_torch_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """smollm2-135m is a Q4_1 file (its tied head Q8_0): by default it runs its gguf view, every layer on the file's
+    own blocks on viasd's kernels, the copy made in memory and the one read from the cache alike, and its greedy
+    tokens are those of the kernels' torch references (float32: the two differ in last bits only)."""
+    for kernel in (w4a8.kernel(), w8a8.kernel()):
+        if not isinstance(kernel, Library):
+            pytest.skip(kernel)
+    models = default_cache_dir()
+    models.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "models").symlink_to(models, target_is_directory=True)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    loaded = load_model("smollm2-135m", dtype="fp32")
+    prepare(loaded.model)
+    recipe, why = stored_view("smollm2-135m", loaded.path)
+    assert recipe == QuantRecipe.parse("gguf") and why is None  # nothing runs as int8 weight-only: nothing to say
+    prompt = encode_prompt(loaded.tokenizer, "Say hello in French.")
+    config = GenerationConfig(max_new_tokens=16)
+    made_view = quantized_view(loaded, recipe)
+    kinds = {name: type(module) for name, module in made_view.linears.modules.items()}
+    assert kinds.pop("lm_head") is Int8Int8Linear and set(kinds.values()) == {Int4Int8Linear}
+    assert made_view.linears.from_file == len(kinds) + 1 == 211
+    made = PlainDecoder(loaded.model, loaded.tokenizer, made_view).generate(prompt, config)
+    (copy,) = (tmp_path / "quantized").rglob("*.safetensors")
+    written = copy.stat().st_mtime_ns
+    capfd.readouterr()
+    read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
+    assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err
+    monkeypatch.setenv("VIASD_KERNELS", "off")  # the same view on its torch references
+    reference = PlainDecoder(loaded.model, loaded.tokenizer, made_view).generate(prompt, config)
+    assert made.tokens == read.tokens == reference.tokens and len(made.tokens) == 16

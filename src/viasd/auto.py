@@ -50,9 +50,9 @@ def candidates(
     """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits. Quantized
     drafters are int4a8 views where viasd's int4a8 kernel runs (`int4a8_is_fast`), else int4 (the drafter's)
     and int8 (the target's own); the target drafts for itself with its `gguf` view where that runs on the kernel
-    and its GGUF file has 4-bit blocks (`gguf`: a better guesser than int4a8 at about its cost). A target that runs
-    as a quantized view itself (--quant) drafts for itself with its own layers skipped. A target with a draft head
-    (`head`) drafts with it, alone and after prompt lookup; those need no drafter model."""
+    and its GGUF file has blocks a kernel takes (`gguf`: a better guesser than int4a8 at about its cost). A target
+    that runs as a quantized view itself (--quant) drafts for itself with its own layers skipped. A target with a
+    draft head (`head`) drafts with it, alone and after prompt lookup; those need no drafter model."""
     names = ["plain", "lookup"]
     small, own = ("int4a8", "gguf" if gguf else "int4a8") if int4a8 else ("int4", "int8")
     if quantize:

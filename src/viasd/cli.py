@@ -256,7 +256,7 @@ def methods() -> None:
     Console().print(table)
     Console().print(
         "Exact means exact with respect to the target as run. By default a target from a GGUF file (the default "
-        "models, a .gguf --target) runs as the file stores it, its gguf view (the file's own 4-bit blocks); other "
+        "models, a .gguf --target) runs as the file stores it, its gguf view (the file's own quantized blocks); other "
         "models run as loaded. --quant none (or quant=none in a variant) runs the dense bf16 copy instead; via, "
         "via-exact and hf-assisted always run that copy. `generate --json` names the target as run (target_as_run).",
         highlight=False,

@@ -25,7 +25,7 @@ QuantOpt = Annotated[
     str | None,
     typer.Option(
         help="What the target runs as. Default: as its file stores it: a model from a GGUF file (the default "
-        "models, a .gguf --target) runs as its gguf view, the file's own 4-bit blocks; any other model as loaded. "
+        "models, a .gguf --target) runs as its gguf view, the file's own quantized blocks; any other model as loaded. "
         "'none': the model as loaded, for a GGUF file its dense bf16 copy (via always runs that). Or a quantized "
         "view (int8, int8wo, int4, int4a8, gguf; e.g. int8:keep=lm_head), quantized once and cached."
     ),

@@ -95,10 +95,11 @@ class Engine:
         return self.stored_recipe()
 
     def stored_recipe(self) -> QuantRecipe | None:
-        """The target's view as its file stores it: the `gguf` view of a model from a GGUF file with 4-bit blocks;
-        None for any other model (as loaded). Decided once; where a GGUF file has no 4-bit view, or the view's kernel
-        does not run where the target is (a GPU, a CPU viasd's kernels are not built for), one line on stderr says
-        so and the target runs as its dense copy."""
+        """The target's view as its file stores it: the `gguf` view of a model from a GGUF file with blocks viasd's
+        kernels take; None for any other model (as loaded). Decided once; where a GGUF file has no such blocks, or
+        the view's kernel does not run where the target is (a GPU, a CPU viasd's kernels are not built for), one
+        line on stderr says so and the target runs as its dense copy; where some of its block types have no kernel,
+        one line names them (those tensors run as int8 weight-only)."""
         if self._stored is None:
             from viasd.auto import int4a8_is_fast
             from viasd.views.gguf import stored_view

@@ -439,7 +439,7 @@ def _llama_server(parts: Parts, spec: MethodSpec) -> Decoder:
 def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
     from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
-    from viasd.views.gguf import has_q4k_blocks
+    from viasd.views.gguf import has_own_blocks
 
     fits = parts.drafter_fits()
     target = parts.target
@@ -450,7 +450,7 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
         head: str | None = parts.draft_head().digest
     except ViasdError:
         head = None  # no head for this target: its methods are not candidates
-    gguf = fast and has_q4k_blocks(target.name, target.path)
+    gguf = fast and has_own_blocks(target.name, target.path)
     names = candidates(fits, int4a8=fast, gguf=gguf, quantized_target=quantized_target, head=head is not None)
     if fits is False:
         print(

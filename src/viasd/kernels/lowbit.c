@@ -92,11 +92,12 @@ int lowbit_linear(const lowbit_format *format, const void *weights, const void *
     float *step = malloc((size_t)slots * sizeof(float));
     float *offset = malloc((size_t)slots * sizeof(float));
     float *half = malloc((size_t)(slots * 2) * sizeof(float));
-    if (!codes || !step || !offset || !half) {
-        free(codes), free(step), free(offset), free(half);
+    int32_t *total = malloc((size_t)slots * sizeof(int32_t));
+    if (!codes || !step || !offset || !half || !total) {
+        free(codes), free(step), free(offset), free(half), free(total);
         return VIASD_NO_MEMORY;
     }
-    const activations a = {codes, step, offset, half, groups};
+    const activations a = {codes, step, offset, half, total, groups};
 #pragma omp parallel num_threads(threads)
     {
         /* The activations first (every thread waits for all of them at the loop's end), then the tiles. */
@@ -111,6 +112,7 @@ int lowbit_linear(const lowbit_format *format, const void *weights, const void *
             offset[slot] = (float)(sums[0] + sums[1]) * s;
             half[2 * slot] = (float)sums[0] * s;
             half[2 * slot + 1] = (float)sums[1] * s;
+            total[slot] = sums[0] + sums[1];
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
@@ -124,6 +126,6 @@ int lowbit_linear(const lowbit_format *format, const void *weights, const void *
             }
         }
     }
-    free(codes), free(step), free(offset), free(half);
+    free(codes), free(step), free(offset), free(half), free(total);
     return VIASD_OK;
 }

@@ -1,5 +1,5 @@
 /* What viasd's low-bit products share: the weight formats' tiles, the quantized activations they read, and the
- * driver that runs any format's tiles (lowbit.c). A format (w4a8.c, w6a8.c) is only its tile: how it unpacks its
+ * driver that runs any format's tiles (lowbit.c). A format (w4a8.c, w6a8.c, w8a8.c) is only its tile: how it unpacks its
  * weights and multiplies them with a block of tokens; the driver does the rest (activation quantization, tiling,
  * threading, bias, float32 or bf16 output), once for every format.
  *
@@ -50,6 +50,7 @@ typedef struct activations {
     const float *step;     /* [blocks][groups][TOKENS]: each group's step */
     const float *offset;   /* [blocks][groups][TOKENS]: step * the sum of the group's codes */
     const float *half;     /* [blocks][groups][TOKENS][2]: step * the sum of each half's codes */
+    const int32_t *total;  /* [blocks][groups][TOKENS]: the sum of the group's codes, as an integer */
     int64_t groups;
 } activations;
 

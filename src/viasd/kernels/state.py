@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from viasd.kernels import attention, bf16, fused_layers, w4a8, w6a8
+from viasd.kernels import attention, bf16, fused_layers, w4a8, w6a8, w8a8
 
 
 def kernel_states() -> dict[str, str]:
@@ -11,6 +11,7 @@ def kernel_states() -> dict[str, str]:
     return {
         "w4a8": w4a8.kernel_status(),
         "w6a8": w6a8.kernel_status(),
+        "w8a8": w8a8.kernel_status(),
         "bf16": bf16.kernel_status(),
         "attention": attention.kernel_status(),
         "fused": fused_layers.kernel_status(),

@@ -59,6 +59,10 @@ int w4a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t 
 int w6a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t *low, const uint8_t *high,
                 const int8_t *sub, const uint16_t *d, int64_t n, const float *bias, void *out, int threads);
 
+/* int8 weights in groups of 32 (float32 scale and minimum) x int8 activations per token and group (w8a8.c). */
+int w8a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const int8_t *codes, const float *scale,
+                const float *low, int64_t n, const float *bias, void *out, int threads);
+
 /* bf16 weights x float32 activations, float32 out, for CPUs without bf16 matrix instructions (bf16.c). */
 int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads);
 

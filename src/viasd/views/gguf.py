@@ -1,17 +1,23 @@
-"""A GGUF file's own 4-bit blocks as int4a8 weights, so that a model converted from a Q4_K GGUF computes on them.
+"""A GGUF file's own quantized blocks as viasd's low-bit weights, so that a model converted from a GGUF file
+computes on the file's numbers rather than on a second rounding of its dequantized weights.
 
-A Q4_K super-block holds 256 weights of one row: an fp16 scale d and minimum dmin, eight 6-bit sub-block scales sc_j
-and minimums m_j, and 128 bytes of 4-bit codes, with weight = d * sc_j * code - dmin * m_j in sub-block j of 32
-inputs. That is int4a8's format (kernels/w4a8.py): groups of 32 with a scale and a minimum. The view takes the codes
-as they are (laid out in the kernel's tiles) and multiplies out each group's scale and minimum (rounded to fp16,
-finer than the bf16 rounding of the dense model's copy of the same weights). Re-quantizing the dense weights instead
-would round them a second time, onto another grid.
+Which kernel takes which block type, and how (each exactly, unless said):
 
-Q4_K_M keeps its most sensitive tensors at 6 bits, as Q6_K: per super-block of 256 an fp16 scale d, per sub-block
-of 16 an int8 scale s_j, and 6-bit codes q with weight = d * s_j * (q - 32). Those are taken as they are too, laid
-out for the 6-bit kernel (kernels/w6a8.py). Layers the file stores otherwise are quantized from the dense weights
-(int8 weight-only: see the `gguf` recipe, views/recipe.py). Each tensor is checked against the model's own
-weight before use, so a file of another model, or a conversion that reordered a tensor, is not taken.
+* Q4_K (super-blocks of 256: fp16 d and dmin, eight 6-bit sub-block scales sc_j and minimums m_j, 4-bit codes,
+  weight = d * sc_j * code - dmin * m_j per sub-block of 32) is int4a8's format (kernels/w4a8.py): groups of 32
+  with an fp16 scale and minimum. The codes are taken as they are; each group's d * sc_j and -dmin * m_j are
+  rounded once to fp16 (finer than the bf16 rounding of the dense model's copy of the same weights).
+* Q4_0 (blocks of 32: fp16 d, 4-bit codes, weight = d * (code - 8)) and Q4_1 (fp16 d and m, weight = d * code + m)
+  are int4a8 groups as they are: scale d and minimum -8d (a power of two times an fp16: exact) or m.
+* Q6_K (per 256 an fp16 d, per 16 an int8 scale s_j, 6-bit codes, weight = d * s_j * (code - 32)) goes to the
+  6-bit kernel (kernels/w6a8.py) as it is.
+* Q8_0 (blocks of 32: fp16 d, int8 codes, weight = d * code) and Q5_K (Q4_K's scales with 5-bit codes) go to the
+  8-bit kernel (kernels/w8a8.py: int8 codes, a float32 scale and minimum per 32), Q5_K's codes widened to bytes and
+  its d * sc_j and -dmin * m_j multiplied out in float32, where they are exact.
+
+Tensors the file stores otherwise are quantized from the dense weights (int8 weight-only: see the `gguf` recipe,
+views/recipe.py). Each tensor is checked against the model's own weight before use, so a file of another model, or
+a conversion that reordered a tensor, is not taken.
 """
 
 from __future__ import annotations
@@ -22,12 +28,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from viasd.kernels import w4a8, w6a8
+from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.views.recipe import QuantRecipe
 
-_SUPER = 256  # weights per Q4_K or Q6_K block
+_SUPER = 256  # weights per Q4_K, Q5_K or Q6_K block
 _BYTES = 144  # a Q4_K block's size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
+_BYTES5 = 176  # a Q5_K block's: Q4_K's d, dmin and scales, 32 bytes of fifth bits, 128 bytes of low nibbles
 _BYTES6 = 210  # a Q6_K block's: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16)
+_SMALL = 32  # weights per Q4_0, Q4_1 or Q8_0 block
+# The GGML types whose blocks one of viasd's kernels takes (in the order a tensor's weights are looked for).
+KERNEL_TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0", "Q5_K")
+# Types that are no quantization of their own: a file of only these has no view to take over.
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # Largest relative (Frobenius) difference between a tensor's dequantized blocks and the model's weight for the
 # two to count as the same: bf16 rounding leaves about 0.002; another tensor or layout differs by about 1.
 _SAME = 0.01
@@ -65,8 +77,75 @@ def q6k_to_int6a8(blocks: np.ndarray, rows: int, columns: int) -> w6a8.SixBitWei
     return w6a8.pack(torch.from_numpy(codes.reshape(rows, columns)), torch.from_numpy(sub), torch.from_numpy(d))
 
 
+def _nibbles(codes: np.ndarray, blocks: int) -> np.ndarray:
+    """A Q4_0 or Q4_1 block's 16 code bytes as its 32 codes: byte j holds weight j (low nibble) and j + 16."""
+    halves = codes.reshape(blocks, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    return (halves & 15).reshape(blocks, _SMALL)
+
+
+def q4_0_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> w4a8.FourBitWeights | None:
+    """A Q4_0 tensor's raw bytes [rows, columns / 32 * 18] as int4a8 groups: scale d, minimum -8d; None where -8d
+    leaves fp16's range (no real file comes near)."""
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SMALL), 18)
+    d = raw[:, 0:2].copy().view(np.float16).reshape(rows, columns // _SMALL)
+    with np.errstate(over="ignore"):
+        low = d * np.float16(-8)
+    if not np.isfinite(low).all():
+        return None
+    codes = torch.from_numpy(_nibbles(raw[:, 2:], len(raw)).reshape(rows, columns))
+    return w4a8.layout(codes, torch.from_numpy(d), torch.from_numpy(low))
+
+
+def q4_1_to_int4a8(blocks: np.ndarray, rows: int, columns: int) -> w4a8.FourBitWeights:
+    """A Q4_1 tensor's raw bytes [rows, columns / 32 * 20] as int4a8 groups: its d and m as they are."""
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SMALL), 20)
+    d = raw[:, 0:2].copy().view(np.float16).reshape(rows, columns // _SMALL)
+    m = raw[:, 2:4].copy().view(np.float16).reshape(rows, columns // _SMALL)
+    codes = torch.from_numpy(_nibbles(raw[:, 4:], len(raw)).reshape(rows, columns))
+    return w4a8.layout(codes, torch.from_numpy(d), torch.from_numpy(m))
+
+
+def q8_0_to_int8a8(blocks: np.ndarray, rows: int, columns: int) -> w8a8.EightBitWeights:
+    """A Q8_0 tensor's raw bytes [rows, columns / 32 * 34] as 8-bit groups: its codes, d as the scale, no minimum."""
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SMALL), 34)
+    d = torch.from_numpy(raw[:, 0:2].copy().view(np.float16).reshape(rows, columns // _SMALL))
+    codes = torch.from_numpy(raw[:, 2:].copy().view(np.int8).reshape(rows, columns))
+    return w8a8.layout(codes, d.float(), torch.zeros(rows, columns // _SMALL))
+
+
+def q5k_to_int8a8(blocks: np.ndarray, rows: int, columns: int) -> w8a8.EightBitWeights:
+    """A Q5_K tensor's raw bytes [rows, columns / 256 * 176] as 8-bit groups of 32: its 5-bit codes as bytes, each
+    group's d * sc and -dmin * m in float32 (exact: an fp16 times a 6-bit integer). Code bytes as Q4_K's; byte l of
+    the 32 fifth-bit bytes holds, in bit j, the top bit of weight 32j + l."""
+    from gguf.quants import Q4_K
+
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SUPER), _BYTES5)
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(raw[:, 4:16])  # the same 6-bit scales and minimums as Q4_K's
+    scale = (d * sc.astype(np.float32)).reshape(rows, columns // w8a8.GROUP)
+    low = (-dmin * m.astype(np.float32)).reshape(rows, columns // w8a8.GROUP)
+    chunks = raw[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    top = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    codes = (chunks & 15).reshape(-1, _SUPER) | (top & 1).reshape(-1, _SUPER) << 4
+    return w8a8.layout(torch.from_numpy(codes.reshape(rows, columns)), torch.from_numpy(scale), torch.from_numpy(low))
+
+
+# Per GGML type: the kernel's format and how a tensor's raw bytes [rows, blocks * block bytes] become its weights.
+_CONVERTERS = {
+    "Q4_K": q4k_to_int4a8,
+    "Q4_0": q4_0_to_int4a8,
+    "Q4_1": q4_1_to_int4a8,
+    "Q6_K": q6k_to_int6a8,
+    "Q8_0": q8_0_to_int8a8,
+    "Q5_K": q5k_to_int8a8,
+}
+OwnWeights = w4a8.FourBitWeights | w6a8.SixBitWeights | w8a8.EightBitWeights
+
+
 class GgufWeights:
-    """The Q4_K and Q6_K tensors of a GGUF file, by the Hugging Face module names of the model converted from it."""
+    """The tensors of a GGUF file in block types viasd's kernels take (KERNEL_TYPES), by the Hugging Face module
+    names of the model converted from it."""
 
     def __init__(self, path: Path) -> None:
         import gguf
@@ -82,45 +161,86 @@ class GgufWeights:
         else:
             count = int(blocks.parts[blocks.data[0]][0])
             self._names = gguf.get_tensor_name_map(archs[arch_name], count)
+        heads = _field_int(reader, f"{arch_name}.attention.head_count")
+        # Query and key projections' heads, for rows a conversion to GGUF reordered (`_unpermuted`).
+        self._heads = {"q_proj": heads, "k_proj": _field_int(reader, f"{arch_name}.attention.head_count_kv") or heads}
 
-    def _blocks(self, module: str, weight: torch.Tensor, kind: str, size: int) -> np.ndarray | None:
-        """The raw blocks of module `module`'s weight [out, in] where the file stores it as `kind` (a GGML type
-        name) in blocks of `size` bytes per 256 inputs; None where it does not."""
+    def stored_type(self, module: str) -> str | None:
+        """The GGML type name the file stores module `module`'s weight as, or None where it has no such tensor. A
+        model whose head is its embedding (tied) finds the head as the file's embedding, which is where a file
+        without an output tensor keeps it."""
         import gguf
 
+        tensor = self._tensor(module)
+        return None if tensor is None else gguf.GGMLQuantizationType(tensor.tensor_type).name
+
+    def _tensor(self, module: str) -> object | None:
         if self._names is None:
             return None
         name = self._names.get_name(module)
         tensor = self._tensors.get(f"{name}.weight") if name else None
-        if tensor is None or tensor.tensor_type != gguf.GGMLQuantizationType[kind]:
+        if tensor is None and name == "output":
+            tensor = self._tensors.get("token_embd.weight")  # a tied head; `_same` refuses it where it is not
+        return tensor
+
+    def own(self, module: str, weight: torch.Tensor, kinds: tuple[str, ...] = KERNEL_TYPES) -> OwnWeights | None:
+        """Module `module`'s weights from the file's own blocks for one of viasd's kernels, or None: the file does
+        not store it as one of `kinds`, or its blocks are not `weight` [out, in] (another model, or a layout the
+        conversion changed)."""
+        import gguf
+
+        kind = self.stored_type(module)
+        if kind not in kinds:
             return None
+        tensor = self._tensor(module)
+        size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
         rows, columns = weight.shape
-        if columns % _SUPER or tuple(tensor.data.shape) != (rows, columns // _SUPER * size):
+        if columns % size or tuple(tensor.data.shape) != (rows, columns // size * type_size):  # type: ignore[attr-defined]
             return None
-        return tensor.data
+        raw = tensor.data  # type: ignore[attr-defined]
+        found = _CONVERTERS[kind](raw, rows, columns)
+        if found is not None and _same(_dequantize(found), weight):
+            return found
+        heads = self._heads.get(module.rsplit(".", 1)[-1])
+        if found is None or not heads or rows % (2 * heads):
+            return None
+        found = _CONVERTERS[kind](_unpermuted(raw, heads), rows, columns)
+        return found if found is not None and _same(_dequantize(found), weight) else None
 
     def int4a8(self, module: str, weight: torch.Tensor) -> w4a8.FourBitWeights | None:
-        """Module `module`'s int4a8 tensors from the file's Q4_K blocks, or None: the file has no such Q4_K
-        tensor, or its blocks are not `weight` [out, in] (another model, or a layout the conversion changed)."""
-        blocks = self._blocks(module, weight, "Q4_K", _BYTES)
-        if blocks is None:
-            return None
-        four = q4k_to_int4a8(blocks, *weight.shape)
-        return four if _same(w4a8.dequantize(four), weight) else None
+        """Module `module`'s int4a8 tensors from the file's Q4_K, Q4_0 or Q4_1 blocks, or None (as `own`)."""
+        return self.own(module, weight, ("Q4_K", "Q4_0", "Q4_1"))  # type: ignore[return-value]
 
     def int6a8(self, module: str, weight: torch.Tensor) -> w6a8.SixBitWeights | None:
-        """Module `module`'s 6-bit weights from the file's Q6_K blocks, or None (as `int4a8`)."""
-        blocks = self._blocks(module, weight, "Q6_K", _BYTES6)
-        if blocks is None:
-            return None
-        six = q6k_to_int6a8(blocks, *weight.shape)
-        return six if _same(w6a8.dequantize(six), weight) else None
+        """Module `module`'s 6-bit weights from the file's Q6_K blocks, or None (as `own`)."""
+        return self.own(module, weight, ("Q6_K",))  # type: ignore[return-value]
+
+
+def _unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
+    """A query or key projection's rows (any per-row data: whole rows of blocks) in the order of the model converted
+    from the file, where the conversion to GGUF interleaved each head's two halves of rotary dimensions (as it does
+    for Llama-family files): GGUF row 2j + h of a head is the model's row j + h * dim / 2."""
+    per_head = rows.shape[0] // heads
+    return rows.reshape(heads, per_head // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _dequantize(weights: OwnWeights) -> torch.Tensor:
+    if isinstance(weights, w4a8.FourBitWeights):
+        return w4a8.dequantize(weights)
+    if isinstance(weights, w6a8.SixBitWeights):
+        return w6a8.dequantize(weights)
+    return w8a8.dequantize(weights)
 
 
 def _same(blocks: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a file's dequantized blocks are the model's `weight` (up to the dense copy's rounding)."""
     dense = weight.detach().float().cpu()
     return float((blocks - dense).norm() / dense.norm().clamp_min(1e-12)) < _SAME
+
+
+def _field_int(reader: object, key: str) -> int | None:
+    field = reader.fields.get(key)  # type: ignore[attr-defined]
+    return None if field is None else int(field.parts[field.data[0]][0])
 
 
 def _field_text(reader: object, key: str) -> str:
@@ -176,18 +296,19 @@ def _read_tensor_types(location: str, size: int, mtime_ns: int) -> frozenset[str
     return frozenset(gguf.GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors)
 
 
-def has_q4k_blocks(name: str, path: str) -> bool:
-    """Whether the model's source GGUF file is at hand (nothing is fetched) and stores some tensor as Q4_K, so that
-    its `gguf` view takes blocks from it."""
+def has_own_blocks(name: str, path: str) -> bool:
+    """Whether the model's source GGUF file is at hand (nothing is fetched) and stores some tensor in a block type
+    one of viasd's kernels takes (KERNEL_TYPES), so that its `gguf` view takes blocks from it."""
     location = _at_hand(name, path)
-    return location is not None and "Q4_K" in (_tensor_types(location) or set())
+    return location is not None and bool(set(KERNEL_TYPES) & (_tensor_types(location) or set()))
 
 
 def stored_view(name: str, path: str) -> tuple[QuantRecipe | None, str | None]:
     """What a model (its spec `name`, its `path`; before loading, the spec for both) runs as by default: as its GGUF
-    file stores it, the `gguf` view, where it comes from a GGUF file with Q4_K tensors; else as loaded (None). The
-    second value is one line saying why a model from a GGUF file runs as its dense copy instead (None: it does not).
-    Only the file's header is read, and nothing is fetched."""
+    file stores it, the `gguf` view, where it comes from a GGUF file with tensors in block types viasd's kernels
+    take; else as loaded (None). The second value is one line to say, or None: why a model from a GGUF file runs as
+    its dense copy instead, or which of its file's block types run as int8 weight-only in its `gguf` view (those no
+    kernel takes). Only the file's header is read, and nothing is fetched."""
     from viasd.models.catalog import find_default_model
     from viasd.models.fetch import repair_command
 
@@ -197,15 +318,23 @@ def stored_view(name: str, path: str) -> tuple[QuantRecipe | None, str | None]:
             return None, None  # not from a GGUF file: as loaded
         return None, (
             f"{name}'s GGUF file is not in the cache, so it runs as its dense copy, dequantized from the file "
-            f"(`{repair_command(name)}` keeps the file for its 4-bit view)"
+            f"(`{repair_command(name)}` keeps the file for its own-blocks view)"
         )
     types = _tensor_types(location)
     if types is None:
         return None, f"cannot read the tensor types of {location}; running its dense copy, as loaded"
-    if "Q4_K" in types:
-        return QuantRecipe.parse("gguf"), None
-    stored = ", ".join(sorted(types - {"F32", "F16", "BF16"})) or ", ".join(sorted(types))
+    others = ", ".join(sorted(types - FLOAT_TYPES - set(KERNEL_TYPES)))
+    if set(KERNEL_TYPES) & types:
+        note = None
+        if others:
+            note = (
+                f"{location.name}'s {others} tensors run as int8 weight-only (viasd has no kernel for {others}; "
+                f"it takes {', '.join(KERNEL_TYPES)})"
+            )
+        return QuantRecipe.parse("gguf"), note
+    stored = others or ", ".join(sorted(types))
     return None, (
-        f"{location.name} stores its weights as {stored}, of which viasd has no 4-bit view (it takes Q4_K and Q6_K "
-        "blocks): running its dense copy, dequantized from the file (--quant int4a8 quantizes that copy to 4 bits)"
+        f"{location.name} stores its weights as {stored}, of which viasd has no kernel (it takes "
+        f"{', '.join(KERNEL_TYPES)} blocks): running its dense copy, dequantized from the file (--quant int4a8 "
+        "quantizes that copy to 4 bits)"
     )

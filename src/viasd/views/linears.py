@@ -1,7 +1,7 @@
 """The quantized Linear layers a view swaps in for a model's own: int8 with int8 activations (torch's fbgemm, or
 `torch._int_mm`), int8 and int4 weight-only (torch's kernels, their operands checked first: views/torch_kernels.py),
-int4 x int8 and 6-bit x int8 (viasd's kernels, kernels/w4a8.py and kernels/w6a8.py), and `Siblings`, layers that
-take the same input computed as one product.
+int4 x int8, 6-bit x int8 and int8 x int8 in groups (viasd's kernels, kernels/w4a8.py, w6a8.py and w8a8.py), and
+`Siblings`, layers that take the same input computed as one product.
 
 The modules are new ones with their own (smaller) tensors; the model's own weights are never changed or copied
 whole: one Linear at a time is read while its quantized copy is made (views/quantize.py).
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.kernels import w4a8, w6a8
+from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.kernels.cpu import cpu_flags
 from viasd.views.torch_kernels import (
     int4_weight_only,
@@ -343,3 +343,32 @@ class Int6Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return w6a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)
+
+
+class Int8Int8Linear(nn.Module):
+    """y = x @ W^T + b with W a GGUF file's Q8_0 or Q5_K weights as int8 codes in groups of 32 with a float32 scale
+    and minimum each, and x quantized per token and group to int8 (kernels/w8a8.py), in the kernel's tiles of 16
+    rows. Made only from a file's blocks (views/gguf.py)."""
+
+    def __init__(self, weights: w8a8.EightBitWeights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("codes", weights.codes)  # [tiles, in / 4, 64] int8
+        self.register_buffer("scale", weights.scale)  # [tiles, in / 32, 16] float32
+        self.register_buffer("low", weights.low)  # [tiles, in / 32, 16] float32, each group's minimum
+        self.register_buffer("bias", bias)
+        self.out_features = weights.n
+
+    @property
+    def weights(self) -> w8a8.EightBitWeights:
+        return w8a8.EightBitWeights(self.codes, self.scale, self.low, self.out_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weights: w8a8.EightBitWeights) -> Int8Int8Linear:
+        device = linear.weight.device
+        moved = w8a8.EightBitWeights(*(t.to(device) for t in weights.tensors()), weights.n)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        w8a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
+        return cls(moved, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)

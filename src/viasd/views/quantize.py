@@ -17,12 +17,13 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.kernels import w4a8, w6a8
+from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int6Int8Linear,
     Int8DynamicLinear,
+    Int8Int8Linear,
     Int8WeightOnlyLinear,
     flat,
     join_siblings,
@@ -77,7 +78,7 @@ class QuantizedLinears:
 
     recipe: QuantRecipe
     modules: dict[str, nn.Module] = field(default_factory=dict)
-    from_file: int = 0  # how many layers took a GGUF file's own blocks (4- or 6-bit)
+    from_file: int = 0  # how many layers took a GGUF file's own blocks (4-, 6- or 8-bit)
     _owners: dict[int, list[tuple[nn.Module, str, nn.Module]]] = field(default_factory=dict, repr=False)
 
     def prepare(self) -> None:
@@ -124,8 +125,8 @@ def quantize(
     gguf: GgufWeights | None = None,
 ) -> QuantizedLinears:
     """Quantized copies of the model's Linear layers by `recipe` (`sequences`: token ids for smoothing). A `gguf`
-    recipe takes the 4-bit blocks of `gguf`, the file the model was converted from, where it stores them as Q4_K,
-    and makes the other layers int8 weight-only."""
+    recipe takes the blocks of `gguf`, the file the model was converted from, where it stores them in a type one of
+    viasd's kernels takes (views/gguf.py), and makes the other layers int8 weight-only."""
     if recipe.gguf and gguf is None:
         raise ViasdError("quantization gguf takes the blocks of the GGUF file the model came from: it has none")
     names = [name for name in quantizable(model) if not recipe.keeps(name)]
@@ -149,7 +150,7 @@ def quantize(
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
             elif kind == "int4a8" and gguf is not None and recipe.gguf:
                 weight = linear.weight
-                out.modules[name] = _from_file(linear, gguf.int4a8(name, weight), gguf.int6a8(name, weight))
+                out.modules[name] = _from_file(linear, gguf.own(name, weight))
                 out.from_file += not isinstance(out.modules[name], Int8WeightOnlyLinear)
             elif kind == "int4a8":
                 out.modules[name] = Int4Int8Linear.from_linear(linear)
@@ -160,14 +161,15 @@ def quantize(
 
 
 def _from_file(
-    linear: nn.Linear,
-    four: w4a8.FourBitWeights | None,
-    six: w6a8.SixBitWeights | None,
+    linear: nn.Linear, own: w4a8.FourBitWeights | w6a8.SixBitWeights | w8a8.EightBitWeights | None
 ) -> nn.Module:
-    """A layer's copy from its GGUF file's own blocks (4-bit, else 6-bit); int8 weight-only where the file has
-    neither for it (int8 keeps what a tensor stored at more bits holds)."""
-    if four is not None:
-        return Int4Int8Linear.from_linear(linear, four)
-    if six is not None:
-        return Int6Int8Linear.from_linear(linear, six)
+    """A layer's copy from its GGUF file's own blocks (`own`, in the format of the kernel that takes them); int8
+    weight-only where the file has none a kernel takes for it (int8 keeps what a tensor stored at more bits
+    holds)."""
+    if isinstance(own, w4a8.FourBitWeights):
+        return Int4Int8Linear.from_linear(linear, own)
+    if isinstance(own, w6a8.SixBitWeights):
+        return Int6Int8Linear.from_linear(linear, own)
+    if isinstance(own, w8a8.EightBitWeights):
+        return Int8Int8Linear.from_linear(linear, own)
     return Int8WeightOnlyLinear.from_linear(linear)

@@ -19,9 +19,10 @@ Kinds (`QuantRecipe.kind`):
   viasd's own CPU kernel (kernels/w4a8.py, for AVX-512 VNNI and AVX2), the cheapest single-token pass on x86.
 * `gguf` (`int4a8:gguf`): the quantization of the GGUF file the model was converted from, taken over rather
   than made again: int4a8 layers with the file's own 4-bit codes, scales and minimums where it stores a tensor
-  as Q4_K, 6-bit layers (`Int6Int8Linear`, kernels/w6a8.py) with its own codes and scales where it stores one as
-  Q6_K (Q4_K_M keeps the output head and some down and value projections so), and int8 weight-only (`int8wo`)
-  for any other tensor. It computes what llama.cpp computes from the same file, up to the activations'
+  as Q4_K, Q4_0 or Q4_1, 6-bit layers (`Int6Int8Linear`, kernels/w6a8.py) with its own codes and scales where it
+  stores one as Q6_K (Q4_K_M keeps the output head and some down and value projections so), 8-bit layers
+  (`Int8Int8Linear`, kernels/w8a8.py) where it stores one as Q8_0 or Q5_K, and int8 weight-only (`int8wo`) for
+  any other tensor (views/gguf.py). It computes what llama.cpp computes from the same file, up to the activations'
   rounding, whereas re-quantizing the dequantized weights would round them a second time onto another grid.
   The layers kept at more bits are the sensitive ones: as int8 with int8 activations per token the default
   target's greedy top-1 agreement with bf16 was 0.954, as int8wo 0.986 (as bf16 0.994; 347 teacher-forced
@@ -64,7 +65,8 @@ class QuantRecipe:
     int8: glob patterns of module names quantized to int8 (with int8 activations) instead of `kind`: a mixed
         recipe, as llama.cpp's Q4_K_M keeps its output head and some down projections at 6 bits.
     smooth: the SmoothQuant migration strength a in [0, 1] (int8 only; 0: off).
-    gguf: take the source GGUF file's own Q4_K blocks (int4a8 only), int8 weight-only for its other tensors.
+    gguf: take the source GGUF file's own blocks where a kernel takes their type (int4a8 only; views/gguf.py), int8
+        weight-only for its other tensors.
     """
 
     kind: str = "int8"
@@ -84,7 +86,7 @@ class QuantRecipe:
         if self.int8 and self.kind == "int8":
             raise ViasdError("int8=PATTERN mixes int8 layers into another kind; this recipe is int8 already")
         if self.gguf and self.kind != "int4a8":
-            raise ViasdError("gguf takes a GGUF file's 4-bit blocks as int4a8 layers; write int4a8:gguf or gguf")
+            raise ViasdError("gguf takes a GGUF file's blocks, 4-bit ones as int4a8 layers; write int4a8:gguf or gguf")
         if self.kind == "int4a8" and self.group_size != 64:
             raise ViasdError("int4a8's groups are fixed at 32 inputs (group=G is for int4)")
         if self.group_size not in (32, 64, 128, 256):

@@ -43,13 +43,14 @@ from torch import nn
 
 from viasd.cache import cache_folder
 from viasd.fileio import write_atomic
-from viasd.kernels import w6a8
+from viasd.kernels import w6a8, w8a8
 from viasd.models.fingerprint import model_fingerprint
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
     Int6Int8Linear,
     Int8DynamicLinear,
+    Int8Int8Linear,
     Int8WeightOnlyLinear,
     join_siblings,
 )
@@ -62,8 +63,9 @@ if TYPE_CHECKING:
     from viasd.views.gguf import GgufWeights
 
 # 2: a gguf recipe's 6-bit layers are the file's own blocks; 3: low-bit tiles; 4: a digest per tensor, the dtype;
-# 5: tensors at 64-byte boundaries (a file of 4 is made again, not copied tensor by tensor at every load)
-FORMAT = "viasd-quantized/5"
+# 5: tensors at 64-byte boundaries (a file of 4 is made again, not copied tensor by tensor at every load); 6: a gguf
+# recipe also takes Q4_0, Q4_1 (as int4a8), Q8_0 and Q5_K (as int8a8) blocks, where 5 made them int8 weight-only
+FORMAT = "viasd-quantized/6"
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
 SMOOTHING_TEXTS = (
     "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
@@ -77,6 +79,7 @@ _CLASSES: dict[str, type[nn.Module]] = {
     "int4": Int4WeightOnlyLinear,
     "int4a8": Int4Int8Linear,
     "int6a8": Int6Int8Linear,
+    "int8a8": Int8Int8Linear,
 }
 
 
@@ -154,10 +157,10 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     for name in names:
         # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
         # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, 6-bit where it had 6-bit ones,
-        # int8 weight-only elsewhere.
+        # 8-bit where it had Q8_0 or Q5_K ones, int8 weight-only elsewhere.
         kind = recipe.kind_of(name)
         if recipe.gguf and f"{name}/packed" not in tensors:
-            kind = "int6a8" if f"{name}/high" in tensors else "int8wo"
+            kind = "int6a8" if f"{name}/high" in tensors else "int8a8" if f"{name}/codes" in tensors else "int8wo"
         probe = _probe(layers[name], recipe, kind)
         for key, expected in probe.named_buffers():
             stored = tensors.get(f"{name}/{key}")
@@ -167,7 +170,7 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
         if not isinstance(probe, _CLASSES[kind]):
             raise DamagedCache(f"{name}: unexpected module kind")
         out.modules[name] = probe
-        out.from_file += recipe.gguf and kind in ("int4a8", "int6a8")
+        out.from_file += recipe.gguf and kind in ("int4a8", "int6a8", "int8a8")
     if len(tensors) != sum(1 for m in out.modules.values() for _ in m.named_buffers()):
         raise DamagedCache("it holds tensors of layers the recipe does not quantize")
     return out
@@ -186,6 +189,8 @@ def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
         module = Int4Int8Linear.from_linear(meta)
     elif kind == "int6a8":
         module = Int6Int8Linear(_six_bit_probe(linear.out_features, linear.in_features), meta.bias)
+    elif kind == "int8a8":
+        module = Int8Int8Linear(_eight_bit_probe(linear.out_features, linear.in_features), meta.bias)
     else:
         module = _int4_probe(linear, recipe.group_size)
     return module
@@ -197,6 +202,13 @@ def _six_bit_probe(rows: int, columns: int) -> w6a8.SixBitWeights:
     low, high = empty(tiles, columns // 8, 64, dtype=torch.uint8), empty(tiles, columns // 16, 64, dtype=torch.uint8)
     return w6a8.SixBitWeights(low, high, empty(tiles, columns // 16, w6a8.TILE, dtype=torch.int8),
                               empty(tiles, columns // 256, w6a8.TILE, dtype=torch.float16), rows)  # fmt: skip
+
+
+def _eight_bit_probe(rows: int, columns: int) -> w8a8.EightBitWeights:
+    empty = functools.partial(torch.empty, device="meta")
+    tiles = -(-rows // w8a8.TILE)
+    scale, low = (empty(tiles, columns // w8a8.GROUP, w8a8.TILE, dtype=torch.float32) for _ in range(2))
+    return w8a8.EightBitWeights(empty(tiles, columns // 4, 64, dtype=torch.int8), scale, low, rows)
 
 
 def _int4_probe(linear: nn.Linear, group_size: int) -> nn.Module:
