@@ -51,7 +51,7 @@ def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return [int(token.id) for piece in pieces for token in backend.model.tokenize(piece)]
 
 
-def _around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+def tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     """The ids the tokenizer puts before and after a text when asked to add its special tokens (e.g. BOS)."""
     plain = _ids(tokenizer("a", add_special_tokens=False))
     wrapped = _ids(tokenizer("a", add_special_tokens=True))
@@ -69,7 +69,7 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_token
     ids = _plain_ids(tokenizer, text)
     if not add_special_tokens:
         return ids
-    before, after = _around(tokenizer)
+    before, after = tokens_around(tokenizer)
     return before + ids + after
 
 
@@ -79,11 +79,13 @@ def _ids(encoded: object) -> list[int]:
     return [int(t) for t in encoded]  # type: ignore[attr-defined]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> str:
-    return str(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False))
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool) -> str:
+    return str(tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False))
 
 
-def _encode_template_safely(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
+def _encode_template_safely(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool = True
+) -> list[int]:
     """The chat template's token ids with every message content encoded as plain text.
 
     The template is rendered once with a unique marker in place of each content, which shows where the
@@ -92,7 +94,8 @@ def _encode_template_safely(tokenizer: PreTrainedTokenizerBase, messages: Sequen
     """
     tag = uuid.uuid4().hex
     markers = [f"VIASDCONTENT{tag}N{i}X" for i in range(len(messages))]
-    skeleton = _render(tokenizer, [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)])
+    marked = [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)]
+    skeleton = _render(tokenizer, marked, generation_prompt)
     pieces: list[str] = []
     rest = skeleton
     for marker in markers:
@@ -100,7 +103,7 @@ def _encode_template_safely(tokenizer: PreTrainedTokenizerBase, messages: Sequen
         if not found or marker in rest:
             raise ViasdError("this model's chat template cannot keep special-token text in a message as plain text")
         pieces.append(before)
-    rendered = _render(tokenizer, messages)
+    rendered = _render(tokenizer, messages, generation_prompt)
     contents = [m["content"] for m in messages]
     if "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest != rendered:
         contents = [c.strip() for c in contents]  # templates that trim the contents
@@ -113,11 +116,19 @@ def _encode_template_safely(tokenizer: PreTrainedTokenizerBase, messages: Sequen
     return ids + _ids(tokenizer(rest, add_special_tokens=False))
 
 
-def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], chat: bool = True) -> list[int]:
-    """Token ids of a conversation, with the model's chat template and a generation prompt.
+def encode_messages(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    chat: bool = True,
+    generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of a conversation, with the model's chat template and (unless told not to) a generation prompt.
 
-    Without a chat template (or with chat=False) the message contents are joined as plain text. Special
-    tokens come only from the template (and the tokenizer's BOS), never from the messages' text.
+    Without a chat template (or with chat=False) the message contents are joined as plain text, with what the
+    tokenizer puts around a text (e.g. BOS). Special tokens come only from the template and the tokenizer, never from
+    the messages' text. `add_special_tokens` also puts the tokenizer's own around the template's output (vLLM's
+    /tokenize option; the chat endpoints never do).
     """
     if not messages or not any(m.get("content", "").strip() for m in messages):
         raise ViasdError("the prompt is empty")
@@ -126,8 +137,16 @@ def encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Messa
             raise ViasdError(f"unknown message role {m.get('role')!r} (use system, user or assistant)")
     if chat and getattr(tokenizer, "chat_template", None):
         if any(contains_special_text(tokenizer, m.get("content", "")) for m in messages):
-            return _encode_template_safely(tokenizer, messages)
-        return _ids(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+            ids = _encode_template_safely(tokenizer, messages, generation_prompt)
+        else:
+            templated = tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=generation_prompt, tokenize=True
+            )
+            ids = _ids(templated)
+        if not add_special_tokens:
+            return ids
+        before, after = tokens_around(tokenizer)
+        return before + ids + after
     text = "\n\n".join(m["content"] for m in messages)
     return encode_text(tokenizer, text, add_special_tokens=True)
 
