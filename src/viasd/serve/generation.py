@@ -17,6 +17,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from viasd.engine import Engine
 from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.executor import PassExecutor, confine_openmp
 from viasd.serve.errors import APIError
+from viasd.serve.latency import request_times
 from viasd.serve.metrics import Metrics
 
 log = logging.getLogger("viasd.serve")
@@ -135,6 +137,7 @@ class GenerationService:
             cancel = threading.Event()
             self._cancels.add(cancel)
         prompt = list(prompt_ids)
+        arrived = time.perf_counter()  # the request's latencies count from here (serve/latency.py)
 
         def on_text(piece: str) -> None:
             if cancel.is_set():
@@ -150,7 +153,9 @@ class GenerationService:
                 slot = self._slots.get()  # a worker thread has one: there are as many slots as threads
                 try:
                     with self._batched():
+                        started = time.perf_counter()
                         result = self.engine.generate(prompt, method, config, on_text=on_text, slot=slot)
+                        ended = time.perf_counter()
                 finally:
                     self._slots.put(slot)
             except GenerationCancelled:
@@ -166,7 +171,9 @@ class GenerationService:
             finally:
                 with self._lock:
                     self._running -= 1
-            self.metrics.record(method, result.stats)
+            generating = result.stats.total_seconds
+            times = request_times(arrived, started, ended, result.first_token_seconds, generating, len(result.tokens))
+            self.metrics.record(method, result.stats, times)
             return result
 
         def finished(future: Future[GenerationResult]) -> None:
