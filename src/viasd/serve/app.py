@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app, built by `create_app` from a loaded engine and the server settings.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not),
-GET /v1/models, /health and /metrics. All state (queue, metrics, executors) lives in the app that the
-factory returns, so two apps in one process share nothing.
+GET /v1/models, /health and /metrics, and vLLM's operators' endpoints POST /tokenize and /detokenize and
+GET /version. All state (queue, metrics, executors) lives in the app that the factory returns, so two apps
+in one process share nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
 from viasd.serve.metrics import Metrics
 from viasd.serve.middleware import GuardMiddleware
-from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
+from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi, json_responses
 from viasd.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -56,11 +57,24 @@ from viasd.serve.schemas import (
     field_range,
 )
 from viasd.serve.settings import ServeSettings
+from viasd.serve.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionInfo,
+    detokenize,
+    token_strings,
+    tokenize,
+)
 from viasd.verify.sampling import SamplingParams
 
 log = logging.getLogger("viasd.serve")
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+PATHS = (
+    *("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json"),
+    *("/tokenize", "/detokenize", "/version"),
+)
 # pydantic error types about a number out of its range (or not finite), answered with the field's whole range
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
 # pydantic error types about a value of another JSON type than the field's (strict: true is no integer) -> its type
@@ -79,6 +93,7 @@ _DISCONNECT_POLL_SECONDS = 0.25
 # our finish reasons -> OpenAI's
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -151,7 +166,7 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
 def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor | None = None) -> FastAPI:
     """Build the app. The engine must already hold (or be able to build) a decoder for every method. With an
     executor, every model pass runs on its thread (`viasd serve`: the main thread; passes/executor.py says why)."""
-    metrics = Metrics(settings.methods)
+    metrics = Metrics(settings.methods, model_name=settings.model_id)
     for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
         for method in settings.methods:
             engine.decoder(method, slot)
@@ -171,6 +186,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     created = int(time.time())
     vocab_size = len(engine.tokenizer)
     context_limit = engine.decoder(settings.default_method).context_limit
+    # /tokenize's max_model_len: the model's context, or (when its config does not say) what this server lets in
+    max_model_len = context_limit or settings.max_prompt_tokens + settings.max_tokens_limit
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -200,7 +217,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     )
     install_openapi(
         app,
-        {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+        {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
         events=[ChatCompletionChunk],
         served=served,
     )
@@ -289,6 +311,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     async def encode(messages: Sequence[Message], chat: bool) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(tokenizer_pool, encode_messages, engine.tokenizer, messages, chat)
+
+    def check_vocabulary(ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            message = f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+            raise APIError(400, message, param=param)
 
     def check_prompt(ids: Sequence[int], param: str) -> None:
         if len(ids) > settings.max_prompt_tokens:
@@ -402,6 +430,40 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     def model_card() -> ModelCard:
         return ModelCard(id=settings.model_id, created=created, methods=list(settings.methods))
 
+    @app.get("/version", responses=error_responses(api_key=keyed))
+    async def version() -> VersionInfo:
+        return VersionInfo(version=__version__)
+
+    async def off_loop(function: Callable[..., ResultT], *args: Any) -> ResultT:
+        """Run tokenizer work on the tokenizer's thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, function, *args)
+
+    @app.post("/tokenize", response_model=None, responses=json_responses(TokenizeResponse, api_key=keyed))
+    async def tokenize_route(request: Request) -> TokenizeResponse:
+        req = await parse_body(request, TokenizeRequest)
+        check_model(req.model)
+        if req.prompt is not None and req.messages is not None:
+            raise APIError(400, "send prompt (text) or messages (chat), not both", "invalid_request", "messages")
+        if req.prompt is None and req.messages is None:
+            raise APIError(
+                400, "nothing to tokenize: send prompt (text) or messages (chat)", "invalid_request", "prompt"
+            )
+        try:
+            ids = await off_loop(tokenize, engine.tokenizer, req)
+        except ViasdError as error:
+            raise APIError(
+                400, str(error), "invalid_request", "prompt" if req.prompt is not None else "messages"
+            ) from error
+        strings = await off_loop(token_strings, engine.tokenizer, ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strings)
+
+    @app.post("/detokenize", response_model=None, responses=json_responses(DetokenizeResponse, api_key=keyed))
+    async def detokenize_route(request: Request) -> DetokenizeResponse:
+        req = await parse_body(request, DetokenizeRequest)
+        check_model(req.model)
+        check_vocabulary(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=await off_loop(detokenize, engine.tokenizer, req.tokens))
+
     @app.get("/v1/models", responses=error_responses(api_key=keyed))
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
@@ -465,10 +527,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         config = generation_config(req)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             prompt = [int(t) for t in req.prompt]
-            bad = [t for t in prompt if not 0 <= t < vocab_size]
-            if bad:
-                message = f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
-                raise APIError(400, message, param="prompt")
+            check_vocabulary(prompt, "prompt")
         else:
             text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
             prompt = await encode([{"role": "user", "content": text}], chat=False)

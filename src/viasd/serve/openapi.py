@@ -76,6 +76,14 @@ def completion_responses(
     return {200: ok, **error_responses(400, 404, 413, 503, api_key=api_key)}
 
 
+def json_responses(model: type[BaseModel], api_key: bool) -> dict[int | str, dict[str, Any]]:
+    """The answers of a route that reads a JSON body and answers `model` at once (no queue, no stream)."""
+    return {
+        200: {"model": model, "description": "Successful Response"},
+        **error_responses(400, 404, 413, api_key=api_key),
+    }
+
+
 @dataclass(frozen=True)
 class Served:
     """What this server accepts beyond the models' static constraints, published in its request schemas."""
@@ -106,7 +114,7 @@ def install_openapi(
 
 def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> None:
     """Publish the server's own limits in the request schemas: the model id, the loaded methods, the
-    largest max_tokens and the vocabulary (every other value is refused with 400 or 404)."""
+    largest max_tokens and the vocabulary of token ids (every other value is refused with 400 or 404)."""
     limits: dict[str, dict[str, Any]] = {
         "model": {"enum": [served.model_id]},
         "method": {"enum": list(served.methods)},
@@ -118,8 +126,8 @@ def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> No
         for field, constraint in limits.items():
             if field in properties:
                 _typed_branch(properties[field]).update(constraint)
-        for branch in properties.get("prompt", {}).get("anyOf", []):
-            if branch.get("items", {}).get("type") == "integer":
+        for branch in [*properties.get("prompt", {}).get("anyOf", []), properties.get("tokens", {})]:
+            if branch.get("items", {}).get("type") == "integer":  # token ids
                 branch["items"]["maximum"] = served.vocab_size - 1
 
 
