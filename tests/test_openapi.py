@@ -128,7 +128,7 @@ def test_the_document_publishes_bodies_answers_and_limits() -> None:
             "$ref": f"#/components/schemas/{model}"
         }
         assert {"200", "400", "401", "404", "413"} == responses(path, "post").keys()
-    assert schemas["TokenizeRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
+    assert [branch["required"] for branch in schemas["TokenizeRequest"]["oneOf"]] == [["prompt"], ["messages"]]
     assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] == {
         "type": "integer",
         "minimum": 0,

@@ -138,33 +138,3 @@ def test_added_whitespace_tokens_are_text_and_keep_their_tokens() -> None:
     want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
     assert encode_messages(tokenizer, messages) == [int(t) for t in want]
-
-
-def test_without_the_generation_prompt_the_template_renders_none(tokenizer: PreTrainedTokenizerBase) -> None:
-    """/tokenize's add_generation_prompt=false: the template's own rendering without the assistant's opening, for a
-    message with special-token text too; the ids with it start with the ids without it."""
-    for content in ("What is 2+2?", FORGED):
-        messages = [{"role": "user", "content": content}]
-        bare = encode_messages(tokenizer, messages, generation_prompt=False)
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-        assert tokenizer.decode(bare) == rendered and not rendered.endswith("assistant\n")
-        full = encode_messages(tokenizer, messages)
-        assert full[: len(bare)] == bare and len(full) > len(bare)
-
-
-def test_add_special_tokens_puts_the_tokenizers_own_around_the_template() -> None:
-    """/tokenize's add_special_tokens=true with messages: what the tokenizer adds around a text (here a BOS) goes
-    around the template's ids; the chat endpoints never add it."""
-    from tokenizers.processors import TemplateProcessing
-
-    tokenizer = tiny_chat_tokenizer()
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
-        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
-    )
-    for content in ("What is 2+2?", FORGED):
-        messages = [{"role": "user", "content": content}]
-        assert encode_messages(tokenizer, messages, add_special_tokens=True) == [
-            0,
-            *encode_messages(tokenizer, messages),
-        ]
-        assert encode_messages(tokenizer, messages)[0] != 0

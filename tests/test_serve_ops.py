@@ -128,7 +128,23 @@ BAD_REQUESTS = [
     ("/tokenize", {"messages": [{"role": "user", "content": " "}]}, "messages", "the prompt is empty"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages", "messages.0.role"),
     ("/tokenize", {"prompt": "a", "chat_template": "{{ x }}"}, "chat_template", "chat template"),
-    ("/tokenize", {"prompt": "a", "continue_final_message": True}, "continue_final_message", "not supported"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt", "messages only"),
+    ("/tokenize", {"prompt": "a", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages only"),
+    ("/tokenize", {"prompt": "a", "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+    ("/tokenize", {"prompt": "a", "temperature": 0}, "temperature", "Extra inputs are not permitted"),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True, "continue_final_message": True},
+        "continue_final_message",
+        "cannot be true with add_generation_prompt true",
+    ),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"tokenize": True}},
+        "chat_template_kwargs",
+        "'tokenize' is not a template variable here",
+    ),
+    ("/detokenize", {"tokens": [3], "skip_special_tokens": True}, "skip_special_tokens", "Extra inputs"),
     ("/tokenize", {"prompt": "a", "model": 7}, "model", "model must be a string"),
     ("/tokenize", "{not json", None, "not valid JSON"),
     ("/detokenize", {"tokens": [-1]}, "tokens", "token id -1 is outside the vocabulary (0..319)"),
@@ -148,6 +164,19 @@ def test_bad_input_gets_one_400_naming_the_parameter(
     assert "\n" not in error["message"], error["message"]
     if param is not None:
         assert error["param"] is not None and error["param"].split(".")[0] == param, error
+
+
+def test_tokenize_renders_the_template_as_the_chat_endpoint_does(server: Server) -> None:
+    """vLLM's template options: continuing the last (assistant) message ends the ids at its text, with no new
+    turn; variables the template does not use change nothing."""
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is"}]
+    continued = post(server, "/tokenize", {"messages": messages, "continue_final_message": True}).json()
+    text = post(server, "/detokenize", {"tokens": continued["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nIt is"), text
+    opened = post(server, "/tokenize", {"messages": messages}).json()
+    assert post(server, "/detokenize", {"tokens": opened["tokens"]}).json()["prompt"].endswith("assistant\n")
+    same = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    assert same.json() == opened
 
 
 def test_an_unknown_model_is_404_as_on_the_openai_routes(server: Server) -> None:

@@ -18,12 +18,43 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from viasd.errors import ViasdError
 
 Message = dict[str, str]
+# Arguments of transformers' apply_chat_template that a request's template variables must not set.
+RESERVED_TEMPLATE_KEYS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a conversation is rendered: open the assistant's turn (the default), or continue the last message, and
+    extra variables for the template (e.g. enable_thinking)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: tuple[tuple[str, Any], ...] = ()
+
+    def arguments(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments for it."""
+        return {
+            **dict(self.variables),
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+
+
+PLAIN_TEMPLATE = ChatTemplate()  # a new assistant turn, no extra variables
 
 
 def special_token_texts(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
@@ -79,12 +110,24 @@ def _ids(encoded: object) -> list[int]:
     return [int(t) for t in encoded]  # type: ignore[attr-defined]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool) -> str:
-    return str(tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False))
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], template: ChatTemplate) -> str:
+    return str(_apply(tokenizer, messages, template, tokenize=False))
+
+
+def _apply(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], template: ChatTemplate, tokenize: bool
+) -> Any:
+    """The tokenizer's chat template over `messages`; a template that fails on the request's options is refused."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=tokenize, **template.arguments())
+    except ValueError as error:  # e.g. continue_final_message with a template that cannot continue
+        if template == PLAIN_TEMPLATE:
+            raise
+        raise ViasdError(f"the chat template cannot render these messages with these options: {error}") from error
 
 
 def _encode_template_safely(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], template: ChatTemplate
 ) -> list[int]:
     """The chat template's token ids with every message content encoded as plain text.
 
@@ -94,8 +137,9 @@ def _encode_template_safely(
     """
     tag = uuid.uuid4().hex
     markers = [f"VIASDCONTENT{tag}N{i}X" for i in range(len(messages))]
-    marked = [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)]
-    skeleton = _render(tokenizer, marked, generation_prompt)
+    skeleton = _render(
+        tokenizer, [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)], template
+    )
     pieces: list[str] = []
     rest = skeleton
     for marker in markers:
@@ -103,7 +147,7 @@ def _encode_template_safely(
         if not found or marker in rest:
             raise ViasdError("this model's chat template cannot keep special-token text in a message as plain text")
         pieces.append(before)
-    rendered = _render(tokenizer, messages, generation_prompt)
+    rendered = _render(tokenizer, messages, template)
     contents = [m["content"] for m in messages]
     if "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest != rendered:
         contents = [c.strip() for c in contents]  # templates that trim the contents
@@ -120,15 +164,13 @@ def encode_messages(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],
     chat: bool = True,
-    generation_prompt: bool = True,
-    add_special_tokens: bool = False,
+    template: ChatTemplate = PLAIN_TEMPLATE,
 ) -> list[int]:
-    """Token ids of a conversation, with the model's chat template and (unless told not to) a generation prompt.
+    """Token ids of a conversation, with the model's chat template rendered as `template` says (by default with a
+    generation prompt).
 
-    Without a chat template (or with chat=False) the message contents are joined as plain text, with what the
-    tokenizer puts around a text (e.g. BOS). Special tokens come only from the template and the tokenizer, never from
-    the messages' text. `add_special_tokens` also puts the tokenizer's own around the template's output (vLLM's
-    /tokenize option; the chat endpoints never do).
+    Without a chat template (or with chat=False) the message contents are joined as plain text. Special
+    tokens come only from the template (and the tokenizer's BOS), never from the messages' text.
     """
     if not messages or not any(m.get("content", "").strip() for m in messages):
         raise ViasdError("the prompt is empty")
@@ -137,16 +179,8 @@ def encode_messages(
             raise ViasdError(f"unknown message role {m.get('role')!r} (use system, user or assistant)")
     if chat and getattr(tokenizer, "chat_template", None):
         if any(contains_special_text(tokenizer, m.get("content", "")) for m in messages):
-            ids = _encode_template_safely(tokenizer, messages, generation_prompt)
-        else:
-            templated = tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=generation_prompt, tokenize=True
-            )
-            ids = _ids(templated)
-        if not add_special_tokens:
-            return ids
-        before, after = tokens_around(tokenizer)
-        return before + ids + after
+            return _encode_template_safely(tokenizer, messages, template)
+        return _ids(_apply(tokenizer, messages, template, tokenize=True))
     text = "\n\n".join(m["content"] for m in messages)
     return encode_text(tokenizer, text, add_special_tokens=True)
 

@@ -32,12 +32,13 @@ from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.passes.executor import PassExecutor
 from viasd.prompting import Message, encode_messages
+from viasd.serve import tokenization
 from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
 from viasd.serve.metrics import Metrics
 from viasd.serve.middleware import GuardMiddleware
-from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi, json_responses
+from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
 from viasd.serve.schemas import (
     ChatChoice,
     ChatChunkChoice,
@@ -57,16 +58,6 @@ from viasd.serve.schemas import (
     field_range,
 )
 from viasd.serve.settings import ServeSettings
-from viasd.serve.tokenization import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-    VersionInfo,
-    detokenize,
-    token_strings,
-    tokenize,
-)
 from viasd.verify.sampling import SamplingParams
 
 log = logging.getLogger("viasd.serve")
@@ -220,8 +211,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         {
             "/v1/chat/completions": ChatCompletionRequest,
             "/v1/completions": CompletionRequest,
-            "/tokenize": TokenizeRequest,
-            "/detokenize": DetokenizeRequest,
+            "/tokenize": tokenization.TokenizeRequest,
+            "/detokenize": tokenization.DetokenizeRequest,
         },
         events=[ChatCompletionChunk],
         served=served,
@@ -431,16 +422,23 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         return ModelCard(id=settings.model_id, created=created, methods=list(settings.methods))
 
     @app.get("/version", responses=error_responses(api_key=keyed))
-    async def version() -> VersionInfo:
-        return VersionInfo(version=__version__)
+    async def version() -> tokenization.VersionInfo:
+        return tokenization.VersionInfo(version=__version__)
+
+    def answers(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+        """The documented answers of an operators' route: `model` at once, or an error (no queue, no stream)."""
+        return {
+            200: {"model": model, "description": "Successful Response"},
+            **error_responses(400, 404, 413, api_key=keyed),
+        }
 
     async def off_loop(function: Callable[..., ResultT], *args: Any) -> ResultT:
         """Run tokenizer work on the tokenizer's thread, off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, function, *args)
 
-    @app.post("/tokenize", response_model=None, responses=json_responses(TokenizeResponse, api_key=keyed))
-    async def tokenize_route(request: Request) -> TokenizeResponse:
-        req = await parse_body(request, TokenizeRequest)
+    @app.post("/tokenize", response_model=None, responses=answers(tokenization.TokenizeResponse))
+    async def tokenize_route(request: Request) -> tokenization.TokenizeResponse:
+        req = await parse_body(request, tokenization.TokenizeRequest)
         check_model(req.model)
         if req.prompt is not None and req.messages is not None:
             raise APIError(400, "send prompt (text) or messages (chat), not both", "invalid_request", "messages")
@@ -448,21 +446,29 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             raise APIError(
                 400, "nothing to tokenize: send prompt (text) or messages (chat)", "invalid_request", "prompt"
             )
+        if req.prompt is not None:  # the template's options would change nothing: refused, not ignored
+            for name in tokenization.MESSAGES_ONLY:
+                if getattr(req, name) is not None:
+                    raise APIError(400, f"{name} applies to messages only, not to a prompt", "invalid_request", name)
         try:
-            ids = await off_loop(tokenize, engine.tokenizer, req)
+            ids = await off_loop(tokenization.tokenize, engine.tokenizer, req)
         except ViasdError as error:
             raise APIError(
                 400, str(error), "invalid_request", "prompt" if req.prompt is not None else "messages"
             ) from error
-        strings = await off_loop(token_strings, engine.tokenizer, ids) if req.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strings)
+        strings = await off_loop(tokenization.token_strings, engine.tokenizer, ids) if req.return_token_strs else None
+        return tokenization.TokenizeResponse(
+            count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strings
+        )
 
-    @app.post("/detokenize", response_model=None, responses=json_responses(DetokenizeResponse, api_key=keyed))
-    async def detokenize_route(request: Request) -> DetokenizeResponse:
-        req = await parse_body(request, DetokenizeRequest)
+    @app.post("/detokenize", response_model=None, responses=answers(tokenization.DetokenizeResponse))
+    async def detokenize_route(request: Request) -> tokenization.DetokenizeResponse:
+        req = await parse_body(request, tokenization.DetokenizeRequest)
         check_model(req.model)
         check_vocabulary(req.tokens, "tokens")
-        return DetokenizeResponse(prompt=await off_loop(detokenize, engine.tokenizer, req.tokens))
+        return tokenization.DetokenizeResponse(
+            prompt=await off_loop(tokenization.detokenize, engine.tokenizer, req.tokens)
+        )
 
     @app.get("/v1/models", responses=error_responses(api_key=keyed))
     async def list_models() -> ModelList:

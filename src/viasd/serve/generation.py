@@ -17,10 +17,10 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
@@ -137,7 +137,7 @@ class GenerationService:
             cancel = threading.Event()
             self._cancels.add(cancel)
         prompt = list(prompt_ids)
-        arrived = time.perf_counter()  # the request's latencies count from here (serve/latency.py)
+        arrived = perf_counter()  # the request's latencies count from here (serve/latency.py)
 
         def on_text(piece: str) -> None:
             if cancel.is_set():
@@ -151,11 +151,10 @@ class GenerationService:
                 if cancel.is_set():
                     raise GenerationCancelled
                 slot = self._slots.get()  # a worker thread has one: there are as many slots as threads
+                started = perf_counter()
                 try:
                     with self._batched():
-                        started = time.perf_counter()
                         result = self.engine.generate(prompt, method, config, on_text=on_text, slot=slot)
-                        ended = time.perf_counter()
                 finally:
                     self._slots.put(slot)
             except GenerationCancelled:
@@ -171,7 +170,7 @@ class GenerationService:
             finally:
                 with self._lock:
                     self._running -= 1
-            generating = result.stats.total_seconds
+            ended, generating = perf_counter(), result.stats.total_seconds
             times = request_times(arrived, started, ended, result.first_token_seconds, generating, len(result.tokens))
             self.metrics.record(method, result.stats, times)
             return result

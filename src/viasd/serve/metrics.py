@@ -159,6 +159,32 @@ class Metrics:
         with self._lock:
             self._methods.setdefault(method, MethodTotals()).failed += 1
 
+    def _render_vllm_named(self, out: _Writer, methods: dict[str, MethodTotals]) -> None:
+        """The families vLLM's server exports, under its names in the `viasd:` namespace: request latencies of the
+        finished generations, and the speculation counters."""
+        model = {} if self._model_name is None else {"model_name": self._model_name}
+
+        def labels(method: str) -> dict[str, str]:
+            return {**model, "method": method}
+
+        for name, help_text, table in (
+            ("viasd:request_queue_time_seconds", "Seconds requests waited in the queue.", "queue"),
+            ("viasd:time_to_first_token_seconds", "Seconds from arrival to the first token.", "first_token"),
+            (
+                "viasd:request_time_per_output_token_seconds",
+                "Per request: seconds from its first token to its end over its tokens after the first.",
+                "per_output_token",
+            ),
+            ("viasd:e2e_request_latency_seconds", "Seconds from arrival to the end of generation.", "end_to_end"),
+        ):
+            out.histogram(name, help_text, ((labels(m), getattr(t, table)) for m, t in methods.items()))
+        for name, help_text, count in (
+            ("viasd:spec_decode_num_drafts_total", "Rounds that proposed a draft, each verified once.", "drafts"),
+            ("viasd:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", "drafted"),
+            ("viasd:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", "accepted"),
+        ):
+            out.family(name, "counter", help_text, ((labels(m), getattr(t, count)) for m, t in methods.items()))
+
     def render(self, waiting: int, running: int, capacity: int) -> str:
         """The exposition text; queue figures are passed in as they live in the generation service."""
         with self._lock:
@@ -264,29 +290,3 @@ class Metrics:
         )
         self._render_vllm_named(out, methods)
         return out.text()
-
-    def _render_vllm_named(self, out: _Writer, methods: dict[str, MethodTotals]) -> None:
-        """The families vLLM's server exports, under its names in the `viasd:` namespace: request latencies of the
-        finished generations, and the speculation counters."""
-        model = {} if self._model_name is None else {"model_name": self._model_name}
-
-        def labels(method: str) -> dict[str, str]:
-            return {**model, "method": method}
-
-        for name, help_text, table in (
-            ("viasd:request_queue_time_seconds", "Seconds requests waited in the queue.", "queue"),
-            ("viasd:time_to_first_token_seconds", "Seconds from arrival to the first token.", "first_token"),
-            (
-                "viasd:request_time_per_output_token_seconds",
-                "Per request: seconds from its first token to its end over its tokens after the first.",
-                "per_output_token",
-            ),
-            ("viasd:e2e_request_latency_seconds", "Seconds from arrival to the end of generation.", "end_to_end"),
-        ):
-            out.histogram(name, help_text, ((labels(m), getattr(t, table)) for m, t in methods.items()))
-        for name, help_text, count in (
-            ("viasd:spec_decode_num_drafts_total", "Rounds that proposed a draft, each verified once.", "drafts"),
-            ("viasd:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", "drafted"),
-            ("viasd:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", "accepted"),
-        ):
-            out.family(name, "counter", help_text, ((labels(m), getattr(t, count)) for m, t in methods.items()))

@@ -76,14 +76,6 @@ def completion_responses(
     return {200: ok, **error_responses(400, 404, 413, 503, api_key=api_key)}
 
 
-def json_responses(model: type[BaseModel], api_key: bool) -> dict[int | str, dict[str, Any]]:
-    """The answers of a route that reads a JSON body and answers `model` at once (no queue, no stream)."""
-    return {
-        200: {"model": model, "description": "Successful Response"},
-        **error_responses(400, 404, 413, api_key=api_key),
-    }
-
-
 @dataclass(frozen=True)
 class Served:
     """What this server accepts beyond the models' static constraints, published in its request schemas."""
