@@ -26,13 +26,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import viasd.serve.tokenization as tokenization
 from viasd import __version__
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.passes.executor import PassExecutor
 from viasd.prompting import Message, encode_messages
-from viasd.serve import tokenization
 from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job

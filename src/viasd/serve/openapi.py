@@ -106,7 +106,7 @@ def install_openapi(
 
 def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> None:
     """Publish the server's own limits in the request schemas: the model id, the loaded methods, the
-    largest max_tokens and the vocabulary of token ids (every other value is refused with 400 or 404)."""
+    largest max_tokens and the vocabulary (every other value is refused with 400 or 404)."""
     limits: dict[str, dict[str, Any]] = {
         "model": {"enum": [served.model_id]},
         "method": {"enum": list(served.methods)},
