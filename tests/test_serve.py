@@ -843,7 +843,7 @@ def test_metrics_render_tiers_and_escape_labels() -> None:
     assert metric(text, "viasd_queue_depth") == 2 and metric(text, "viasd_requests_running") == 1
     assert 'path="/odd\\"path"' in text
     for line in text.splitlines():  # every sample line is `name{labels} number`
-        assert line.startswith("# ") or re.match(r"^[a-z_]+(\{[^}]*\})? -?[0-9.e+-]+$", line), line
+        assert line.startswith("# ") or re.match(r"^[a-z_:][a-z0-9_:]*(\{[^}]*\})? -?[0-9.e+-]+$", line), line
 
 
 def test_settings_and_requests_are_validated() -> None:

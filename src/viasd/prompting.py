@@ -82,7 +82,7 @@ def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return [int(token.id) for piece in pieces for token in backend.model.tokenize(piece)]
 
 
-def _around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+def tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
     """The ids the tokenizer puts before and after a text when asked to add its special tokens (e.g. BOS)."""
     plain = _ids(tokenizer("a", add_special_tokens=False))
     wrapped = _ids(tokenizer("a", add_special_tokens=True))
@@ -100,7 +100,7 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_token
     ids = _plain_ids(tokenizer, text)
     if not add_special_tokens:
         return ids
-    before, after = _around(tokenizer)
+    before, after = tokens_around(tokenizer)
     return before + ids + after
 
 

@@ -57,6 +57,7 @@ class GenerationResult:
     tokens: list[int]
     text: str
     stats: GenerationStats
+    first_token_seconds: float | None = None  # from the start of decoding to the first token committed (EOS too)
 
     @property
     def finish_reason(self) -> str:
@@ -155,7 +156,8 @@ class Decoder(ABC):
                     stats.routes[route] = stats.routes.get(route, 0) + count - counted.get(route, 0)
         stats.new_tokens = len(sink.tokens)
         stats.finish_reason = sink.finish_reason or "length"
-        return GenerationResult(list(sink.tokens), sink.text, stats)
+        first = None if sink.first_token_time is None else sink.first_token_time - start
+        return GenerationResult(list(sink.tokens), sink.text, stats, first)
 
     def describe(self) -> dict[str, Any]:
         """What runs: the target's view (and, in subclasses, the drafter, slim views, profile), for statistics and

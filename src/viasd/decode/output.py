@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class OutputSink:
     tokenizer: PreTrainedTokenizerBase
     stop: StopConditions
     on_text: Callable[[str], None] | None = None
+    first_token_time: float | None = None  # time.perf_counter() when the first token (EOS too) came in
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     _emitted: int = 0
@@ -58,6 +60,8 @@ class OutputSink:
     def push(self, new_tokens: Iterable[int]) -> int:
         """Commit tokens until a stop condition fires; returns how many were taken."""
         taken = 0
+        if self.first_token_time is None and not self.done:
+            self.first_token_time = time.perf_counter()  # pushed by the first round that produced tokens
         for token in new_tokens:
             if self.done:
                 break

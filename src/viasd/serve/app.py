@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app, built by `create_app` from a loaded engine and the server settings.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not),
-GET /v1/models, /health and /metrics. All state (queue, metrics, executors) lives in the app that the
-factory returns, so two apps in one process share nothing.
+GET /v1/models, /health and /metrics, and vLLM's operators' endpoints POST /tokenize and /detokenize and
+GET /version. All state (queue, metrics, executors) lives in the app that the factory returns, so two apps
+in one process share nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import viasd.serve.tokenization as tokenization
 from viasd import __version__
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
@@ -61,7 +63,10 @@ from viasd.serve.settings import ServeSettings
 
 log = logging.getLogger("viasd.serve")
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
+PATHS = (
+    *("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/openapi.json"),
+    *("/tokenize", "/detokenize", "/version"),
+)
 # pydantic error types about a number out of its range (or not finite), answered with the field's whole range
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"})
 # pydantic error types about a value of another JSON type than the field's (strict: true is no integer) -> its type
@@ -80,6 +85,7 @@ _DISCONNECT_POLL_SECONDS = 0.25
 # our finish reasons -> OpenAI's
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 RequestT = TypeVar("RequestT", bound=BaseModel)
+ResultT = TypeVar("ResultT")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -154,7 +160,7 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
 def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor | None = None) -> FastAPI:
     """Build the app. The engine must already hold (or be able to build) a decoder for every method. With an
     executor, every model pass runs on its thread (`viasd serve`: the main thread; passes/executor.py says why)."""
-    metrics = Metrics(settings.methods)
+    metrics = Metrics(settings.methods, model_name=settings.model_id)
     for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
         for method in settings.methods:
             engine.decoder(method, slot)
@@ -175,6 +181,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     created = int(time.time())
     vocab_size = len(engine.tokenizer)
     context_limit = engine.decoder(settings.default_method).context_limit
+    # /tokenize's max_model_len: the model's context, or (when its config does not say) what this server lets in
+    max_model_len = context_limit or settings.max_prompt_tokens + settings.max_tokens_limit
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -204,7 +212,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     )
     install_openapi(
         app,
-        {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+        {
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/completions": CompletionRequest,
+            "/tokenize": tokenization.TokenizeRequest,
+            "/detokenize": tokenization.DetokenizeRequest,
+        },
         events=[ChatCompletionChunk],
         served=served,
     )
@@ -274,6 +287,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     async def encode(messages: Sequence[Message], chat: bool, template: ChatTemplate = PLAIN_TEMPLATE) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(tokenizer_pool, encode_messages, engine.tokenizer, messages, chat, template)
+
+    def check_vocabulary(ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            message = f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+            raise APIError(400, message, param=param)
 
     def check_prompt(ids: Sequence[int], param: str) -> None:
         if len(ids) > settings.max_prompt_tokens:
@@ -389,6 +408,55 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     def model_card() -> ModelCard:
         return ModelCard(id=settings.model_id, created=created, methods=list(settings.methods))
 
+    @app.get("/version", responses=error_responses(api_key=keyed))
+    async def version() -> tokenization.VersionInfo:
+        return tokenization.VersionInfo(version=__version__)
+
+    def answers(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+        """The documented answers of an operators' route: `model` at once, or an error (no queue, no stream)."""
+        return {
+            200: {"model": model, "description": "Successful Response"},
+            **error_responses(400, 404, 413, api_key=keyed),
+        }
+
+    async def off_loop(function: Callable[..., ResultT], *args: Any) -> ResultT:
+        """Run tokenizer work on the tokenizer's thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, function, *args)
+
+    @app.post("/tokenize", response_model=None, responses=answers(tokenization.TokenizeResponse))
+    async def tokenize_route(request: Request) -> tokenization.TokenizeResponse:
+        req = await parse_body(request, tokenization.TokenizeRequest)
+        check_model(req.model)
+        if req.prompt is not None and req.messages is not None:
+            raise APIError(400, "send prompt (text) or messages (chat), not both", "invalid_request", "messages")
+        if req.prompt is None and req.messages is None:
+            raise APIError(
+                400, "nothing to tokenize: send prompt (text) or messages (chat)", "invalid_request", "prompt"
+            )
+        if req.prompt is not None:  # the template's options would change nothing: refused, not ignored
+            for name in tokenization.MESSAGES_ONLY:
+                if getattr(req, name) is not None:
+                    raise APIError(400, f"{name} applies to messages only, not to a prompt", "invalid_request", name)
+        try:
+            ids = await off_loop(tokenization.tokenize, engine.tokenizer, req)
+        except ViasdError as error:
+            raise APIError(
+                400, str(error), "invalid_request", "prompt" if req.prompt is not None else "messages"
+            ) from error
+        strings = await off_loop(tokenization.token_strings, engine.tokenizer, ids) if req.return_token_strs else None
+        return tokenization.TokenizeResponse(
+            count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strings
+        )
+
+    @app.post("/detokenize", response_model=None, responses=answers(tokenization.DetokenizeResponse))
+    async def detokenize_route(request: Request) -> tokenization.DetokenizeResponse:
+        req = await parse_body(request, tokenization.DetokenizeRequest)
+        check_model(req.model)
+        check_vocabulary(req.tokens, "tokens")
+        return tokenization.DetokenizeResponse(
+            prompt=await off_loop(tokenization.detokenize, engine.tokenizer, req.tokens)
+        )
+
     @app.get("/v1/models", responses=error_responses(api_key=keyed))
     async def list_models() -> ModelList:
         return ModelList(data=[model_card()])
@@ -453,10 +521,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         config = generation_config(req, method)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             prompt = [int(t) for t in req.prompt]
-            bad = [t for t in prompt if not 0 <= t < vocab_size]
-            if bad:
-                message = f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
-                raise APIError(400, message, param="prompt")
+            check_vocabulary(prompt, "prompt")
         else:
             text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
             prompt = await encode([{"role": "user", "content": text}], chat=False)

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.engine import Engine
@@ -28,6 +29,7 @@ from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.executor import PassExecutor, confine_openmp
 from viasd.passes.prefix_cache import PrefixCache
 from viasd.serve.errors import APIError
+from viasd.serve.latency import request_times
 from viasd.serve.metrics import Metrics
 
 log = logging.getLogger("viasd.serve")
@@ -139,6 +141,7 @@ class GenerationService:
             cancel = threading.Event()
             self._cancels.add(cancel)
         prompt = list(prompt_ids)
+        arrived = perf_counter()  # the request's latencies count from here (serve/latency.py)
 
         def on_text(piece: str) -> None:
             if cancel.is_set():
@@ -152,6 +155,7 @@ class GenerationService:
                 if cancel.is_set():
                     raise GenerationCancelled
                 slot = self._slots.get()  # a worker thread has one: there are as many slots as threads
+                started = perf_counter()
                 try:
                     with self._batched():
                         result = self._generate(prompt, method, config, on_text, slot)
@@ -170,7 +174,9 @@ class GenerationService:
             finally:
                 with self._lock:
                     self._running -= 1
-            self.metrics.record(method, result.stats)
+            ended, generating = perf_counter(), result.stats.total_seconds
+            times = request_times(arrived, started, ended, result.first_token_seconds, generating, len(result.tokens))
+            self.metrics.record(method, result.stats, times)
             return result
 
         def finished(future: Future[GenerationResult]) -> None:

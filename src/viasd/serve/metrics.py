@@ -3,8 +3,9 @@
 Counters are kept per decoding method so that, for example, the rejection rate of `sd` and the tier
 fractions of `via` can be watched side by side. Ratios (tokens/s, rejection rate, tier fractions,
 full-target calls per token) are also exported as gauges over everything served so far, for people who
-read /metrics by eye; dashboards should prefer `rate()` over the counters. Updated from the generation
-thread and read from the event loop, hence the lock.
+read /metrics by eye; dashboards should prefer `rate()` over the counters. Request latencies (histograms) and
+the speculation counters are also exported under vLLM's names in the `viasd:` namespace, so that dashboards made
+for vLLM's server work here. Updated from the generation thread and read from the event loop, hence the lock.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from viasd.decode.stats import GenerationStats
+from viasd.serve.latency import (
+    REQUEST_LATENCY_BUCKETS,
+    TIME_PER_OUTPUT_TOKEN_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    Histogram,
+    RequestTimes,
+)
 
 if TYPE_CHECKING:
     from viasd.passes.prefix_cache import PrefixCacheCounts
@@ -45,8 +53,13 @@ class MethodTotals:
     tier_rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     source_rounds: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     source_accepted: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    drafts: int = 0  # rounds that proposed a draft (vLLM's num_drafts)
+    queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    first_token: Histogram = field(default_factory=lambda: Histogram(TIME_TO_FIRST_TOKEN_BUCKETS))
+    per_output_token: Histogram = field(default_factory=lambda: Histogram(TIME_PER_OUTPUT_TOKEN_BUCKETS))
+    end_to_end: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
 
-    def add(self, stats: GenerationStats) -> None:
+    def add(self, stats: GenerationStats, times: RequestTimes | None = None) -> None:
         self.generations += 1
         self.prompt_tokens += stats.prompt_tokens
         self.new_tokens += stats.new_tokens
@@ -66,6 +79,20 @@ class MethodTotals:
         for name, source in stats.sources.items():
             self.source_rounds[name] += source.rounds
             self.source_accepted[name] += source.accepted
+        self.drafts += drafting_rounds(stats)
+        if times is not None:
+            self.queue.observe(times.queue)
+            self.first_token.observe(times.first_token)
+            self.per_output_token.observe(times.per_output_token)
+            self.end_to_end.observe(times.end_to_end)
+
+
+def drafting_rounds(stats: GenerationStats) -> int:
+    """Rounds of a generation that proposed a draft: its draft sources' rounds (a round with an empty draft counts
+    for none); a method that names no source but drafted (hf-assisted) verified one draft per round."""
+    if stats.sources:
+        return sum(source.rounds for source in stats.sources.values())
+    return stats.rounds if stats.drafted else 0
 
 
 def _ratio(num: float, den: float) -> float:
@@ -97,6 +124,15 @@ class _Writer:
         self.lines.append(f"# TYPE {name} {kind}")
         self.lines.extend(f"{name}{_labels(labels)} {_number(value)}" for labels, value in samples)
 
+    def histogram(self, name: str, help_text: str, series: Iterable[tuple[dict[str, str], Histogram]]) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} histogram")
+        for labels, histogram in series:
+            for le, count in histogram.cumulative():
+                self.lines.append(f"{name}_bucket{_labels({**labels, 'le': le})} {count}")
+            self.lines.append(f"{name}_sum{_labels(labels)} {_number(histogram.total)}")
+            self.lines.append(f"{name}_count{_labels(labels)} {histogram.count}")
+
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
 
@@ -104,7 +140,8 @@ class _Writer:
 class Metrics:
     """Thread-safe counters of HTTP requests and generations, rendered as Prometheus text."""
 
-    def __init__(self, methods: Iterable[str]) -> None:
+    def __init__(self, methods: Iterable[str], model_name: str | None = None) -> None:
+        self._model_name = model_name  # a label of the vLLM-named families, as vLLM labels them
         self._lock = threading.Lock()
         self._requests: dict[tuple[str, str], int] = defaultdict(int)
         self._methods: dict[str, MethodTotals] = {method: MethodTotals() for method in methods}
@@ -113,9 +150,10 @@ class Metrics:
         with self._lock:
             self._requests[(path, str(status))] += 1
 
-    def record(self, method: str, stats: GenerationStats) -> None:
+    def record(self, method: str, stats: GenerationStats, times: RequestTimes | None = None) -> None:
+        """Count a finished generation, and its request's latencies when given."""
         with self._lock:
-            self._methods.setdefault(method, MethodTotals()).add(stats)
+            self._methods.setdefault(method, MethodTotals()).add(stats, times)
 
     def record_cancelled(self, method: str) -> None:
         with self._lock:
@@ -124,6 +162,32 @@ class Metrics:
     def record_failed(self, method: str) -> None:
         with self._lock:
             self._methods.setdefault(method, MethodTotals()).failed += 1
+
+    def _render_vllm_named(self, out: _Writer, methods: dict[str, MethodTotals]) -> None:
+        """The families vLLM's server exports, under its names in the `viasd:` namespace: request latencies of the
+        finished generations, and the speculation counters."""
+        model = {} if self._model_name is None else {"model_name": self._model_name}
+
+        def labels(method: str) -> dict[str, str]:
+            return {**model, "method": method}
+
+        for name, help_text, table in (
+            ("viasd:request_queue_time_seconds", "Seconds requests waited in the queue.", "queue"),
+            ("viasd:time_to_first_token_seconds", "Seconds from arrival to the first token.", "first_token"),
+            (
+                "viasd:request_time_per_output_token_seconds",
+                "Per request: seconds from its first token to its end over its tokens after the first.",
+                "per_output_token",
+            ),
+            ("viasd:e2e_request_latency_seconds", "Seconds from arrival to the end of generation.", "end_to_end"),
+        ):
+            out.histogram(name, help_text, ((labels(m), getattr(t, table)) for m, t in methods.items()))
+        for name, help_text, count in (
+            ("viasd:spec_decode_num_drafts_total", "Rounds that proposed a draft, each verified once.", "drafts"),
+            ("viasd:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", "drafted"),
+            ("viasd:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", "accepted"),
+        ):
+            out.family(name, "counter", help_text, ((labels(m), getattr(t, count)) for m, t in methods.items()))
 
     def render(self, waiting: int, running: int, capacity: int) -> str:
         """The exposition text; queue figures are passed in as they live in the generation service."""
@@ -228,6 +292,7 @@ class Metrics:
             "Share of decided draft tokens that each tier decided.",
             (({"method": m, "tier": k}, _ratio(t.tier_decided[k], sum(t.tier_decided.values()))) for m, t, k in tiers),
         )
+        self._render_vllm_named(out, methods)
         return out.text()
 
 

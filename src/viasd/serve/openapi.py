@@ -119,8 +119,8 @@ def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> No
         for field, constraint in limits.items():
             if field in properties:
                 _typed_branch(properties[field]).update(constraint)
-        for branch in properties.get("prompt", {}).get("anyOf", []):
-            if branch.get("items", {}).get("type") == "integer":
+        for branch in [*properties.get("prompt", {}).get("anyOf", []), properties.get("tokens", {})]:
+            if branch.get("items", {}).get("type") == "integer":  # token ids
                 branch["items"]["maximum"] = served.vocab_size - 1
         if "stop_token_ids" in properties:
             _typed_branch(properties["stop_token_ids"])["items"]["maximum"] = served.vocab_size - 1
