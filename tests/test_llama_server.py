@@ -68,10 +68,10 @@ def test_llama_server_generates_with_viasd_prompts_with_and_without_its_draft_mo
     plain = engine.generate(ids, "plain", GenerationConfig(max_new_tokens=24))
     alone = engine.generate(ids, "llama-server", GenerationConfig(max_new_tokens=24))
     drafted = engine.generate(ids, "llama-server:draft=model:gamma=8", GenerationConfig(max_new_tokens=24))
-    # The same GGUF file and greedy decoding: the first tokens agree with viasd's run of the file, and llama.cpp's
-    # speculation keeps its own greedy text.
-    assert alone.tokens[:4] == plain.tokens[:4]
-    assert drafted.tokens == alone.tokens
+    # The same GGUF file and greedy decoding: the first tokens agree with viasd's run of the file. llama.cpp's own
+    # speculation verifies blocks with other rounding than its single steps, so later tokens may differ from its own
+    # plain text (seen on this pair): only the start is asserted.
+    assert alone.tokens[:4] == plain.tokens[:4] == drafted.tokens[:4]
     assert drafted.stats.drafted > 0 and 0 <= drafted.stats.accepted <= drafted.stats.drafted
     short = engine.generate(ids, "llama-server", GenerationConfig(max_new_tokens=5, ignore_eos=True))
     assert len(short.tokens) == 5 and short.finish_reason == "length" and short.stats.target_calls == 5

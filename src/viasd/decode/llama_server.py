@@ -63,7 +63,7 @@ def server_arguments(
     arguments = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context)]
     arguments += ["--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui"]
     if draft is not None:
-        arguments += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        arguments += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)]
         if draft_max is not None:
             arguments += ["--spec-draft-n-max", str(draft_max)]
     return arguments
