@@ -122,7 +122,8 @@ def serve(
         typer.Option(
             metavar="<MiB>",
             help="MiB of finished requests' KV caches kept for later prompts that start the same way (a chat's "
-            "earlier turns), least recently used out; 0 turns the prefix cache off.",
+            "earlier turns), least recently used out; 0 (the default) turns the prefix cache off. With bf16 or "
+            "quantized weights a resumed prompt may round differently, so its text can differ from a fresh read.",
         ),
     ] = str(DEFAULT_PREFIX_CACHE_MB),
     max_queue: Annotated[

@@ -9,7 +9,10 @@ from viasd.errors import ViasdError
 from viasd.methods import parse_method
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_PREFIX_CACHE_MB = 512  # about 13,000 tokens of the default pair's bf16 KV (40 KiB a token)
+# Off by default: a prompt resumed from kept KV is not read by the same passes as a fresh one (the view's decode
+# steps against the prompt route's own-weights passes, other block sizes), so with bf16 or quantized views its text
+# can differ from what it gets alone (seen on the real pair). 512 MiB holds about 13,000 tokens of its bf16 KV.
+DEFAULT_PREFIX_CACHE_MB = 0
 
 
 @dataclass(frozen=True)
