@@ -75,6 +75,21 @@ def _integer_logprobs(value: Any) -> Any:
     return None if value is None else int(value)
 
 
+def template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, refused where it would set what the request itself sets."""
+    reserved = sorted(RESERVED_TEMPLATE_KEYS & set(value or {}))
+    if reserved:
+        raise ValueError(f"{reserved[0]!r} is not a template variable here (it is set by the request itself)")
+    return value
+
+
+def continued_turn(value: bool | None, add_generation_prompt: bool | None) -> bool | None:
+    """`continue_final_message`, which a new assistant turn (`add_generation_prompt`) contradicts."""
+    if value and add_generation_prompt:
+        raise ValueError("cannot be true with add_generation_prompt true (a new turn, or the last one continued)")
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -383,17 +398,12 @@ class ChatCompletionRequest(_Request):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_KEYS & set(value or {}))
-        if reserved:
-            raise ValueError(f"{reserved[0]!r} is not a template variable here (it is set by the request itself)")
-        return value
+        return template_variables(value)
 
     @field_validator("continue_final_message")
     @classmethod
     def _continue(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("cannot be true with add_generation_prompt true (a new turn, or the last one continued)")
-        return value
+        return continued_turn(value, info.data.get("add_generation_prompt"))
 
     @field_validator("echo")
     @classmethod

@@ -16,7 +16,7 @@ from pydantic.json_schema import SkipJsonSchema
 from transformers import PreTrainedTokenizerBase
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate, encode_messages, encode_text, tokens_around
-from viasd.serve.schemas import _SOME_TEXT, ChatMessage
+from viasd.serve.schemas import _SOME_TEXT, ChatMessage, continued_turn, template_variables
 
 # Fields that shape the chat template: with a prompt they are refused (they would change nothing).
 MESSAGES_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
@@ -93,17 +93,12 @@ class TokenizeRequest(BaseModel):
     @field_validator("continue_final_message")
     @classmethod
     def _continue(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("cannot be true with add_generation_prompt true (a new turn, or the last one continued)")
-        return value
+        return continued_turn(value, info.data.get("add_generation_prompt"))
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_KEYS & set(value or {}))
-        if reserved:
-            raise ValueError(f"{reserved[0]!r} is not a template variable here (it is set by the request itself)")
-        return value
+        return template_variables(value)
 
     @field_validator("chat_template", "tools", "mm_processor_kwargs")
     @classmethod
