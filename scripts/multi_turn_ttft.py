@@ -2,12 +2,12 @@
 
 A chat client resends the whole conversation every turn; a server with a prefix cache reads only what is new. This
 plays conversations turn by turn, one request at a time, streamed and greedy, each turn's answer appended to the
-history, and prints the median time to first token per turn. Run it against `viasd serve --prefix-cache-mb 0` and
-against the default (the cache on) to see what the cache saves on turns 2 and later:
+history, and prints the median time to first token per turn. Run it against `viasd serve` (the cache off by default)
+and against `viasd serve --prefix-cache-mb 512` to see what the cache saves on turns 2 and later:
 
-    viasd serve --methods plain --prefix-cache-mb 0 &       # then, once it is up:
+    viasd serve --methods plain &                             # then, once it is up:
     python scripts/multi_turn_ttft.py http://127.0.0.1:8000 --turns 4 --out off.jsonl
-    viasd serve --methods plain &                             # after stopping the first one
+    viasd serve --methods plain --prefix-cache-mb 512 &       # after stopping the first one
     python scripts/multi_turn_ttft.py http://127.0.0.1:8000 --turns 4 --out on.jsonl
 
 Conversations: the 40 two-turn ones of Spec-Bench's development questions (viasd's bench data), continued with this
