@@ -76,3 +76,25 @@ def test_the_cache_file_maps_every_tensor_at_a_64_byte_boundary(tmp_path: Path) 
             assert tensor.dtype == tensors[key].dtype and torch.equal(tensor, tensors[key]), key
             whole = tensor.numel() * tensor.element_size() % ALIGNMENT == 0
             assert tensor.numel() == 0 or not whole or tensor.data_ptr() % ALIGNMENT == 0, key
+
+
+def test_a_gguf_files_tensor_types_are_read_once_then_recorded_and_a_damaged_record_is_read_again(
+    tmp_path, monkeypatch
+):
+    """Start-up asks a GGUF file for its tensor types; gguf's reader parses the whole header (seconds for a real
+    vocabulary), so the answer is recorded in the cache per file, size and time, and a damaged record is ignored."""
+    from viasd.views import gguf as gguf_view
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "cache"))
+    _, path, _ = qwen2_with_gguf(tmp_path)
+    gguf_view._read_tensor_types.cache_clear()
+    types = gguf_view._tensor_types(path)
+    assert types is not None and {"Q4_K", "Q6_K"} <= types
+    (record,) = (tmp_path / "cache" / "gguf-types").iterdir()
+    gguf_view._read_tensor_types.cache_clear()
+    record.write_text('["Q8_0"]')  # what a later start-up believes comes from the record, not the header
+    assert gguf_view._tensor_types(path) == {"Q8_0"}
+    gguf_view._read_tensor_types.cache_clear()
+    record.write_text("{damaged")
+    assert gguf_view._tensor_types(path) == types
+    gguf_view._read_tensor_types.cache_clear()

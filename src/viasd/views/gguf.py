@@ -23,6 +23,8 @@ a conversion that reordered a tensor, is not taken.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -287,13 +289,32 @@ def _tensor_types(location: Path) -> set[str] | None:
 
 @functools.lru_cache(maxsize=8)
 def _read_tensor_types(location: str, size: int, mtime_ns: int) -> frozenset[str] | None:
+    """The types, from viasd's cache where an earlier run recorded them for this file, size and time, else from the
+    header (gguf's reader parses every metadata field, the whole vocabulary included: seconds per start-up)."""
     import gguf
 
+    from viasd.cache import cache_folder
+    from viasd.fileio import write_atomic
+
+    key = hashlib.sha256(f"{location}\0{size}\0{mtime_ns}".encode()).hexdigest()[:32]
+    record = cache_folder("gguf-types") / f"{key}.json"
+    try:
+        known = json.loads(record.read_text())
+        if isinstance(known, list) and all(isinstance(name, str) for name in known):
+            return frozenset(known)
+    except (OSError, ValueError):
+        pass  # not recorded yet, or a damaged record: read the header
     try:
         reader = gguf.GGUFReader(location)
     except (OSError, ValueError):
         return None
-    return frozenset(gguf.GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors)
+    types = frozenset(gguf.GGMLQuantizationType(tensor.tensor_type).name for tensor in reader.tensors)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(record, json.dumps(sorted(types)))
+    except OSError:
+        pass  # an unwritable cache: the header is read again next time, nothing else changes
+    return types
 
 
 def has_own_blocks(name: str, path: str) -> bool:
