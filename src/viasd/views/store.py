@@ -43,7 +43,7 @@ from torch import nn
 
 from viasd.cache import cache_folder
 from viasd.fileio import write_atomic
-from viasd.kernels import w6a8, w8a8
+from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.models.fingerprint import model_fingerprint
 from viasd.views.linears import (
     Int4Int8Linear,
@@ -186,7 +186,7 @@ def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
     elif kind == "int8wo":
         module = Int8WeightOnlyLinear.from_linear(meta)
     elif kind == "int4a8":
-        module = Int4Int8Linear.from_linear(meta)
+        module = Int4Int8Linear(_four_bit_probe(linear.out_features, linear.in_features), meta.bias)
     elif kind == "int6a8":
         module = Int6Int8Linear(_six_bit_probe(linear.out_features, linear.in_features), meta.bias)
     elif kind == "int8a8":
@@ -194,6 +194,15 @@ def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
     else:
         module = _int4_probe(linear, recipe.group_size)
     return module
+
+
+def _four_bit_probe(rows: int, columns: int) -> w4a8.FourBitWeights:
+    """Shapes only: packing a meta weight instead ran every packing op, about 5 ms a layer at each start."""
+    empty = functools.partial(torch.empty, device="meta")
+    tiles = -(-rows // w4a8.TILE)
+    groups = (tiles, columns // w4a8.GROUP, w4a8.TILE)
+    packed = empty(tiles, columns // 8, 4 * w4a8.TILE, dtype=torch.uint8)
+    return w4a8.FourBitWeights(packed, empty(groups, dtype=torch.float16), empty(groups, dtype=torch.float16), rows)
 
 
 def _six_bit_probe(rows: int, columns: int) -> w6a8.SixBitWeights:
