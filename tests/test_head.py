@@ -273,3 +273,70 @@ def test_train_drafter_writes_data_then_a_head_and_resumes(tmp_path, monkeypatch
     assert find_head(target).digest == load_head(path).digest
     bad = CliRunner().invoke(app, [*args, "--width", "0"])  # the last --width counts
     assert bad.exit_code == 2 and "--width must be >= 1" in bad.output
+
+
+def test_requests_from_a_list_are_each_answered_once_and_the_writer_stops(tmp_path):
+    """write_data with `source`: one conversation per request, the last shard partial, nothing more on a rerun."""
+    from viasd.training.writing import write_data
+
+    tok = tiny_chat_tokenizer(320)
+    target = tiny_model("qwen2", vocab_size=320, hidden=64, init_scale=0.3)
+    folder = DataFolder(tmp_path / "tasks", {"test": 1})
+    requests = [Opener(f"task {i} " + "word " * (3 * i), True) for i in range(19)]  # 16 + 3: one partial shard
+    held = write_data(target, tok, None, folder, 600, 1 << 62, 4, 0, 6, 12, False, source=requests)
+    data = folder.load()
+    assert data.conversations == 19 and held == len(data.tokens)
+    assert write_data(target, tok, None, folder, 600, 1 << 62, 4, 0, 6, 12, False, source=requests) == held
+    bounds = zip(data.starts[:-1].tolist(), data.starts[1:].tolist(), strict=True)
+    texts = [tok.decode(data.tokens[a:b].tolist()) for a, b in bounds]
+    for i in range(19):  # each request's text is in exactly one conversation
+        assert sum(f"task {i} " in text for text in texts) == 1
+
+
+def test_joined_training_sets_keep_each_conversation_and_its_features(tmp_path):
+    from viasd.training.dataset import joined
+
+    _, _, folder = tiny_data(tmp_path, 16)
+    data = folder.load()
+    both = joined([data, data])
+    n = len(data.tokens)
+    assert both.conversations == 2 * data.conversations and len(both.tokens) == 2 * n
+    assert torch.equal(both.tokens[n:], data.tokens) and torch.equal(both.starts[-1:], data.starts[-1:] + n)
+    assert torch.equal(both.feature_at[len(data.feature_at) :], data.feature_at + n)
+    assert torch.equal(both.features[len(data.features) :], data.features)
+
+
+def test_task_requests_come_from_the_calibration_split_only():
+    from viasd.bench.splits import split_of
+    from viasd.bench.tasks import build_tasks
+    from viasd.training.prompts import task_openers
+
+    requests = {opener.text for opener in task_openers()}
+    every = build_tasks(count=None, humaneval=164, split="all")
+    assert requests == {task.turns[0] for task in every if split_of(task.key) == "calibration"}
+    assert not requests & {task.turns[0] for task in every if split_of(task.key) == "report"}
+
+
+def test_train_drafter_with_tasks_answers_them_first_and_trains_on_both(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from viasd.cli import app
+    from viasd.heads.find import trained_head_path
+    from viasd.models.loading import LoadedModel
+    from viasd.training.command import TASK_WEIGHT
+
+    tok = tiny_chat_tokenizer(320)
+    target = tiny_model("qwen2", vocab_size=320, hidden=64, dtype=torch.float32)
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("viasd.engine.load_model", lambda name, **_: LoadedModel(target, tok, name, name))
+    monkeypatch.setattr("viasd.training.prompts.task_openers", lambda: [Opener(f"task {i}", True) for i in range(5)])
+    args = ["train-drafter", "--target", "tiny", "--width", "32", "--vocab", "64", "--depth", "2", "--rows", "4"]
+    result = CliRunner().invoke(app, [*args, "--tokens", "200", "--no-progress", "--tasks", "--train-minutes", "0.02"])
+    assert result.exit_code == 0, result.output
+    assert "calibration tasks: 5 of 5 answered" in result.output
+    training = load_head(trained_head_path(model_fingerprint(target))).training
+    from safetensors.torch import load_file
+
+    own = sorted((tmp_path / "heads" / model_fingerprint(target) / "data").glob("shard-*.safetensors"))
+    own_conversations = sum(len(load_file(shard)["answer_from"]) for shard in own)
+    assert own and training["conversations"] == own_conversations + TASK_WEIGHT * 5

@@ -3,6 +3,7 @@ bounded in time. Registered in cli.py; heavy imports happen inside the command."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,7 @@ from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_TARGET
 
 MAX_REQUEST, MAX_ANSWER = 64, 256  # tokens of a written request and of its answer
+TASK_WEIGHT = 3  # how many times the calibration tasks' conversations count in training (they are few)
 
 
 def train_drafter(
@@ -37,6 +39,13 @@ def train_drafter(
     out: Annotated[
         Path | None, typer.Option(help="Where to write the head (default: viasd's cache, found there).")
     ] = None,
+    tasks: Annotated[
+        bool,
+        typer.Option(
+            help="Also answer the benchmark's calibration-split tasks (never its report split) and train on those "
+            "conversations too: requests of the kinds and lengths people bring."
+        ),
+    ] = False,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Train a draft head for the target on this machine: data the target writes itself, then the head."""
@@ -55,7 +64,8 @@ def train_drafter(
     from viasd.heads.find import trained_head_path
     from viasd.models.fingerprint import model_fingerprint
     from viasd.models.loading import vocabulary_fingerprint
-    from viasd.training.dataset import DataFolder
+    from viasd.training.dataset import DataFolder, joined
+    from viasd.training.prompts import task_openers
     from viasd.training.train import Checkpoint, TrainSettings, train
     from viasd.training.writing import write_data
     from viasd.views.gguf import source_gguf
@@ -78,12 +88,21 @@ def train_drafter(
     folder = DataFolder(
         home / "data", {"view": view_name, "seed": seed, "max_request": MAX_REQUEST, "max_answer": MAX_ANSWER}
     )
+    task_folder = DataFolder(home / "data-tasks", {"view": view_name, "max_answer": MAX_ANSWER}) if tasks else None
+    began = time.monotonic()
+    if task_folder is not None:  # first: they are few, and the data's time budget covers both
+        requests = task_openers()
+        held = write_data(
+            loaded.model, loaded.tokenizer, view, task_folder, data_minutes * 60, 1 << 62, rows, seed,
+            MAX_REQUEST, MAX_ANSWER, progress, source=requests,
+        )  # fmt: skip
+        typer.echo(f"calibration tasks: {task_folder.conversations()} of {len(requests)} answered, {held} tokens")
     held = write_data(
         loaded.model,
         loaded.tokenizer,
         view,
         folder,
-        data_minutes * 60,
+        max(0.0, data_minutes * 60 - (time.monotonic() - began)),
         tokens,
         rows,
         seed,
@@ -95,6 +114,9 @@ def train_drafter(
     if train_minutes == 0:
         return  # data only: a later run trains (and may write more data first)
     data = folder.load()
+    if task_folder is not None and task_folder.shards():
+        # The target's own conversations last: training holds out the last 5% of conversations, theirs.
+        data = joined([task_folder.load()] * TASK_WEIGHT + [data])
     settings = TrainSettings(width=width, vocab=vocab, depth=depth, seed=seed, seconds=train_minutes * 60)
     stops = {
         int(t)

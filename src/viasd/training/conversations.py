@@ -99,7 +99,7 @@ def write_conversations(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     view: View | None,
-    openers: Callable[[int], Opener],
+    openers: Callable[[int], Opener | None],
     first: int,
     rows: int = 24,
     max_request: int = 160,
@@ -107,12 +107,16 @@ def write_conversations(
     seed: int = 0,
 ) -> Iterator[Written]:
     """Conversations `first`, `first + 1`, ... written `rows` at a time (openers(i) starts conversation i), yielded
-    as each finishes; the caller stops when it has enough."""
+    as each finishes; the caller stops when it has enough, or the openers run out (None: no conversation i)."""
     template = Template.of(tokenizer)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + first)
-    live = [_start(i, openers(i), template, tokenizer, model) for i in range(first, first + rows)]
+    live: list[Conversation] = []
+    for i in range(first, first + rows):
+        opener = openers(i)
+        if opener is not None:
+            live.append(_start(i, opener, template, tokenizer, model))
     following = first + rows
-    while True:
+    while live:
         parts = [(c, c.waiting[:CHUNK]) for c in live]
         logits, features = _step(model, view, parts)
         greedy = logits.argmax(dim=-1)
@@ -130,11 +134,17 @@ def write_conversations(
             answering = conversation.answer_from >= 0
             token = int(greedy[row]) if answering else sampled[row]
             _advance(conversation, token, template, max_request, max_answer)
-        for i, conversation in enumerate(live):
-            if conversation.done:
-                yield _written(conversation)
-                live[i] = _start(following, openers(following), template, tokenizer, model)
-                following += 1
+        going: list[Conversation] = []
+        for conversation in live:
+            if not conversation.done:
+                going.append(conversation)
+                continue
+            yield _written(conversation)
+            opener = openers(following)
+            following += 1
+            if opener is not None:  # the finished one's place goes to a new one, in the same row
+                going.append(_start(following - 1, opener, template, tokenizer, model))
+        live = going
 
 
 def _step(

@@ -43,6 +43,24 @@ class TrainingSet:
         return len(self.starts) - 1
 
 
+def joined(sets: Sequence[TrainingSet]) -> TrainingSet:
+    """The training sets one after another, as one (positions and conversation starts offset)."""
+    tokens, starts, feature_at = [], [torch.zeros(1, dtype=torch.int64)], []
+    offset = 0
+    for part in sets:
+        tokens.append(part.tokens)
+        starts.append(part.starts[1:] + offset)
+        feature_at.append(part.feature_at + offset)
+        offset += len(part.tokens)
+    return TrainingSet(
+        torch.cat(tokens),
+        torch.cat(starts),
+        torch.cat(feature_at),
+        torch.cat([part.features for part in sets]),
+        torch.cat([part.answer for part in sets]),
+    )
+
+
 class DataFolder:
     """The shards of one target's training data, and the settings they were written with."""
 

@@ -114,3 +114,13 @@ def openers(count: int, seed: int, functions: list[str] | None = None) -> list[O
         else:
             chosen.append(Opener(rng.choice(OPENERS), complete=False))
     return chosen
+
+
+def task_openers(questions: str | Path | None = None) -> list[Opener]:
+    """Whole requests from the benchmark's calibration split (bench/splits.py): each Spec-Bench question's first turn
+    and each HumanEval problem's, in the kinds and lengths people bring (articles to summarise, passages to answer
+    from), which the target's own short requests lack. The report split is never read."""
+    from viasd.bench.tasks import build_tasks
+
+    tasks = build_tasks(questions, count=None, humaneval=164, split="calibration")
+    return [Opener(task.turns[0], complete=True) for task in tasks]

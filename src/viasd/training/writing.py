@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from tqdm import tqdm
@@ -29,16 +29,25 @@ def write_data(
     max_request: int = 64,
     max_answer: int = 256,
     progress: bool = True,
+    source: Sequence[Opener] | None = None,
 ) -> int:
-    """Add conversations to `folder` until it holds `tokens` tokens or `seconds` have passed; the tokens it holds."""
+    """Add conversations to `folder` until it holds `tokens` tokens or `seconds` have passed; the tokens it holds.
+    The requests are the target's own (training/prompts.py `openers`), or `source`'s, each once, in order (a resume
+    goes on from the number of conversations held: as they finish out of order, it may repeat or skip a few)."""
     held = folder.tokens()
     if held >= tokens or seconds <= 0:
         return held
     first = folder.conversations()
-    functions = stdlib_functions()
-    opener: Callable[[int], Opener] = lambda i: openers(1, seed * 7_919 + i, functions)[0]  # noqa: E731
+    opener: Callable[[int], Opener | None]
+    if source is None:
+        functions = stdlib_functions()
+        opener = lambda i: openers(1, seed * 7_919 + i, functions)[0]  # noqa: E731
+    else:
+        opener = lambda i: source[i] if i < len(source) else None  # noqa: E731
     end = time.monotonic() + seconds
-    bar = tqdm(total=tokens, initial=held, unit="tok", desc="writing data", disable=not progress, dynamic_ncols=True)
+    # Progress in tokens towards `tokens`, or for `source` in its requests.
+    total, initial, unit = (tokens, held, "tok") if source is None else (len(source), first, "request")
+    bar = tqdm(total=total, initial=initial, unit=unit, desc="writing data", disable=not progress, dynamic_ncols=True)
     pending: list[Written] = []
     try:
         conversations = write_conversations(
@@ -46,13 +55,17 @@ def write_data(
         )
         for written in conversations:
             pending.append(written)
-            bar.update(len(written.tokens))
+            bar.update(len(written.tokens) if source is None else 1)
             if len(pending) == SHARD:
                 folder.save(pending)
                 held += sum(len(w.tokens) for w in pending)
                 pending = []
                 if held >= tokens or time.monotonic() >= end:
                     break
+        else:  # the requests ran out: the last shard holds fewer
+            if pending:
+                folder.save(pending)
+                held += sum(len(w.tokens) for w in pending)
     finally:
         bar.close()
     return held
