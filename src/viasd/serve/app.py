@@ -565,7 +565,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             if req.echo:  # the prompt as sent; as the model reads it when it was token ids or truncated
                 sent = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
                 whole = isinstance(sent, str) and req.truncate_prompt_tokens is None
-                echoed = sent if isinstance(sent, str) and whole else engine.tokenizer.decode(prompt)
+                echoed = str(sent) if whole else engine.tokenizer.decode(prompt)
             logprobs = None
             if result.logprobs is not None:
                 logprobs = await off_loop(echoed_logprobs, result, prompt if req.echo else [], echoed)
@@ -579,7 +579,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
                 return None
             start_at = len(streamed)
             streamed.extend(entry.token for entry in scored)
-            offsets = text_offsets(engine.tokenizer, streamed, config.skip_special_tokens)[start_at:]
+            offsets = text_offsets(engine.tokenizer, streamed, config.skip_special_tokens, start_at)
             return completion_logprobs(scored, token_text, offsets)
 
         def piece_event(piece: str, scored: Sequence[TokenLogprob]) -> str:

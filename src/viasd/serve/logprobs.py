@@ -106,11 +106,15 @@ def completion_logprobs(
     )
 
 
-def text_offsets(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
-    """Where each token's own text starts in the text of all of them: where the text grown by that token ends, less
-    the token's text (a space the decoder puts between words is not the token's), never before the text so far."""
-    offsets, before = [], 0
-    for i in range(len(ids)):
+def text_offsets(
+    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], skip_special_tokens: bool, start: int = 0
+) -> list[int]:
+    """Where each token of ids[start:] has its own text in the text of all of them: where the text grown by that token
+    ends, less the token's text (a space the decoder puts between words is not the token's), never before the text so
+    far. `start` lets a stream ask for its new tokens only."""
+    offsets = []
+    before = len(tokenizer.decode(list(ids[:start]), skip_special_tokens=skip_special_tokens)) if start else 0
+    for i in range(start, len(ids)):
         end = len(tokenizer.decode(list(ids[: i + 1]), skip_special_tokens=skip_special_tokens))
         own = len(tokenizer.decode([ids[i]], skip_special_tokens=skip_special_tokens))
         offsets.append(max(before, end - own))
