@@ -300,6 +300,7 @@ def test_batched_requests_with_logprobs_get_what_they_get_alone(app: TestClient)
         ("/v1/completions", {"logprobs": 6}, "logprobs", "[0, 5]"),
         ("/v1/completions", {"logprobs": True}, "logprobs", "integer"),
         ("/v1/completions", {"max_tokens": 0}, "max_tokens", "echo"),
+        ("/v1/completions", {"max_tokens": 0, "echo": True}, "max_tokens", "echo and logprobs"),
         ("/v1/completions", {"echo": True, "logprobs": 1, "stream": True}, "echo", "stream"),
         ("/v1/completions", {"logprobs": 1, "n": 3}, "n", "n=1"),
     ],

@@ -39,10 +39,9 @@ def generation_config(
             param="max_tokens",
         )
     top, echoed = logprob_request(req)
-    if max_tokens == 0 and not echoed:
-        raise APIError(
-            400, "max_tokens may be 0 only with echo (the prompt scored, nothing generated)", param="max_tokens"
-        )
+    if max_tokens == 0 and not (echoed and top is not None):
+        message = "max_tokens may be 0 only with echo and logprobs (the prompt scored, nothing generated)"
+        raise APIError(400, message, param="max_tokens")
     if echoed and req.stream:
         raise APIError(400, "echo is not streamed here; send stream false or leave echo out", param="echo")
     if top is not None and not parse_method(method).method.logprobs:

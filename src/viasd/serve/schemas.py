@@ -471,7 +471,7 @@ class CompletionRequest(_Request):
         description="a string, a one-element list of strings, or a non-empty list of token ids",
     )
     max_tokens: int | None = Field(
-        default=None, ge=0, description="0 only with echo: the prompt scored, nothing generated"
+        default=None, ge=0, description="0 only with echo and logprobs: the prompt scored, nothing generated"
     )
     echo: bool | None = Field(default=None, description="the prompt before the completion (with logprobs: scored too)")
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0}, description="not supported")
