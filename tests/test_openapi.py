@@ -160,8 +160,8 @@ def test_schemathesis_finds_nothing_on_a_running_server(server: str, tmp_path: P
 @pytest.mark.parametrize(
     ("path", "base", "accepted"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t3 t4"}]}, [False, None]),
-        ("/v1/completions", {"prompt": "t3 t4"}, [0, 0.0, None]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "t3 t4"}]}, [False, True, None]),
+        ("/v1/completions", {"prompt": "t3 t4"}, [0, 0.0, 1, 5, None]),
     ],
     ids=["chat: a boolean", "completions: an integer"],
 )
@@ -181,7 +181,7 @@ def test_the_schema_and_the_validation_agree_on_logprobs(path: str, base: dict[s
         doc = client.get("/openapi.json").json()
         request = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         schema = jsonschema_rs.validator_for({**request, "components": doc["components"]})
-        for value in (0, False, True, 1, 5, "0", "false", None, 0.0, 0.5, [], {}):
+        for value in (0, False, True, 1, 5, 6, -1, "0", "false", None, 0.0, 0.5, [], {}):
             body = {**base, "logprobs": value, "max_tokens": 1}
             answer = client.post(path, json=body)
             published = schema.is_valid(body)
@@ -243,3 +243,46 @@ def test_the_schema_and_the_validation_agree_on_penalties_and_extensions(
             assert published == (answer.status_code == 200), (value, published, answer.status_code, answer.text)
             if answer.status_code == 400:
                 assert answer.json()["error"]["param"].split(".")[0] == field, answer.text
+
+
+def test_a_real_server_answers_logprobs_to_the_official_client(server: str, model_dir: Path) -> None:
+    """`viasd serve` in its own process, the openai package as client: chat logprobs streamed and not agree (both
+    methods), and an echoed prompt's scores are a fresh pass's log_softmax over it, the first token's null."""
+    import openai
+    from transformers import AutoModelForCausalLM
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Write a Python function."}]
+    common: dict[str, Any] = {"model": client.models.list().data[0].id, "max_tokens": MAX_TOKENS_LIMIT}
+    answers = []
+    for method in ("plain", "lookup"):
+        body = {"method": method, "ignore_eos": True}
+        whole = client.chat.completions.create(
+            **common, messages=messages, temperature=0, logprobs=True, top_logprobs=3, extra_body=body
+        ).choices[0]
+        content = whole.logprobs.content
+        assert len(content) == MAX_TOKENS_LIMIT and all(len(c.top_logprobs) == 3 for c in content)
+        # the tokens' bytes make the text (a random model writes broken UTF-8 too: replaced alike)
+        assert b"".join(bytes(c.bytes) for c in content).decode(errors="replace") == whole.message.content
+        chunks = client.chat.completions.create(
+            **common, messages=messages, temperature=0, logprobs=True, top_logprobs=3, stream=True, extra_body=body
+        )
+        streamed = [c for chunk in chunks for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content or []]
+        assert [(c.token, c.top_logprobs[0].token) for c in streamed] == [
+            (c.token, c.top_logprobs[0].token) for c in content
+        ]
+        assert all(abs(a.logprob - b.logprob) <= 1e-5 for a, b in zip(streamed, content, strict=True))
+        answers.append(content)
+    assert all(abs(a.logprob - b.logprob) <= 1e-5 for a, b in zip(*answers, strict=True))  # plain = lookup
+
+    prompt = "def reverse(s):\n    return s[::-1]"
+    scored = client.completions.create(**{**common, "max_tokens": 0}, prompt=prompt, echo=True, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and logprobs.token_logprobs[0] is None
+    ids = tiny_chat_tokenizer(VOCAB)(prompt)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        rows = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    assert len(logprobs.token_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[i] - rows[i - 1, ids[i]].item()) <= 1e-4, i

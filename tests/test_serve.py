@@ -739,7 +739,7 @@ OPENED = (CHAT[0], {**CHAT[1], "add_generation_prompt": True})
         (TEXT, "model", 7, "model must be a string, got 7"),
         (TEXT, "prompt", [True], "prompt"),
         (CHAT, "messages", [{"role": "user", "content": 5}], "messages.0.content"),
-        (CHAT, "top_logprobs", 2, "log probabilities are not supported"),
+        (CHAT, "top_logprobs", 21, "top_logprobs must be an integer in [0, 20], got 21"),
         (CHAT, "top_logprobs", 0, "top_logprobs: needs logprobs"),
         (CHAT, "tool_choice", "required", "tools are not supported"),
         (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}, "tools are not supported"),
@@ -768,7 +768,7 @@ OPENED = (CHAT[0], {**CHAT[1], "add_generation_prompt": True})
         (CHAT, "guided_choice", ["t3", "t4"], "guided decoding is not supported"),
         (CHAT, "guided_grammar", "root ::= x", "guided decoding is not supported"),
         (CHAT, "guided_decoding_backend", "xgrammar", "guided decoding is not supported"),
-        (TEXT, "prompt_logprobs", 1, "log probabilities are not supported"),
+        (TEXT, "prompt_logprobs", 1, "prompt_logprobs is not supported (echo with logprobs scores the prompt)"),
         (CHAT, "best_of", 2, "only best_of=1"),
         (TEXT, "use_beam_search", True, "beam search is not supported"),
         (CHAT, "length_penalty", 0.8, "needs beam search"),
@@ -886,7 +886,7 @@ def test_settings_and_requests_are_validated() -> None:
     ):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad_body)
-    for bad_body in ({"prompt": ["a", "b"]}, {"prompt": []}, {"prompt": "a", "echo": True}):
+    for bad_body in ({"prompt": ["a", "b"]}, {"prompt": []}, {"prompt": "a", "logprobs": 6}):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate(bad_body)
 

@@ -215,6 +215,7 @@ class AutoDecoder(Decoder):
         self.chosen = chosen
         self.choice = choice
         self.honours_penalties = chosen.honours_penalties
+        self.gives_logprobs = chosen.gives_logprobs
         if method:
             self.method = method
 

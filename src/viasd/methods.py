@@ -281,6 +281,8 @@ class Method:
     target: str = "view"
     # Whether it applies min_p, the penalties, logit_bias and min_tokens (verify/penalties.py); else it refuses them.
     penalties: bool = True
+    # Whether it reports the target's log-probabilities (decode/logprobs.py); else a request for them is refused.
+    logprobs: bool = True
 
 
 def _gamma(parts: Parts, spec: MethodSpec, default: int = 4) -> int:
@@ -600,6 +602,7 @@ METHODS: dict[str, Method] = {
             uses_drafter=True,
             target="dense",
             penalties=False,
+            logprobs=False,
         ),
         Method(
             "llama.cpp",
@@ -610,6 +613,7 @@ METHODS: dict[str, Method] = {
             exact=False,
             target="file",
             penalties=False,
+            logprobs=False,
         ),
         Method(
             "llama-server",
@@ -619,6 +623,7 @@ METHODS: dict[str, Method] = {
             ("draft", "gamma"),
             exact=False,
             target="file",
+            logprobs=False,
         ),
     )
 }

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from viasd.decode.logprobs import TokenLogprob, token_logprobs, unchecked
 from viasd.decode.output import OutputSink, StopConditions
 from viasd.decode.stats import GenerationStats
 from viasd.errors import UnsupportedParameter, ViasdError
@@ -28,6 +29,8 @@ class GenerationConfig:
 
     stop_token_ids end the generation like EOS (even with ignore_eos). include_stop_str_in_output keeps the stop
     string (or stop token) that ended it in the output; skip_special_tokens leaves special tokens out of the text.
+    logprobs: record each output token's target log-probability and this many alternatives (None: none, nothing
+    computed); prompt_logprobs: the prompt's too (it needs logprobs; max_new_tokens may then be 0: scoring only).
     """
 
     max_new_tokens: int = 256
@@ -37,10 +40,16 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens < (0 if self.prompt_logprobs else 1):
             raise ViasdError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ViasdError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ViasdError("prompt_logprobs needs logprobs")
         if self.sampling.penalties.min_tokens > self.max_new_tokens:
             raise ViasdError(
                 f"min_tokens ({self.sampling.penalties.min_tokens}) must not exceed max_new_tokens "
@@ -58,6 +67,8 @@ class GenerationResult:
     text: str
     stats: GenerationStats
     first_token_seconds: float | None = None  # from the start of decoding to the first token committed (EOS too)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for (GenerationConfig.logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, the first without a number
 
     @property
     def finish_reason(self) -> str:
@@ -100,6 +111,8 @@ class Decoder(ABC):
     method: str = "decoder"
     # Whether the method applies min_p and the penalties (verify/penalties.py); those that cannot refuse them.
     honours_penalties: bool = True
+    # Whether it can report the target's log-probabilities (its passes are viasd's); those that cannot refuse them.
+    gives_logprobs: bool = True
 
     def __init__(self, target: nn.Module, tokenizer: PreTrainedTokenizerBase, view: View | None = None) -> None:
         self.target = target
@@ -114,9 +127,11 @@ class Decoder(ABC):
         config: GenerationConfig | None = None,
         on_text: Callable[[str], None] | None = None,
         resume: Resume | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> GenerationResult:
-        """Generate a continuation of `prompt_ids`; `on_text` receives the text as it is committed. `resume` may start
-        the decoder's sessions, once reset, from kept entries of the prompt's leading tokens (a prefix cache's)."""
+        """Generate a continuation of `prompt_ids`; `on_text` receives the text as it is committed (`on_logprobs` the
+        log-probabilities of its tokens just before, when asked for). `resume` may start the decoder's sessions, once
+        reset, from kept entries of the prompt's leading tokens (a prefix cache's)."""
         config = config or GenerationConfig()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -128,6 +143,9 @@ class Decoder(ABC):
             budget = min(budget, self.context_limit - len(prompt))
         if not self.honours_penalties and (name := config.sampling.first_set()) is not None:
             raise UnsupportedParameter(name, f"method {self.method!r} cannot honour {name}; leave it out")
+        if not self.gives_logprobs and config.logprobs is not None:
+            message = f"method {self.method!r} cannot report the target's log-probabilities; leave logprobs out"
+            raise UnsupportedParameter("logprobs", message)
         stop = StopConditions(
             max_new_tokens=budget,
             eos_token_ids=frozenset() if config.ignore_eos else self.eos_ids,
@@ -137,7 +155,7 @@ class Decoder(ABC):
             include_stop=config.include_stop_str_in_output,
             skip_special_tokens=config.skip_special_tokens,
         )
-        sink = OutputSink(self.tokenizer, stop, on_text)
+        sink = OutputSink(self.tokenizer, stop, on_text, logprob_top=config.logprobs, on_logprobs=on_logprobs)
         stats = GenerationStats(method=self.method, prompt_tokens=len(prompt))
         # The penalties learn where the output starts and which tokens min_tokens bans: every token that ends it.
         bound = config.sampling.penalties.bound(len(prompt), stop.eos_token_ids | stop.stop_token_ids)
@@ -148,7 +166,9 @@ class Decoder(ABC):
         self.reset(len(prompt), budget)
         if resume is not None:
             resume(self.sessions(), prompt)
-        self._decode(prompt, sink, params, stats)
+        scored = self._score_prompt(prompt, config.logprobs or 0) if config.prompt_logprobs else None
+        if budget:
+            self._decode(prompt, sink, params, stats)
         stats.total_seconds = time.perf_counter() - start
         for session, counted in zip(sessions, before, strict=True):
             for route, count in session.routes.items():
@@ -157,7 +177,16 @@ class Decoder(ABC):
         stats.new_tokens = len(sink.tokens)
         stats.finish_reason = sink.finish_reason or "length"
         first = None if sink.first_token_time is None else sink.first_token_time - start
-        return GenerationResult(list(sink.tokens), sink.text, stats, first)
+        logprobs = None if config.logprobs is None else list(sink.logprobs)
+        return GenerationResult(list(sink.tokens), sink.text, stats, first, logprobs, scored)
+
+    def _score_prompt(self, prompt: list[int], top: int) -> list[TokenLogprob]:
+        """Every prompt token's log-probability under the target given the tokens before it (the first has none),
+        from one pass of the target's session over the whole prompt (its logits at every position: only when asked).
+        The decoding that follows re-reads just the last prompt token."""
+        session = self.sessions()[0]  # the target's, as this method runs it
+        logits = session.extend_to(prompt, keep=len(prompt))
+        return [*unchecked(prompt[:1]), *token_logprobs(logits[:-1], prompt[1:], top)]
 
     def describe(self) -> dict[str, Any]:
         """What runs: the target's view (and, in subclasses, the drafter, slim views, profile), for statistics and

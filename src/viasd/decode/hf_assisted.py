@@ -164,6 +164,7 @@ class HFAssistedDecoder(Decoder):
 
     method = "hf-assisted"
     honours_penalties = False  # transformers' own logits processors differ from verify/penalties.py
+    gives_logprobs = False  # its target passes are not viasd's: no logits to read them from
 
     def __init__(
         self,

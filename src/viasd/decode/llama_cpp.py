@@ -55,6 +55,7 @@ class LlamaCppDecoder(Decoder):
 
     method = "llama.cpp"
     honours_penalties = False  # llama.cpp's samplers order and define them differently
+    gives_logprobs = False  # its target passes are not viasd's: no logits to read them from
 
     def __init__(
         self,

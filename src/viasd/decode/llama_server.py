@@ -170,6 +170,7 @@ class LlamaServerDecoder(Decoder):
 
     method = "llama-server"
     honours_penalties = False  # llama.cpp's penalties are defined and ordered differently: refused, not mapped
+    gives_logprobs = False  # its target passes are not viasd's: no logits to read them from
 
     def __init__(
         self,

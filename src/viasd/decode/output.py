@@ -6,7 +6,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedTokenizerBase
+
+from viasd.decode.logprobs import TokenLogprob, token_logprobs, unchecked
 
 
 @dataclass
@@ -32,14 +35,19 @@ class OutputSink:
     """Takes tokens in commit order and decides, for every method alike, where the output ends.
 
     Every decoding method pushes its committed tokens here one round at a time, so the same token
-    stream always yields the same output and finish reason, whatever the round boundaries.
+    stream always yields the same output and finish reason, whatever the round boundaries. With `logprob_top`
+    set (not None), each taken token's log-probability is recorded from the target logits pushed with it
+    (decode/logprobs.py) and handed to `on_logprobs` before the text it makes.
     """
 
     tokenizer: PreTrainedTokenizerBase
     stop: StopConditions
     on_text: Callable[[str], None] | None = None
+    logprob_top: int | None = None  # None: no log-probabilities recorded (nothing computed)
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
     first_token_time: float | None = None  # time.perf_counter() when the first token (EOS too) came in
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when logprob_top is set
     finish_reason: str | None = None
     _emitted: int = 0
     _text: str = ""
@@ -57,8 +65,13 @@ class OutputSink:
     def text(self) -> str:
         return self._text
 
-    def push(self, new_tokens: Iterable[int]) -> int:
-        """Commit tokens until a stop condition fires; returns how many were taken."""
+    def push(self, new_tokens: Iterable[int], logits: torch.Tensor | None = None) -> int:
+        """Commit tokens until a stop condition fires; returns how many were taken.
+
+        logits: the full target's raw logits of the pass that checked them, row i for the i-th token (None: the
+        full target did not check them); read only when log-probabilities are recorded.
+        """
+        new_tokens = list(new_tokens)
         taken = 0
         if self.first_token_time is None and not self.done:
             self.first_token_time = time.perf_counter()  # pushed by the first round that produced tokens
@@ -78,6 +91,12 @@ class OutputSink:
             taken += 1
             if len(self.tokens) >= self.stop.max_new_tokens:
                 self.finish_reason = "length"
+        if self.logprob_top is not None and taken:
+            kept = new_tokens[:taken]  # the tokens taken are always the first ones pushed
+            entries = unchecked(kept) if logits is None else token_logprobs(logits, kept, self.logprob_top)
+            self.logprobs.extend(entries)
+            if self.on_logprobs is not None:
+                self.on_logprobs(entries)
         self._update_text()
         return taken
 

@@ -31,15 +31,15 @@ class PlainDecoder(Decoder):
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         generator = decision_generator(params, self.session.device)
         with stats.timed("verify"):
-            logits = self.session.extend_to(prompt, keep=1)
+            raw = self.session.extend_to(prompt, keep=1)
             while True:
-                logits = penalised(logits, params.penalties, prompt + sink.tokens)
+                logits = penalised(raw, params.penalties, prompt + sink.tokens)
                 if params.on_device(logits.device):  # picked where the logits are, read with one transfer
                     ((value,),) = host_values(pick(logits[-1:], params, generator))
                     token = checked_token(value)
                 else:  # the host path of sampling on a CPU
                     token = sample(warp_probs(logits, params)[-1], generator)
-                stats.record(Round([token], 0, full_kept=0), sink.push([token]))
+                stats.record(Round([token], 0, full_kept=0), sink.push([token], raw))
                 if sink.done:
                     break
-                logits = self.session.forward([token], keep=1)
+                raw = self.session.forward([token], keep=1)

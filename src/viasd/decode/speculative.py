@@ -25,25 +25,26 @@ from viasd.views.view import View
 
 def verify_with_target(
     session: KVSession, context: list[int], proposal: Proposal, params: SamplingParams, generator: torch.Generator
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int, torch.Tensor]:
     """Verify a draft block against the full target: one pass over every token it has not processed yet plus
-    the block, then speculative sampling. Returns the committed tokens and how many drafts were kept.
+    the block, then speculative sampling. Returns the committed tokens, how many drafts were kept, and the pass's
+    raw logits (row i: the target's distribution for committed token i, before penalties: decode/logprobs.py).
 
     Where the logits live (`SamplingParams.on_device`), the verdict is made there and read with one transfer:
     how many drafts were kept and the token after them.
     """
-    logits = session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
-    logits = penalised(logits, params.penalties, context, proposal.tokens)  # row i follows the drafts before it
+    raw = session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
+    logits = penalised(raw, params.penalties, context, proposal.tokens)  # row i follows the drafts before it
     if params.on_device(logits.device):
         tokens = upload_ids(proposal.tokens, logits.device)
         outcomes = block_outcomes(tokens, proposal.probs, logits, params, generator)
         ((kept, token),) = host_values(first_rejection(outcomes))
-        return [*proposal.tokens[: int(kept)], checked_token(token)], int(kept)
+        return [*proposal.tokens[: int(kept)], checked_token(token)], int(kept), raw
     probs = warp_probs(logits, params)  # the host path of sampling on a CPU
     if not len(proposal):
-        return [sample(probs[-1], generator)], 0
+        return [sample(probs[-1], generator)], 0, raw
     verdict = verify_block(proposal.tokens, proposal.probs, probs, generator)
-    return [*proposal.tokens[: verdict.accepted], verdict.next_token], verdict.accepted
+    return [*proposal.tokens[: verdict.accepted], verdict.next_token], verdict.accepted, raw
 
 
 class SpeculativeDecoder(Decoder):
@@ -101,6 +102,7 @@ class SpeculativeDecoder(Decoder):
             else:  # nothing to draft (the load, or the last token): the drafter catches up when next asked
                 proposal = Proposal([])
             with stats.timed("verify"):
-                committed, kept = verify_with_target(self.session, context, proposal, params, generator)
-            stats.record(Round(committed, len(proposal), full_kept=kept), sink.push(committed), source=proposal.source)
+                committed, kept, raw = verify_with_target(self.session, context, proposal, params, generator)
+            taken = sink.push(committed, raw)
+            stats.record(Round(committed, len(proposal), full_kept=kept), taken, source=proposal.source)
         stats.drafter_calls = self.drafter.forward_passes - drafter_before

@@ -131,7 +131,8 @@ class TieredDecoder(Decoder):
             k = draft_length(policy.gamma, sink.remaining, len(context), self.context_limit)
             passes = _ModelPasses(self, policy, slims, context, params, generator, stats)
             played = play_round(policy, passes, k, unchecked)  # one round (see decode.round)
-            taken = sink.push(played.committed)
+            # A round the full target ran commits only what it verified (decode.round): its rows score them all.
+            taken = sink.push(played.committed, passes.full_logits if played.full else None)
             unchecked = 0 if played.full else unchecked + taken
             stats.record(played, taken, names, passes.proposal.source)
         stats.drafter_calls = self.drafter.forward_passes - drafter_before
@@ -238,6 +239,7 @@ class _ModelPasses:
         self.stats = stats
         self.proposal = Proposal([])
         self.slim: SlimViews | None = None
+        self.full_logits: torch.Tensor | None = None  # the full target's raw rows over the block, once it ran
 
     def draft(self, k: int) -> tuple[list[int], float | None]:
         with self.stats.timed("draft"):
@@ -275,4 +277,7 @@ class _ModelPasses:
 
     def verify(self) -> tuple[list[int], int]:
         with self.stats.timed("verify"):
-            return verify_with_target(self.decoder.session, self.context, self.proposal, self.params, self.generator)
+            committed, kept, self.full_logits = verify_with_target(
+                self.decoder.session, self.context, self.proposal, self.params, self.generator
+            )
+            return committed, kept

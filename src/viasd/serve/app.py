@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import viasd.serve.tokenization as tokenization
 from viasd import __version__
 from viasd.decode.base import GenerationConfig, GenerationResult
+from viasd.decode.logprobs import TokenLogprob
 from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.passes.executor import PassExecutor
@@ -37,6 +38,7 @@ from viasd.prompting import PLAIN_TEMPLATE, ChatTemplate, Message, encode_messag
 from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
 from viasd.serve.generation import GenerationCancelled, GenerationService, Job
+from viasd.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, text_offsets
 from viasd.serve.metrics import Metrics, prefix_cache_text
 from viasd.serve.middleware import GuardMiddleware
 from viasd.serve.openapi import Served, completion_responses, error_responses, install_openapi
@@ -51,6 +53,7 @@ from viasd.serve.schemas import (
     ChatMessageOut,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Health,
     ModelCard,
@@ -354,19 +357,26 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         job: Job,
         prompt: Sequence[int],
         first: str | None,
-        piece_event: Callable[[str], str],
-        finish_event: Callable[[str], str],
+        piece_event: Callable[[str, list[TokenLogprob]], str],
+        finish_event: Callable[[str, list[TokenLogprob]], str],
         usage_event: Callable[[Usage], str] | None,
     ) -> AsyncIterator[str]:
-        """The SSE body: text pieces as they are committed, the finish reason, usage if asked, [DONE]. A stream the
-        end of a shutdown's drain cuts short ends with an error event and [DONE], so that its client knows."""
+        """The SSE body: text pieces as they are committed (each with the log-probabilities of the tokens committed
+        since the last, when asked for), the finish reason (with those of tokens that made no text), usage if asked,
+        [DONE]. A stream the end of a shutdown's drain cuts short ends with an error event and [DONE], so that its
+        client knows."""
+        scored: list[TokenLogprob] = []  # log-probabilities not sent yet: they go with the next text
         try:
             if first is not None:
                 yield first
             try:
                 with drain.running():
                     while (piece := await drain.race(job.pieces.get())) is not None:
-                        yield piece_event(piece)
+                        if isinstance(piece, list):
+                            scored.extend(piece)
+                            continue
+                        yield piece_event(piece, scored)
+                        scored = []
                     result = await drain.race(asyncio.shield(job.result))
             except Drained:
                 yield sse(error_body(503, drain.message, "shutting_down"))
@@ -382,7 +392,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
                 yield sse(error_body(status, message))
                 yield sse("[DONE]")
                 return
-            yield finish_event(_FINISH.get(result.finish_reason, result.finish_reason))
+            yield finish_event(_FINISH.get(result.finish_reason, result.finish_reason), scored)
             if usage_event is not None:
                 yield usage_event(usage(prompt, result))
             yield sse("[DONE]")
@@ -481,8 +491,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         check_prompt(prompt, "messages")
         job = start(request, prompt, method, config)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        token_text = TokenText(engine.tokenizer)
         if not req.stream:
             result = await finish(job)
+            logprobs = None
+            if result.logprobs is not None:
+                logprobs = await off_loop(chat_logprobs, result.logprobs, token_text)
             return ChatCompletion(
                 id=rid,
                 created=now,
@@ -490,14 +504,16 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
                 choices=[
                     ChatChoice(
                         message=ChatMessageOut(content=result.text),
+                        logprobs=logprobs,
                         finish_reason=_FINISH.get(result.finish_reason, result.finish_reason),
                     )
                 ],
                 usage=usage(prompt, result),
             )
 
-        def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        def chunk(delta: ChatDelta, finish_reason: str | None = None, scored: Sequence[TokenLogprob] = ()) -> str:
+            logprobs = chat_logprobs(scored, token_text) if config.logprobs is not None and scored else None
+            choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             return sse(ChatCompletionChunk(id=rid, created=now, model=settings.model_id, choices=[choice]))
 
         def usage_chunk(u: Usage) -> str:
@@ -507,8 +523,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             job,
             prompt,
             first=chunk(ChatDelta(role="assistant", content="")),
-            piece_event=lambda piece: chunk(ChatDelta(content=piece)),
-            finish_event=lambda reason: chunk(ChatDelta(), reason),
+            piece_event=lambda piece, scored: chunk(ChatDelta(content=piece), None, scored),
+            finish_event=lambda reason, scored: chunk(ChatDelta(), reason, scored),
             usage_event=usage_chunk if req.include_usage() else None,
         )
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
@@ -529,20 +545,56 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         check_prompt(prompt, "prompt")
         job = start(request, prompt, method, config)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        token_text = TokenText(engine.tokenizer)
 
         def completion(choices: list[CompletionChoice], u: Usage | None = None) -> Completion:
             return Completion(id=rid, created=now, model=settings.model_id, choices=choices, usage=u)
 
+        def echoed_logprobs(result: GenerationResult, echo: list[int], echoed: str) -> CompletionLogprobs:
+            """The choice's log-probabilities: the echoed prompt's tokens (when asked), then the output's."""
+            skip = config.skip_special_tokens
+            offsets = text_offsets(engine.tokenizer, echo, skip)
+            offsets += [len(echoed) + at for at in text_offsets(engine.tokenizer, result.tokens, skip)]
+            entries = [*(result.prompt_logprobs or []), *(result.logprobs or [])]
+            return completion_logprobs(entries, token_text, offsets, first_unscored=1 if echo else 0)
+
         if not req.stream:
             result = await finish(job)
             reason = _FINISH.get(result.finish_reason, result.finish_reason)
-            return completion([CompletionChoice(text=result.text, finish_reason=reason)], usage(prompt, result))
+            echoed = ""
+            if req.echo:  # the prompt as sent; as the model reads it when it was token ids or truncated
+                sent = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+                whole = isinstance(sent, str) and req.truncate_prompt_tokens is None
+                echoed = str(sent) if whole else engine.tokenizer.decode(prompt)
+            logprobs = None
+            if result.logprobs is not None:
+                logprobs = await off_loop(echoed_logprobs, result, prompt if req.echo else [], echoed)
+            choice = CompletionChoice(text=echoed + result.text, logprobs=logprobs, finish_reason=reason)
+            return completion([choice], usage(prompt, result))
+
+        streamed: list[int] = []  # the output's tokens streamed so far, for their offsets in the text
+
+        def piece_logprobs(scored: Sequence[TokenLogprob]) -> CompletionLogprobs | None:
+            if config.logprobs is None or not scored:
+                return None
+            start_at = len(streamed)
+            streamed.extend(entry.token for entry in scored)
+            offsets = text_offsets(engine.tokenizer, streamed, config.skip_special_tokens, start_at)
+            return completion_logprobs(scored, token_text, offsets)
+
+        def piece_event(piece: str, scored: Sequence[TokenLogprob]) -> str:
+            return sse(completion([CompletionChoice(text=piece, logprobs=piece_logprobs(scored))]))
+
+        def finish_event(reason: str, scored: Sequence[TokenLogprob]) -> str:
+            logprobs = piece_logprobs(scored)
+            return sse(completion([CompletionChoice(text="", logprobs=logprobs, finish_reason=reason)]))
+
         body = stream(
             job,
             prompt,
             first=None,
-            piece_event=lambda piece: sse(completion([CompletionChoice(text=piece)])),
-            finish_event=lambda reason: sse(completion([CompletionChoice(text="", finish_reason=reason)])),
+            piece_event=piece_event,
+            finish_event=finish_event,
             usage_event=(lambda u: sse(completion([], u))) if req.include_usage() else None,
         )
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from viasd.decode.base import GenerationConfig, GenerationResult
+from viasd.decode.logprobs import TokenLogprob
 from viasd.engine import Engine
 from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.executor import PassExecutor, confine_openmp
@@ -39,6 +40,11 @@ class GenerationCancelled(Exception):
     """Raised inside the decoder (from `on_text`) to stop a generation whose client went away."""
 
 
+# What a job streams: a text piece, the log-probabilities of the tokens committed before it (when asked for), or
+# None at the end.
+Piece = str | list[TokenLogprob] | None
+
+
 @dataclass
 class Job:
     """One submitted generation: text pieces as they are committed, then the result (or an exception)."""
@@ -46,7 +52,7 @@ class Job:
     method: str
     cancel: threading.Event
     result: asyncio.Future[GenerationResult]
-    pieces: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)  # None marks the end
+    pieces: asyncio.Queue[Piece] = field(default_factory=asyncio.Queue)
 
     def done(self) -> bool:
         return self.result.done()
@@ -148,6 +154,9 @@ class GenerationService:
                 raise GenerationCancelled
             loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
+        def on_logprobs(entries: list[TokenLogprob]) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, entries)
+
         def work() -> GenerationResult:
             with self._lock:
                 self._running += 1
@@ -158,7 +167,7 @@ class GenerationService:
                 started = perf_counter()
                 try:
                     with self._batched():
-                        result = self._generate(prompt, method, config, on_text, slot)
+                        result = self._generate(prompt, method, config, on_text, on_logprobs, slot)
                 finally:
                     self._slots.put(slot)
             except GenerationCancelled:
@@ -188,7 +197,7 @@ class GenerationService:
             with contextlib.suppress(RuntimeError):  # the event loop is already closed
                 loop.call_soon_threadsafe(pieces.put_nowait, None)
 
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        pieces: asyncio.Queue[Piece] = asyncio.Queue()
         try:
             future = self._workers.submit(work)
         except RuntimeError as error:  # executor shut down between the check above and now
@@ -201,14 +210,16 @@ class GenerationService:
         result.add_done_callback(_mark_retrieved)
         return Job(method=method, cancel=cancel, result=result, pieces=pieces)
 
-    def _generate(self, prompt: list[int], method: str, config: GenerationConfig,
-                  on_text: Callable[[str], None], slot: int) -> GenerationResult:  # fmt: skip
+    def _generate(self, prompt: list[int], method: str, config: GenerationConfig, on_text: Callable[[str], None],
+                  on_logprobs: Callable[[list[TokenLogprob]], None], slot: int) -> GenerationResult:  # fmt: skip
         """One generation on `slot`'s decoder, started from the prefix cache and kept there when it ends."""
         cache = self.prefix_cache
-        if cache is None:
-            return self.engine.generate(prompt, method, config, on_text=on_text, slot=slot)
         decoder = self.engine.decoder(method, slot)
-        result = decoder.generate(prompt, config, on_text=on_text, resume=functools.partial(cache.resume, method))
+        logprobs = on_logprobs if config.logprobs is not None else None
+        if cache is None:
+            return decoder.generate(prompt, config, on_text=on_text, on_logprobs=logprobs)
+        resume = functools.partial(cache.resume, method)
+        result = decoder.generate(prompt, config, on_text=on_text, resume=resume, on_logprobs=logprobs)
         cache.keep(method, decoder.sessions())
         return result
 

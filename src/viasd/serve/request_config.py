@@ -38,6 +38,15 @@ def generation_config(
             code="max_tokens_too_large",
             param="max_tokens",
         )
+    top, echoed = logprob_request(req)
+    if max_tokens == 0 and not (echoed and top is not None):
+        message = "max_tokens may be 0 only with echo and logprobs (the prompt scored, nothing generated)"
+        raise APIError(400, message, param="max_tokens")
+    if echoed and req.stream:
+        raise APIError(400, "echo is not streamed here; send stream false or leave echo out", param="echo")
+    if top is not None and not parse_method(method).method.logprobs:
+        message = f"method {method!r} cannot report the target's log-probabilities; leave logprobs out"
+        raise APIError(400, message, param="logprobs")
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
     for name, ids in (("logit_bias", [t for t, _ in req.bias_pairs()]), ("stop_token_ids", req.stop_token_ids or [])):
@@ -76,4 +85,14 @@ def generation_config(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         skip_special_tokens=req.skip_special_tokens is not False,
+        logprobs=top,
+        prompt_logprobs=echoed and top is not None,
     )
+
+
+def logprob_request(req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, bool]:
+    """How many alternatives each token's log-probability lists (None: no log-probabilities), and whether the prompt
+    is echoed (text completions)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None, False
+    return req.logprobs, bool(req.echo)

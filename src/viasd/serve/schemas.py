@@ -9,8 +9,9 @@ is refused too, as OpenAI refuses it (vLLM ignores it): a misspelt parameter wou
 viasd's own extensions: `method`, and `usage.speculative` in responses.
 
 `logprobs` has OpenAI's type on each endpoint, checked strictly so that the validation and the published schema
-accept the same values: a boolean in chat completions (`false` or left out; `0` is refused, as OpenAI refuses it),
-an integer in the legacy text completions (`0` or left out; `false` is refused).
+accept the same values: a boolean in chat completions (`0` is refused, as OpenAI refuses it; `top_logprobs` 0..20
+needs it true), an integer 0..5 in the legacy text completions (`false` is refused). The numbers are the target's
+(decode/logprobs.py), shaped as OpenAI's by serve/logprobs.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ MAX_STOP_STRINGS = 16
 _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: a token id written as a decimal string
 # Published in the schema for fields that are accepted only at their neutral value; the validators below
 # enforce them with messages that say why.
-_ONLY_ZERO: dict[str, Any] = {"enum": [0, None], "description": "only 0 is supported"}
 _ONLY_FALSE: dict[str, Any] = {"enum": [False, None], "description": "not supported: false or leave it out"}
 _LEAVE_OUT: dict[str, Any] = {"enum": [None], "description": "not supported: leave it out"}
 _NO_TOOL: dict[str, Any] = {"enum": ["none", "auto", None], "description": "no tools here: none, auto or leave it out"}
@@ -53,25 +53,25 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs, as OpenAI's
+MAX_COMPLETION_LOGPROBS = 5  # text completions' logprobs, as OpenAI's (vLLM allows up to its --max-logprobs, 20)
+
+
 def _boolean_logprobs(value: Any) -> Any:
-    """Chat completions' `logprobs`, a boolean as in OpenAI's API: false or left out (no log probabilities here)."""
+    """Chat completions' `logprobs`, a boolean as in OpenAI's API."""
     if value is not None and not isinstance(value, bool):
         raise ValueError(
             f"must be a boolean in chat completions (true or false, as in OpenAI's API), got {_shown(value)}"
         )
-    if value:
-        raise ValueError("log probabilities are not supported (send false or leave logprobs out)")
     return value
 
 
 def _integer_logprobs(value: Any) -> Any:
-    """Text completions' `logprobs`, an integer as in OpenAI's API: 0 or left out (no log probabilities here). A JSON
-    number with no fraction (0.0) is an integer, as the published schema (JSON Schema) counts it."""
+    """Text completions' `logprobs`, an integer in [0, 5] as in OpenAI's API: how many alternatives each token lists.
+    A JSON number with no fraction (0.0) is an integer, as the published schema (JSON Schema) counts it."""
     integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if value is not None and (isinstance(value, bool) or not integral):
         raise ValueError(f"must be an integer in text completions (as in OpenAI's API), got {_shown(value)}")
-    if value:
-        raise ValueError("log probabilities are not supported (send 0 or leave logprobs out)")
     return None if value is None else int(value)
 
 
@@ -105,7 +105,7 @@ _VLLM_REFUSED = {
     "guided_decoding_backend": "guided decoding is not supported",
     "guided_whitespace_pattern": "guided decoding is not supported",
     "structured_outputs": "guided decoding is not supported",
-    "prompt_logprobs": "log probabilities are not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported (echo with logprobs scores the prompt)",
     "allowed_token_ids": "allowed_token_ids is not supported (logit_bias of -100 bans a token)",
     "bad_words": "bad_words is not supported",
     "logits_processors": "custom logits processors are not supported",
@@ -342,7 +342,7 @@ _CHAT_REFUSED = ("chat_template", "documents")
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra=_SOME_TEXT)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
+    logprobs: bool | None = Field(default=None, description="the target's log-probability of each output token")
     tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
     add_generation_prompt: bool | None = Field(
@@ -359,7 +359,12 @@ class ChatCompletionRequest(_Request):
     chat_template: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     documents: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     echo: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
-    top_logprobs: int | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="with logprobs true: the most likely tokens listed at each position",
+    )
     tool_choice: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
     function_call: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
     parallel_tool_calls: bool | None = Field(default=None, description="no tools here: nothing is called")
@@ -382,9 +387,9 @@ class ChatCompletionRequest(_Request):
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("needs logprobs: true, and log probabilities are not supported (leave top_logprobs out)")
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("logprobs") is not True:
+            raise ValueError("needs logprobs: true")
         return value
 
     @field_validator("tool_choice", "function_call")
@@ -465,9 +470,17 @@ class CompletionRequest(_Request):
         json_schema_extra=_PROMPT_SCHEMA,
         description="a string, a one-element list of strings, or a non-empty list of token ids",
     )
-    echo: bool | None = Field(default=None, json_schema_extra=_ONLY_FALSE)
+    max_tokens: int | None = Field(
+        default=None, ge=0, description="0 only with echo and logprobs: the prompt scored, nothing generated"
+    )
+    echo: bool | None = Field(default=None, description="the prompt before the completion (with logprobs: scored too)")
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0}, description="not supported")
-    logprobs: int | None = Field(default=None, json_schema_extra=_ONLY_ZERO)
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description="log-probabilities of the tokens and of this many most likely alternatives at each position",
+    )
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -480,8 +493,6 @@ class CompletionRequest(_Request):
             raise ValueError("only one prompt per request is supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("the prompt is empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -542,10 +553,50 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(BaseModel):
+    """One output token in chat completions' `logprobs.content`; logprob null (with `unchecked`) where the full
+    target never checked the token (via's relaxed tiers)."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob]
+    unchecked: bool | None = Field(
+        default=None, exclude_if=_is_none, description="extension: true where the full target never checked the token"
+    )
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Text completions' log-probabilities: parallel lists over the tokens (an echoed prompt's first)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+    unchecked: list[int] | None = Field(
+        default=None, exclude_if=_is_none, description="extension: indices of tokens the full target never checked"
+    )
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -558,10 +609,6 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
 class ChatDelta(BaseModel):
     """What a chunk adds; unset fields are left out, as OpenAI does (the last delta is `{}`)."""
 
@@ -572,7 +619,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -590,7 +637,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
