@@ -240,8 +240,8 @@ def test_response_format_json_schema_is_honoured_alike_by_every_method(chat_app)
     lookup = content(ask(chat_app, response_format=schema_format))
     jsonschema_rs.validate(SCHEMA, json.loads(lookup))
     assert content(ask(chat_app, response_format=schema_format, method="plain")) == lookup
-    assert content(ask(chat_app, guided_json=json.dumps(SCHEMA))) == lookup  # vLLM's extensions
-    assert content(ask(chat_app, structured_outputs={"json": SCHEMA})) == lookup
+    assert content(ask(chat_app, guided_json=SCHEMA)) == lookup  # vLLM's extensions
+    assert content(ask(chat_app, structured_outputs={"json": json.dumps(SCHEMA)})) == lookup
     with chat_app.stream("POST", "/v1/chat/completions", json={**_body(schema_format), "stream": True}) as got:
         pieces = [json.loads(line[6:]) for line in got.iter_lines() if line.startswith("data: {")]
     assert "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p["choices"]) == lookup
@@ -268,7 +268,7 @@ def _body(response_format) -> dict:
         ),
         ({"response_format": {"type": "yaml"}}, None, "response_format"),
         ({"response_format": {"type": "json_schema"}}, None, "json_schema object"),
-        ({"guided_json": "{not json"}, "guided_json", "guided_json is not valid JSON"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not valid JSON"),
         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs", "only 'json'"),
         (
             {"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
@@ -276,7 +276,7 @@ def _body(response_format) -> dict:
             "give one",
         ),
     ],
-    ids=["uncompilable", "unknown-type", "no-schema", "guided-json-text", "structured-regex", "two-at-once"],
+    ids=["uncompilable", "unknown-type", "no-schema", "structured-json-text", "structured-regex", "two-at-once"],
 )
 def test_bad_structured_output_requests_are_400_naming_the_parameter(chat_app, body, param, words):
     response = ask(chat_app, **body)

@@ -176,7 +176,7 @@ class _Request(BaseModel):
         json_schema_extra={"properties": {"type": {"enum": list(FORMAT_TYPES)}}},
         description="text, json_object or json_schema (structured output: the text follows the schema)",
     )
-    guided_json: dict[str, Any] | str | None = Field(
+    guided_json: dict[str, Any] | None = Field(
         default=None, description="extension (vLLM): a JSON schema the output follows, as response_format json_schema"
     )
     guided_regex: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
