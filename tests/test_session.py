@@ -73,3 +73,17 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([1, 2], [1, 2]) == 2
+
+
+def test_features_grown_in_inference_mode_take_writes_from_outside_it():
+    """A session's own pass grows the feature buffer in inference mode; a batched pass then writes rows outside it
+    (`viasd serve` with a draft head: every request was a 500 before)."""
+    from viasd.passes.features import FeatureStore
+
+    store = FeatureStore()
+    first, second = torch.randn(3, 8), torch.randn(2, 8)
+    with torch.inference_mode():
+        store.write(0, first)
+    store.write(3, second)
+    store.write(600, second)  # grown outside inference mode, the rows so far kept
+    assert torch.equal(store.rows[:5], torch.cat([first, second])) and torch.equal(store.rows[600:602], second)

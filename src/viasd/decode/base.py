@@ -157,9 +157,12 @@ class Decoder(ABC):
         )
         sink = OutputSink(self.tokenizer, stop, on_text, logprob_top=config.logprobs, on_logprobs=on_logprobs)
         stats = GenerationStats(method=self.method, prompt_tokens=len(prompt))
-        # The penalties learn where the output starts and which tokens min_tokens bans: every token that ends it.
-        bound = config.sampling.penalties.bound(len(prompt), stop.eos_token_ids | stop.stop_token_ids)
-        params = replace(config.sampling, penalties=bound)
+        # The penalties learn where the output starts and which tokens min_tokens bans: every token that ends it;
+        # a grammar alike (where it lets them end the output), with a matcher of this generation's own.
+        ends = stop.eos_token_ids | stop.stop_token_ids
+        grammar = config.sampling.grammar
+        bound = config.sampling.penalties.bound(len(prompt), ends)
+        params = replace(config.sampling, penalties=bound, grammar=grammar and grammar.bound(len(prompt), ends))
         sessions = {id(session): session for session in self.sessions()}.values()  # each once
         before = [dict(session.routes) for session in sessions]
         start = time.perf_counter()

@@ -10,9 +10,8 @@ from viasd.decode.output import OutputSink
 from viasd.decode.round import Round
 from viasd.decode.stats import GenerationStats
 from viasd.passes.session import KVSession
-from viasd.verify.penalties import penalised
 from viasd.verify.resident import host_values
-from viasd.verify.sampling import SamplingParams, checked_token, pick, sample, warp_probs
+from viasd.verify.sampling import SamplingParams, adjusted, checked_token, pick, sample, warp_probs
 from viasd.views.view import View
 
 
@@ -33,7 +32,7 @@ class PlainDecoder(Decoder):
         with stats.timed("verify"):
             raw = self.session.extend_to(prompt, keep=1)
             while True:
-                logits = penalised(raw, params.penalties, prompt + sink.tokens)
+                logits = adjusted(raw, params, prompt + sink.tokens)
                 if params.on_device(logits.device):  # picked where the logits are, read with one transfer
                     ((value,),) = host_values(pick(logits[-1:], params, generator))
                     token = checked_token(value)

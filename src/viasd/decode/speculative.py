@@ -17,9 +17,8 @@ from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.passes.session import KVSession, upload_ids
 from viasd.verify.acceptance import verify_block
-from viasd.verify.penalties import penalised
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
-from viasd.verify.sampling import SamplingParams, checked_token, sample, warp_probs
+from viasd.verify.sampling import SamplingParams, adjusted, checked_token, sample, warp_probs
 from viasd.views.view import View
 
 
@@ -34,7 +33,7 @@ def verify_with_target(
     how many drafts were kept and the token after them.
     """
     raw = session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
-    logits = penalised(raw, params.penalties, context, proposal.tokens)  # row i follows the drafts before it
+    logits = adjusted(raw, params, context, proposal.tokens)  # row i follows the drafts before it
     if params.on_device(logits.device):
         tokens = upload_ids(proposal.tokens, logits.device)
         outcomes = block_outcomes(tokens, proposal.probs, logits, params, generator)
@@ -97,7 +96,7 @@ class SpeculativeDecoder(Decoder):
             if k:
                 before = self.drafter.pass_seconds
                 with stats.timed("draft"):
-                    proposal = self.drafter.propose(context, k, params, generator, self.stop)
+                    proposal = self.drafter.propose(context, k, params, generator, self.stop).within(params, context)
                 drafting.record(self.drafter.pass_seconds - before, len(proposal))
             else:  # nothing to draft (the load, or the last token): the drafter catches up when next asked
                 proposal = Proposal([])

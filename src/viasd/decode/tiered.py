@@ -35,9 +35,8 @@ from viasd.passes.session import KVSession, upload_ids
 from viasd.task_kind import prompt_kind
 from viasd.verify.acceptance import check_token
 from viasd.verify.gates import Gate
-from viasd.verify.penalties import penalised
 from viasd.verify.resident import STANDS, block_outcomes, host_values
-from viasd.verify.sampling import SamplingParams, checked_token, sample, soft_probs, warp_probs
+from viasd.verify.sampling import SamplingParams, adjusted, checked_token, sample, soft_probs, warp_probs
 from viasd.views.view import View, ViewLike, as_view
 
 
@@ -243,14 +242,13 @@ class _ModelPasses:
 
     def draft(self, k: int) -> tuple[list[int], float | None]:
         with self.stats.timed("draft"):
-            self.proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator, self.policy.stop)
+            proposal = self.decoder.drafter.propose(self.context, k, self.params, self.generator, self.policy.stop)
+            self.proposal = proposal.within(self.params, self.context)
         block, keep, session = self.context + self.proposal.tokens, len(self.proposal) + 1, self.decoder.session
-        slims, context, drafts, penalties = self.slims, self.context, self.proposal.tokens, self.params.penalties
+        slims, context, drafts, params = self.slims, self.context, self.proposal.tokens, self.params
         self.slim = SlimViews(
             self.proposal,
-            lambda tier: penalised(
-                session.extend_slim_to(block, slims[tier - 1], keep=keep), penalties, context, drafts
-            ),
+            lambda tier: adjusted(session.extend_slim_to(block, slims[tier - 1], keep=keep), params, context, drafts),
             self.policy.gate,
             self.params,
             self.generator,

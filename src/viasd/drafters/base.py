@@ -63,6 +63,22 @@ class Proposal:
             return min(self.tops) if self.tops else None
         return draft_confidence(self.soft)
 
+    def within(self, params: SamplingParams, context: list[int]) -> Proposal:
+        """These drafts up to the first the grammar forbids after `context` (all of them without a grammar): a
+        forbidden draft would be rejected anyway, so it is cut before verification costs anything."""
+        if params.grammar is None:
+            return self
+        kept = params.grammar.allowed_length(context, self.tokens)
+        if kept == len(self.tokens):
+            return self
+        return Proposal(
+            self.tokens[:kept],
+            None if self.probs is None else self.probs[:kept],
+            None if self.soft is None else self.soft[:kept],
+            self.source,
+            None if self.tops is None else self.tops[:kept],
+        )
+
 
 class Drafter(Protocol):
     """Proposes draft tokens. Implementations keep whatever state they need between calls."""

@@ -19,8 +19,7 @@ from viasd.drafters.base import Proposal, stops_after
 from viasd.heads.network import DraftHead
 from viasd.passes.features import FeatureStore
 from viasd.passes.session import KVSession, common_prefix_length
-from viasd.verify.penalties import penalised
-from viasd.verify.sampling import SamplingParams, sample, soft_probs, warp_probs
+from viasd.verify.sampling import SamplingParams, adjusted, sample, soft_probs, warp_probs
 
 CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; more: the round goes to the target
 
@@ -93,8 +92,8 @@ class HeadDrafter:
             tops: list[float] = []
             for i in range(k):
                 scores = self._scores(state)  # [1, vocab]: the head's own tokens only
-                if not params.penalties.neutral:  # adjusted over the whole vocabulary, the head's tokens kept
-                    dense = penalised(self._dense(scores, float("-inf")), params.penalties, context, tokens)
+                if params.adjusts:  # adjusted over the whole vocabulary, the head's tokens kept
+                    dense = adjusted(self._dense(scores, float("-inf")), params, context, tokens)
                     scores = dense[:, self.head.token_ids]
                 soft.append(self._dense(soft_probs(scores, params), 0.0))
                 if params.greedy:

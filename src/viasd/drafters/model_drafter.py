@@ -7,9 +7,17 @@ from torch import nn
 
 from viasd.drafters.base import Proposal, stops_after
 from viasd.passes.session import KVSession
-from viasd.verify.penalties import penalised
 from viasd.verify.resident import host_values
-from viasd.verify.sampling import SamplingParams, checked_token, draw, greedy_tokens, sample, soft_probs, warp_probs
+from viasd.verify.sampling import (
+    SamplingParams,
+    adjusted,
+    checked_token,
+    draw,
+    greedy_tokens,
+    sample,
+    soft_probs,
+    warp_probs,
+)
 from viasd.views.view import ViewLike
 
 
@@ -66,8 +74,8 @@ class ModelDrafter:
         probs: list[torch.Tensor] = []
         soft: list[torch.Tensor] = []
         for i in range(k):
-            if not params.penalties.neutral:  # the drafts so far are read where they were picked
-                logits = penalised(logits, params.penalties, context, torch.cat(picked) if picked else ())
+            if params.adjusts:  # the drafts so far are read where they were picked (a grammar reads them on the host)
+                logits = adjusted(logits, params, context, torch.cat(picked) if picked else ())
             soft.append(soft_probs(logits, params))
             if params.greedy:
                 picked.append(greedy_tokens(logits))

@@ -53,12 +53,15 @@ class FeatureStore:
     def write(self, start: int, rows: torch.Tensor) -> None:
         """The features of positions [start, start + len(rows))."""
         end = start + rows.shape[0]
-        if self.rows is None or self.rows.shape[0] < end or self.rows.shape[1] != rows.shape[1]:
-            grown = rows.new_empty((max(2 * end, 256), rows.shape[1]))
-            if self.rows is not None and self.rows.shape[1] == rows.shape[1]:
-                grown[: self.known] = self.rows[: self.known]
-            self.rows = grown
-        self.rows[start:end] = rows
+        # In inference mode whoever calls: a buffer grown inside it (a session's own pass) is an inference tensor,
+        # which a write outside it (a batched pass's rows) may not update.
+        with torch.inference_mode():
+            if self.rows is None or self.rows.shape[0] < end or self.rows.shape[1] != rows.shape[1]:
+                grown = rows.new_empty((max(2 * end, 256), rows.shape[1]))
+                if self.rows is not None and self.rows.shape[1] == rows.shape[1]:
+                    grown[: self.known] = self.rows[: self.known]
+                self.rows = grown
+            self.rows[start:end] = rows
         if len(self.have) < end:
             self.have.extend([False] * (end - len(self.have)))
         self.have[start:end] = [True] * (end - start)

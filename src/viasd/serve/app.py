@@ -63,6 +63,7 @@ from viasd.serve.schemas import (
     field_range,
 )
 from viasd.serve.settings import ServeSettings
+from viasd.serve.structured import GrammarTokenizer, request_grammar, requested_schema
 
 log = logging.getLogger("viasd.serve")
 
@@ -183,7 +184,11 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     watchers: set[asyncio.Task[None]] = set()
     created = int(time.time())
     vocab_size = len(engine.tokenizer)
-    context_limit = engine.decoder(settings.default_method).context_limit
+    default_decoder = engine.decoder(settings.default_method)
+    context_limit = default_decoder.context_limit
+    # Structured output's view of the tokenizer (as wide as the model's logits): built on the first request asking.
+    logits_width = getattr(getattr(default_decoder.target, "config", None), "vocab_size", None) or 0
+    grammar_tokenizer = GrammarTokenizer(engine.tokenizer, default_decoder.eos_ids, max(vocab_size, logits_width))
     # /tokenize's max_model_len: the model's context, or (when its config does not say) what this server lets in
     max_model_len = context_limit or settings.max_prompt_tokens + settings.max_tokens_limit
 
@@ -284,8 +289,9 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             )
         return chosen
 
-    def generation_config(req: ChatCompletionRequest | CompletionRequest, method: str) -> GenerationConfig:
-        return request_generation_config(req, settings, method, vocab_size)
+    async def generation_config(req: ChatCompletionRequest | CompletionRequest, method: str) -> GenerationConfig:
+        grammar = await off_loop(request_grammar, req, grammar_tokenizer) if requested_schema(req) else None
+        return request_generation_config(req, settings, method, vocab_size, grammar)
 
     async def encode(messages: Sequence[Message], chat: bool, template: ChatTemplate = PLAIN_TEMPLATE) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -485,7 +491,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         req = await parse_body(request, ChatCompletionRequest)
         check_model(req.model)
         method = pick_method(req.method)
-        config = generation_config(req, method)
+        config = await generation_config(req, method)
         prompt = await encode([m.as_prompt_message() for m in req.messages], chat=True, template=req.template())
         prompt = prompt[-(req.truncate_prompt_tokens or len(prompt)) :]
         check_prompt(prompt, "messages")
@@ -534,7 +540,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         req = await parse_body(request, CompletionRequest)
         check_model(req.model)
         method = pick_method(req.method)
-        config = generation_config(req, method)
+        config = await generation_config(req, method)
         if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
             prompt = [int(t) for t in req.prompt]
             check_vocabulary(prompt, "prompt")

@@ -9,6 +9,8 @@ from viasd.methods import parse_method
 from viasd.serve.errors import APIError
 from viasd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from viasd.serve.settings import ServeSettings
+from viasd.serve.structured import requested_schema
+from viasd.verify.grammar import Grammar
 from viasd.verify.penalties import Penalties
 from viasd.verify.sampling import SamplingParams
 
@@ -25,9 +27,14 @@ _NEUTRAL: dict[str, object] = {
 
 
 def generation_config(
-    req: ChatCompletionRequest | CompletionRequest, settings: ServeSettings, method: str, vocab_size: int
+    req: ChatCompletionRequest | CompletionRequest,
+    settings: ServeSettings,
+    method: str,
+    vocab_size: int,
+    grammar: Grammar | None = None,
 ) -> GenerationConfig:
-    """The request as a GenerationConfig for `method`; refuses with a 400 naming the parameter what cannot be done."""
+    """The request as a GenerationConfig for `method`, its output following `grammar` (structured output, compiled
+    from the request by serve/structured.py); refuses with a 400 naming the parameter what cannot be done."""
     max_tokens = req.requested_max_tokens()
     if max_tokens is None:
         max_tokens = settings.default_max_tokens
@@ -59,6 +66,9 @@ def generation_config(
             value = getattr(req, name)
             if value is not None and value != neutral:
                 raise APIError(400, f"method {method!r} cannot honour {name}; leave it out", param=name)
+        if grammar is not None:
+            name = (requested_schema(req) or ("response_format", None))[0]
+            raise APIError(400, f"method {method!r} cannot honour structured output ({name}); leave it out", param=name)
     try:
         penalties = Penalties(
             presence=req.presence_penalty or 0.0,
@@ -74,6 +84,7 @@ def generation_config(
             seed=req.seed,
             min_p=req.min_p or 0.0,
             penalties=penalties,
+            grammar=grammar,
         )
     except ViasdError as error:  # the schema's ranges are the same; kept as a backstop with the field named
         raise APIError(400, str(error), param=str(error).split()[0]) from error

@@ -24,6 +24,7 @@ import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate
+from viasd.serve.structured import FORMAT_TYPES, format_check
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
@@ -98,13 +99,11 @@ class StreamOptions(BaseModel):
 
 # vLLM's extensions that viasd does not honour, and why; each is refused whenever it is given (not null).
 _VLLM_REFUSED = {
-    "guided_json": "guided decoding is not supported",
     "guided_regex": "guided decoding is not supported",
     "guided_choice": "guided decoding is not supported",
     "guided_grammar": "guided decoding is not supported",
     "guided_decoding_backend": "guided decoding is not supported",
     "guided_whitespace_pattern": "guided decoding is not supported",
-    "structured_outputs": "guided decoding is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported (echo with logprobs scores the prompt)",
     "allowed_token_ids": "allowed_token_ids is not supported (logit_bias of -100 bans a token)",
     "bad_words": "bad_words is not supported",
@@ -174,16 +173,20 @@ class _Request(BaseModel):
     )
     response_format: dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
-        description="only type 'text' is supported",
+        json_schema_extra={"properties": {"type": {"enum": list(FORMAT_TYPES)}}},
+        description="text, json_object or json_schema (structured output: the text follows the schema)",
     )
-    guided_json: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    guided_json: dict[str, Any] | None = Field(
+        default=None, description="extension (vLLM): a JSON schema the output follows, as response_format json_schema"
+    )
     guided_regex: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     guided_choice: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     guided_grammar: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     guided_decoding_backend: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     guided_whitespace_pattern: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
-    structured_outputs: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None, description="extension (vLLM): only its 'json' entry (a JSON schema) is supported"
+    )
     prompt_logprobs: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     allowed_token_ids: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
     bad_words: Any = Field(default=None, json_schema_extra=_REFUSED_SCHEMA)
@@ -253,10 +256,8 @@ class _Request(BaseModel):
 
     @field_validator("response_format")
     @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
-        return value
+    def _known_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return format_check(value)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs."""

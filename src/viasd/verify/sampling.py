@@ -7,12 +7,14 @@ where the logits live, as a tensor, with no host sync (greedy decoding everywher
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from viasd.errors import ViasdError
-from viasd.verify.penalties import Penalties
+from viasd.verify.grammar import Grammar, constrained
+from viasd.verify.penalties import Penalties, penalised
 
 # The seeds a torch generator accepts: any 64-bit integer, signed or unsigned.
 SEED_MIN = -(2**63)
@@ -30,6 +32,7 @@ class SamplingParams:
 
     min_p: tokens less likely than min_p times the most likely one (after the temperature) are dropped (0: off).
     penalties: adjust the logits by the tokens before each position first (verify/penalties.py).
+    grammar: structured output; masks what it forbids after the penalties (verify/grammar.py; None: off).
     """
 
     temperature: float = 0.0
@@ -38,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     min_p: float = 0.0
     penalties: Penalties = field(default_factory=Penalties)
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -52,9 +56,16 @@ class SamplingParams:
             raise ViasdError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
 
     def first_set(self) -> str | None:
-        """The API name of the first parameter set beyond temperature, top-p, top-k and seed (min_p, the penalties),
-        for methods that honour only those; None when there is none."""
-        return "min_p" if self.min_p else self.penalties.first_set()
+        """The API name of the first parameter set beyond temperature, top-p, top-k and seed (min_p, the penalties,
+        response_format), for methods that honour only those; None when there is none."""
+        if self.min_p:
+            return "min_p"
+        return self.penalties.first_set() or ("response_format" if self.grammar is not None else None)
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted by the tokens before each position (penalties or a grammar)."""
+        return not self.penalties.neutral or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +97,14 @@ def _is_number(value: object) -> bool:
 
 def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, context: Sequence[int], drafts: Sequence[int] | torch.Tensor = ()
+) -> torch.Tensor:
+    """`logits` [n, V] adjusted by the tokens before each row's position: the penalties, then the grammar's mask
+    (rows placed as `penalties.penalised` places them)."""
+    return constrained(penalised(logits, params.penalties, context, drafts), params.grammar, context, drafts)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
