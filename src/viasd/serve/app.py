@@ -60,6 +60,9 @@ from viasd.serve.schemas import (
     field_range,
 )
 from viasd.serve.settings import ServeSettings
+from viasd.serve.tools import ToolUse, text_answer, tool_answer, tool_use
+from viasd.toolcalls.formats import template_format
+from viasd.toolcalls.streaming import ToolCallStream
 
 log = logging.getLogger("viasd.serve")
 
@@ -183,6 +186,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     context_limit = engine.decoder(settings.default_method).context_limit
     # /tokenize's max_model_len: the model's context, or (when its config does not say) what this server lets in
     max_model_len = context_limit or settings.max_prompt_tokens + settings.max_tokens_limit
+    tool_format = template_format(getattr(engine.tokenizer, "chat_template", None))  # None: tools are refused
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -252,7 +256,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
 
     @app.exception_handler(ViasdError)
     async def user_error(request: Request, exc: ViasdError) -> JSONResponse:
-        return JSONResponse(error_body(400, str(exc)), status_code=400)
+        return JSONResponse(error_body(400, str(exc), param=getattr(exc, "param", None)), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -366,7 +370,8 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             try:
                 with drain.running():
                     while (piece := await drain.race(job.pieces.get())) is not None:
-                        yield piece_event(piece)
+                        if event := piece_event(piece):  # empty while a tool call's text is held
+                            yield event
                     result = await drain.race(asyncio.shield(job.result))
             except Drained:
                 yield sse(error_body(503, drain.message, "shutting_down"))
@@ -437,12 +442,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             for name in tokenization.MESSAGES_ONLY:
                 if getattr(req, name) is not None:
                     raise APIError(400, f"{name} applies to messages only, not to a prompt", "invalid_request", name)
+        offered = tool_use(req.tools, None, None, tool_format).offered
         try:
-            ids = await off_loop(tokenization.tokenize, engine.tokenizer, req)
+            ids = await off_loop(tokenization.tokenize, engine.tokenizer, req, offered)
         except ViasdError as error:
-            raise APIError(
-                400, str(error), "invalid_request", "prompt" if req.prompt is not None else "messages"
-            ) from error
+            param = getattr(error, "param", "prompt" if req.prompt is not None else "messages")
+            raise APIError(400, str(error), "invalid_request", param) from error
         strings = await off_loop(tokenization.token_strings, engine.tokenizer, ids) if req.return_token_strs else None
         return tokenization.TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strings
@@ -476,23 +481,22 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         check_model(req.model)
         method = pick_method(req.method)
         config = generation_config(req, method)
-        prompt = await encode([m.as_prompt_message() for m in req.messages], chat=True, template=req.template())
+        use = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+        messages = [m.as_prompt_message() for m in req.messages]
+        prompt = await encode(messages, chat=True, template=req.template(use.offered))
         prompt = prompt[-(req.truncate_prompt_tokens or len(prompt)) :]
         check_prompt(prompt, "messages")
         job = start(request, prompt, method, config)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not req.stream:
             result = await finish(job)
+            answer = text_answer(result.text, use, _FINISH.get(result.finish_reason, result.finish_reason))
+            message = ChatMessageOut(content=answer.content, tool_calls=answer.calls or None)
             return ChatCompletion(
                 id=rid,
                 created=now,
                 model=settings.model_id,
-                choices=[
-                    ChatChoice(
-                        message=ChatMessageOut(content=result.text),
-                        finish_reason=_FINISH.get(result.finish_reason, result.finish_reason),
-                    )
-                ],
+                choices=[ChatChoice(message=message, finish_reason=answer.finish_reason)],
                 usage=usage(prompt, result),
             )
 
@@ -503,15 +507,39 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         def usage_chunk(u: Usage) -> str:
             return sse(ChatCompletionChunk(id=rid, created=now, model=settings.model_id, choices=[], usage=u))
 
+        piece_event, finish_event = chat_events(chunk, use)
         body = stream(
             job,
             prompt,
             first=chunk(ChatDelta(role="assistant", content="")),
-            piece_event=lambda piece: chunk(ChatDelta(content=piece)),
-            finish_event=lambda reason: chunk(ChatDelta(), reason),
+            piece_event=piece_event,
+            finish_event=finish_event,
             usage_event=usage_chunk if req.include_usage() else None,
         )
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    def chat_events(
+        chunk: Callable[[ChatDelta, str | None], str], use: ToolUse
+    ) -> tuple[Callable[[str], str], Callable[[str], str]]:
+        """A chat stream's events for a piece of text and for the end; with tools to call, content until a call
+        starts, then at the end the rest of the content and each call whole (or all of it as content, if the calls
+        are badly written)."""
+        if use.format is None:
+            return (lambda piece: chunk(ChatDelta(content=piece), None)), (lambda reason: chunk(ChatDelta(), reason))
+        calls = ToolCallStream(use.format, use.names)
+
+        def piece_event(piece: str) -> str:
+            content = calls.feed(piece)
+            return chunk(ChatDelta(content=content), None) if content else ""
+
+        def finish_event(reason: str) -> str:
+            tail, parsed = calls.finish()
+            answer = tool_answer(parsed, use, reason, indexed=True)
+            events = chunk(ChatDelta(content=tail), None) if tail else ""
+            events += "".join(chunk(ChatDelta(tool_calls=[call]), None) for call in answer.calls)
+            return events + chunk(ChatDelta(), answer.finish_reason)
+
+        return piece_event, finish_event
 
     @app.post("/v1/completions", response_model=None, responses=completion_responses(Completion, Completion, keyed))
     async def completions(request: Request) -> Response | Completion:
