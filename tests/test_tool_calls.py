@@ -60,8 +60,35 @@ def test_a_badly_written_call_turns_the_whole_output_into_content(bad: str) -> N
 
 
 def test_text_without_calls_is_content_as_it_is() -> None:
-    for text in ("", "  \n", "The weather is fine.", "a <tool_cal> look-alike"):
+    for text in ("", "  \n", "The weather is fine.", "a <tool_cal> look-alike", '{"answer": 42}', "[1, 2]"):
         assert HERMES.parse(text, NAMES) == ParsedOutput(text, ())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',  # Qwen2.5-Coder
+        '\n```\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]\n```\n',
+    ],
+)
+def test_an_output_that_is_only_a_call_object_bare_or_fenced_is_the_call(text: str) -> None:
+    parsed = HERMES.parse(text, NAMES)
+    assert parsed.content is None and parsed.calls[0] == ToolCall("get_weather", '{"city": "Paris"}')
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '```json\n{"name": "get_wether", "arguments": {"city": "Paris"}}\n```',  # not offered
+        'Here: ```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # text around it
+        '```python\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # another language
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "rm"}]',  # one call not offered
+        "[]",
+    ],
+)
+def test_other_json_answers_stay_content(text: str) -> None:
+    assert HERMES.parse(text, NAMES) == ParsedOutput(text, ())
 
 
 OUTPUTS = [
@@ -70,6 +97,11 @@ OUTPUTS = [
     call("get_weather", {"city": "Zürich"}) + "\nThat is all.",
     "Checking <tool_ca and more text <tool_call> not json </tool_call> tail",
     "ends on a marker's start <tool_c",
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+    '  {"name": "get_time", "arguments": {}}',
+    '```json\n{"answer": 42}\n```',
+    "```python\nprint(1)\n```",
+    "``not a fence",
 ]
 
 
@@ -88,8 +120,20 @@ def test_a_stream_sends_the_content_a_whole_parse_gives_and_no_call_text(text: s
         tail, parsed = stream.finish()
         assert parsed == whole
         assert sent + tail == (whole.content or "")
-        if whole.calls:
+        if whole.calls and HERMES.start in text:
             assert sent == text[: text.index(HERMES.start)]  # content until the first call, none of its text
+        elif whole.calls or HERMES.opens_bare_call(text):
+            assert sent == ""  # a bare call, or what opens as one, is held whole
+
+
+def test_only_what_opens_as_a_bare_call_is_held() -> None:
+    assert [HERMES.opens_bare_call(t) for t in ("", " ", "`", "``", "```", "```js", "```json", "```json\n ")] == [
+        None
+    ] * 8
+    assert [HERMES.opens_bare_call(t) for t in ("{", ' \n{"', "[", "```json\n{", "```\n  [", "```json \n{")] == [
+        True
+    ] * 6
+    assert [HERMES.opens_bare_call(t) for t in ("S", "```p", "```python\n{", "`x", "```jsonx", "```\nx")] == [False] * 6
 
 
 def test_the_format_is_chosen_by_the_chat_template() -> None:

@@ -6,7 +6,11 @@ Hermes style (Qwen2.5, Hermes and others) writes each call as
 is taken to use it. A call the model writes badly (not JSON, not an object with a string name and object arguments)
 turns the whole output back into plain content, as vLLM's `hermes` parser does: the client sees what the model wrote,
 never an error. So does a call of a function that was not offered (vLLM's parser passes it on as a call; a client
-could only fail on it)."""
+could only fail on it).
+
+Beyond vLLM's parser: an output that is nothing but such a call object (or a list of them), bare or in a Markdown code
+fence, is taken as the call(s). The default model, Qwen2.5-Coder, answers a tool request that way instead of with
+`<tool_call>` tags; only functions offered by the request count, so other JSON answers stay content."""
 
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ class ParsedOutput:
     calls: tuple[ToolCall, ...]
 
 
+# An output in a code fence (```json or ```): its body.
+_FENCED = re.compile(r"\s*```(?:json)?[ \t]*\n(.*)```\s*", re.DOTALL)
+
+
 @dataclass(frozen=True)
 class HermesFormat:
     """Calls as JSON objects between `<tool_call>` and `</tool_call>`; the last may be left unclosed."""
@@ -39,11 +47,21 @@ class HermesFormat:
     start: str = "<tool_call>"
     end: str = "</tool_call>"
 
+    def opens_bare_call(self, text: str) -> bool | None:
+        """Whether an output that begins with `text` is taken whole before it is parsed, as it may be a bare call
+        (True), is not (False), or cannot tell yet (None)."""
+        head = text.lstrip()
+        if re.match(r"(?:```(?:json)?[ \t]*\n\s*)?[\[{]", head):
+            return True
+        if re.fullmatch(r"(?:`{0,3}|```j|```js|```jso|```json)|```(?:json)?[ \t]*(?:\n\s*)?", head):
+            return None
+        return False
+
     def parse(self, text: str, names: Collection[str]) -> ParsedOutput:
         """`text` split into content and calls of the functions in `names`; the whole text as content when it holds
         no call, or any call is badly written."""
         if self.start not in text:
-            return ParsedOutput(text, ())
+            return ParsedOutput(None, bare) if (bare := _bare_calls(text, names)) else ParsedOutput(text, ())
         pattern = re.compile(re.escape(self.start) + "(.*?)(?:" + re.escape(self.end) + r"|\Z)", re.DOTALL)
         calls: list[ToolCall] = []
         outside: list[str] = []
@@ -77,6 +95,23 @@ def _call(body: str, names: Collection[str]) -> ToolCall | None:
     if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
         return None
     return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _bare_calls(text: str, names: Collection[str]) -> tuple[ToolCall, ...]:
+    """The calls of an output that is nothing but one call object or a list of them (fenced or not), else none."""
+    fenced = _FENCED.fullmatch(text)
+    body = fenced.group(1) if fenced else text
+    if not body.strip().startswith(("{", "[")):
+        return ()
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return ()
+    objects = value if isinstance(value, list) else [value]
+    calls = [_call(json.dumps(item), names) for item in objects]
+    if not objects or any(call is None for call in calls):
+        return ()
+    return tuple(call for call in calls if call is not None)
 
 
 def template_format(chat_template: object) -> ToolCallFormat | None:

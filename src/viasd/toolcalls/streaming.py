@@ -1,5 +1,6 @@
 """A streamed output split into content and tool calls as it comes: content is passed on until a call starts; from
-there the text is held and parsed when the output ends, so each call is sent whole (its arguments in one delta)."""
+there the text is held and parsed when the output ends, so each call is sent whole (its arguments in one delta).
+An output that opens as a bare call may be (a JSON object or list, or a code fence around one) is held whole."""
 
 from __future__ import annotations
 
@@ -25,13 +26,21 @@ class ToolCallStream:
     names: Collection[str]
     _sent: list[str] = field(default_factory=list)  # content already given out
     _held: str = ""  # text not given out yet: a possible marker's start, or everything from a call on
-    _calling: bool = False  # a call's start marker has been seen
+    _calling: bool = False  # a call's start marker has been seen, or the output opens as a bare call
+    _opening: bool = True  # too little has come to tell whether the output opens as a bare call
 
     def feed(self, piece: str) -> str:
         """The content that `piece` lets out now (maybe empty)."""
         self._held += piece
         if self._calling:
             return ""
+        if self._opening:
+            verdict = self.format.opens_bare_call(self._held)
+            if verdict is None:
+                return ""
+            self._opening, self._calling = False, verdict
+            if verdict:
+                return ""
         found = self._held.find(self.format.start)
         if found >= 0:
             self._calling = True
