@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessage
 
 from test_serve import Server, assert_error, launch_server, sse_payloads, stop_server, tiny_model_dir, wait_healthy
 from tiny import TOOLS_CHATML_TEMPLATE, tiny_chat_tokenizer
@@ -86,8 +87,10 @@ def test_a_tool_call_history_reaches_the_template_with_its_arguments_as_an_objec
     _, prompt = rendered(server, {"messages": HISTORY, "tools": [WEATHER]})
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert '<tool_response>\n{"sky": "clear", "celsius": 21}\n</tool_response>' in prompt
+    # The client's own answer object sent back as the history's assistant message, as OpenAI's examples do.
+    said = ChatCompletionMessage.model_validate(HISTORY[1])
     answer = client.chat.completions.create(
-        model=MODEL_ID, messages=HISTORY, tools=[WEATHER], max_tokens=3, temperature=0
+        model=MODEL_ID, messages=[USER, said, HISTORY[2]], tools=[WEATHER], max_tokens=3, temperature=0
     )
     assert answer.usage is not None and answer.usage.prompt_tokens == len(
         post(server, "/tokenize", {"messages": HISTORY, "tools": [WEATHER]}).json()["tokens"]
