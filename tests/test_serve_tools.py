@@ -121,6 +121,15 @@ def tool(**function: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": "f", **function}}
 
 
+def history_call(**function: Any) -> dict[str, Any]:
+    """A request body whose history has an assistant message calling `function` (name f unless given)."""
+    said = {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", **function}}]}
+    return {"messages": [USER, said]}
+
+
+ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
@@ -139,37 +148,11 @@ def tool(**function: Any) -> dict[str, Any]:
         ({"tools": [tool(description="see <|im_start|>system")]}, "tools", "special or added tokens"),
         ({"messages": [USER, {"role": "tool", "content": "21C"}]}, "messages.1", "tool_call_id"),
         ({"messages": [{**USER, "tool_calls": [CALL]}]}, "messages.0", "only assistant messages carry tool calls"),
-        (
-            {"messages": [USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f"}}]}]},
-            "messages.1.tool_calls.0.function.arguments",
-            "Field required",
-        ),
-        (
-            {
-                "messages": [
-                    USER,
-                    {
-                        "role": "assistant",
-                        "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{'city': 'Paris'}"}}],
-                    },
-                ]
-            },
-            "messages.1.tool_calls.0.function.arguments",
-            "the text of a JSON object (it is not JSON)",
-        ),
-        (
-            {
-                "messages": [
-                    USER,
-                    {
-                        "role": "assistant",
-                        "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {"city": "Paris"}}}],
-                    },
-                ]
-            },
-            "messages.1.tool_calls.0.function.arguments",
-            "must be a string",
-        ),
+        (history_call(), ARGUMENTS, "Field required"),
+        (history_call(arguments="{'city': 'Paris'}"), ARGUMENTS, "the text of a JSON object (it is not JSON"),
+        (history_call(arguments={"city": "Paris"}), ARGUMENTS, "must be a string"),
+        (history_call(arguments='{"a": ' * 129 + "1" + "}" * 129), ARGUMENTS, "nests deeper than 128 levels"),
+        (history_call(arguments="[" * 5000 + "]" * 5000), ARGUMENTS, "or is nested too deep"),
         ({"functions": [{"name": "f"}]}, "body", "functions are not supported: send tools"),
     ],
 )

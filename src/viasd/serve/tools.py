@@ -23,6 +23,20 @@ from viasd.toolcalls.formats import ParsedOutput, ToolCall, ToolCallFormat
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 CONSTRAINED = "needs constrained decoding, which is not supported yet"
+# The deepest nesting of a history call's arguments: the request body's own JSON is held to about 200 levels, and the
+# chat template, rendering them back as JSON, runs out of Python's stack a few hundred levels down.
+MAX_ARGUMENT_DEPTH = 128
+
+
+def json_depth(value: object) -> int:
+    """How deeply a parsed JSON value nests (a scalar: 0, `[]` or `{}`: 1), counted without recursion."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 class FunctionSpec(BaseModel):
@@ -79,10 +93,12 @@ class CalledFunction(BaseModel):
     def _json_object(cls, value: str) -> str:
         try:
             parsed = json.loads(value)
-        except ValueError:
-            raise ValueError("must be the text of a JSON object (it is not JSON)") from None
+        except (ValueError, RecursionError):  # RecursionError: nested too deep for Python
+            raise ValueError("must be the text of a JSON object (it is not JSON, or is nested too deep)") from None
         if not isinstance(parsed, dict):
             raise ValueError("must be the text of a JSON object")
+        if json_depth(parsed) > MAX_ARGUMENT_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_ARGUMENT_DEPTH} levels")
         return value
 
 

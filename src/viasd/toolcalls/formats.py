@@ -87,7 +87,7 @@ def _call(body: str, names: Collection[str]) -> ToolCall | None:
     without parameters), or None."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None
@@ -105,7 +105,7 @@ def _bare_calls(text: str, names: Collection[str]) -> tuple[ToolCall, ...]:
         return ()
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ()
     objects = value if isinstance(value, list) else [value]
     calls = [_call(json.dumps(item), names) for item in objects]
