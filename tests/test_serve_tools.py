@@ -165,6 +165,17 @@ def test_bad_tools_and_tool_messages_get_one_400_naming_the_field(
     assert "\n" not in error["message"]
 
 
+def published_tools(document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The non-null branches of `tools` in a server's published chat request schema."""
+    schema = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]["tools"]
+    return [branch for branch in schema["anyOf"] if branch.get("type") != "null"]
+
+
+def test_the_published_schema_takes_tools_here(server: Server) -> None:
+    (tools,) = published_tools(httpx.get(f"{server.url}/openapi.json", timeout=30).json())
+    assert tools["minItems"] == 1 and "maxItems" not in tools
+
+
 def test_tokenize_takes_tools_with_messages_only(server: Server) -> None:
     error = assert_error(post(server, "/tokenize", {"prompt": "hi", "tools": [WEATHER]}), 400, "messages only")
     assert error["param"] == "tools"
@@ -189,3 +200,5 @@ def test_a_template_without_tools_refuses_them_naming_tools(tmp_path: Path) -> N
             error = assert_error(app.post(path, json={"messages": [USER], "tools": [WEATHER]}), 400, "offers no tools")
             assert error["param"] == "tools"
         assert app.post("/v1/chat/completions", json={"messages": HISTORY, "max_tokens": 1}).status_code == 200
+        (tools,) = published_tools(app.get("/openapi.json").json())
+        assert tools["maxItems"] == 0  # published as refused: only null or left out

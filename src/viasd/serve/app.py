@@ -213,6 +213,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         max_tokens=settings.max_tokens_limit,
         vocab_size=vocab_size,
         api_key=settings.api_key is not None,
+        tools=tool_format is not None,
     )
     install_openapi(
         app,

@@ -289,8 +289,20 @@ class ContentPart(BaseModel):
     text: str | None = Field(default=None, json_schema_extra={"type": "string"})
 
 
+# What the validator below checks, published: a tool message names its call, only an assistant's carries calls.
+_TOOL_FIELDS = {
+    "allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"]}},
+        {
+            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"properties": {"tool_calls": {"type": "null"}}},
+        },
+    ]
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_TOOL_FIELDS)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

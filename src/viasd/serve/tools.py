@@ -86,7 +86,10 @@ class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str = Field(min_length=1)
-    arguments: str
+    arguments: str = Field(
+        json_schema_extra={"contentMediaType": "application/json", "contentSchema": {"type": "object"}},
+        description="a JSON object's text",
+    )
 
     @field_validator("arguments")
     @classmethod
