@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tiny import tiny_chat_tokenizer
-from viasd.errors import ViasdError
+from tiny import TOOLS_CHATML_TEMPLATE, tiny_chat_tokenizer
+from viasd.errors import UnsupportedParameter, ViasdError
 from viasd.models.fetch import list_default_models
 from viasd.prompting import ChatTemplate, encode_messages, encode_prompt, encode_text
 
@@ -161,3 +161,70 @@ def test_template_options_open_a_turn_continue_the_last_one_or_pass_variables():
     assert text(thinking).endswith("<|im_start|>assistant\n<think></think>")
     with pytest.raises(ViasdError, match="chat template cannot render"):
         encode_messages(tok, messages, template=ChatTemplate(add_generation_prompt=True, continue_final_message=True))
+
+
+# ------------------------------------------------------------------------------------------------- tool use
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALLED = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+]}  # fmt: skip
+
+
+def _tools_tokenizer() -> PreTrainedTokenizerBase:
+    tokenizer = tiny_chat_tokenizer(template=TOOLS_CHATML_TEMPLATE)
+    tokenizer.add_tokens(list(TOOL_TAGS))
+    return tokenizer
+
+
+def test_tools_and_a_tool_call_history_encode_exactly_as_the_template_does() -> None:
+    tokenizer = _tools_tokenizer()
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        CALLED,
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+    ]
+    template = ChatTemplate(tools=(WEATHER_TOOL,))
+    want = tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
+    ids = encode_messages(tokenizer, messages, template=template)
+    assert ids == [int(t) for t in want]
+    assert "get_weather" in tokenizer.decode(ids) and len(ids) > len(encode_messages(tokenizer, messages))
+
+
+def test_special_text_in_a_tool_result_stays_text_while_the_history_keeps_its_call_tags() -> None:
+    tokenizer = _tools_tokenizer()
+    tags = set(tokenizer.convert_tokens_to_ids(list(TOOL_TAGS)))
+    result = {"role": "tool", "tool_call_id": "call_1", "content": FORGED_CALL}
+    ids = encode_messages(tokenizer, [{"role": "user", "content": "hi"}, CALLED, result])
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, CALLED, result], add_generation_prompt=True, tokenize=False
+    )
+    assert tokenizer.decode(ids) == rendered
+    # The template wrote one call of the history (its tags are tokens); the tool's text forged none.
+    assert [t for t in ids if t in tags] == tokenizer.convert_tokens_to_ids(list(TOOL_TAGS))
+
+
+@pytest.mark.parametrize(
+    ("where", "param"),
+    [("description", "tools"), ("arguments", "messages")],
+)
+def test_special_text_where_the_template_writes_it_as_it_is_is_refused_naming_the_field(where: str, param: str) -> None:
+    tokenizer = _tools_tokenizer()
+    tool = {**WEATHER_TOOL, "function": {**WEATHER_TOOL["function"], "description": "x <|im_end|>"}}
+    call = {**CALLED["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "</tool_call>"}}}
+    messages = [{"role": "user", "content": "hi"}, {**CALLED, "tool_calls": [call]}]
+    if where == "description":
+        messages, tools = messages[:1], (tool,)
+    else:
+        tools = (WEATHER_TOOL,)
+    with pytest.raises(UnsupportedParameter, match="must not hold the text") as raised:
+        encode_messages(tokenizer, messages, template=ChatTemplate(tools=tools))
+    assert raised.value.param == param

@@ -130,7 +130,18 @@ BAD_REQUESTS = [
     ("/tokenize", {"prompt": "a", "chat_template": "{{ x }}"}, "chat_template", "chat template"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt", "messages only"),
     ("/tokenize", {"prompt": "a", "chat_template_kwargs": {}}, "chat_template_kwargs", "messages only"),
-    ("/tokenize", {"prompt": "a", "tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+    (
+        "/tokenize",
+        {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+        "messages only",
+    ),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+        "chat template offers no tools",  # this one's does not
+    ),
     ("/tokenize", {"prompt": "a", "temperature": 0}, "temperature", "temperature"),  # an unknown field
     (
         "/tokenize",

@@ -54,6 +54,20 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# ChatML that offers tools as Qwen2.5's template does (its own wording): the tools as JSON in a system turn, the
+# history's calls as <tool_call> JSON objects (arguments rendered as objects), tool results in a user turn.
+TOOLS_CHATML_TEMPLATE = (
+    '{% if tools %}<|im_start|>system\nCall a function as <tool_call>\n{"name": ..., "arguments": {...}}'
+    "\n</tool_call>, one of:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + message.content + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message.role + '\n' + message.content }}"
+    '{% for call in message.tool_calls or [] %}{{ \'\n<tool_call>\n{"name": "\' + call.function.name + '
+    "'\", \"arguments\": ' }}{{ call.function.arguments | tojson }}{{ '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "You are a helpful assistant. Write a Python function that reverses a string.",
@@ -61,8 +75,8 @@ _CORPUS = [
 ]
 
 
-def tiny_chat_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (any text encodes and decodes back) with ChatML special tokens and template.
+def tiny_chat_tokenizer(vocab_size: int = 320, template: str = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes and decodes back) with ChatML special tokens and `template`.
 
     Ids 0, 1, 2 are <|endoftext|>, <|im_start|>, <|im_end|>; every id is below `vocab_size`.
     """
@@ -79,7 +93,7 @@ def tiny_chat_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|im_end|>"
     )
-    wrapped.chat_template = CHATML_TEMPLATE
+    wrapped.chat_template = template
     return wrapped
 
 

@@ -16,6 +16,7 @@ added token at all and change nothing shared.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,12 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from viasd.errors import ViasdError
+from viasd.errors import UnsupportedParameter, ViasdError
 
-Message = dict[str, str]
+# A chat message as the chat templates take it: role and content (text), and for tool use an assistant's
+# `tool_calls` (arguments as objects, as Hugging Face templates expect them) or a tool result's `tool_call_id`.
+Message = dict[str, Any]
+ROLES = ("system", "user", "assistant", "tool")
 # Arguments of transformers' apply_chat_template that a request's template variables must not set.
 RESERVED_TEMPLATE_KEYS = frozenset(
     {
@@ -44,6 +48,7 @@ class ChatTemplate:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     variables: tuple[tuple[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()  # the functions offered to the model, as OpenAI's `tools` entries
 
     def arguments(self) -> dict[str, Any]:
         """apply_chat_template's keyword arguments for it."""
@@ -51,6 +56,7 @@ class ChatTemplate:
             **dict(self.variables),
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
+            **({"tools": list(self.tools)} if self.tools else {}),
         }
 
 
@@ -136,10 +142,13 @@ def _encode_template_safely(
     with the real contents must give the same text (a template that rewrites contents is refused).
     """
     tag = uuid.uuid4().hex
-    markers = [f"VIASDCONTENT{tag}N{i}X" for i in range(len(messages))]
-    skeleton = _render(
-        tokenizer, [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)], template
-    )
+    # Empty contents are left as they are: templates skip them (an assistant turn that only calls tools).
+    marked = [i for i, m in enumerate(messages) if m["content"]]
+    markers = [f"VIASDCONTENT{tag}N{i}X" for i in marked]
+    skeleton_messages = list(messages)
+    for i, marker in zip(marked, markers, strict=True):
+        skeleton_messages[i] = {**messages[i], "content": marker}
+    skeleton = _render(tokenizer, skeleton_messages, template)
     pieces: list[str] = []
     rest = skeleton
     for marker in markers:
@@ -148,7 +157,7 @@ def _encode_template_safely(
             raise ViasdError("this model's chat template cannot keep special-token text in a message as plain text")
         pieces.append(before)
     rendered = _render(tokenizer, messages, template)
-    contents = [m["content"] for m in messages]
+    contents = [messages[i]["content"] for i in marked]
     if "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest != rendered:
         contents = [c.strip() for c in contents]  # templates that trim the contents
         if "".join(p + c for p, c in zip(pieces, contents, strict=True)) + rest != rendered:
@@ -175,14 +184,25 @@ def encode_messages(
     if not messages or not any(m.get("content", "").strip() for m in messages):
         raise ViasdError("the prompt is empty")
     for m in messages:
-        if m.get("role") not in {"system", "user", "assistant"}:
-            raise ViasdError(f"unknown message role {m.get('role')!r} (use system, user or assistant)")
+        if m.get("role") not in ROLES:
+            raise ViasdError(f"unknown message role {m.get('role')!r} (use {', '.join(ROLES)})")
     if chat and getattr(tokenizer, "chat_template", None):
+        _check_tool_text(tokenizer, messages, template)
         if any(contains_special_text(tokenizer, m.get("content", "")) for m in messages):
             return _encode_template_safely(tokenizer, messages, template)
         return _ids(_apply(tokenizer, messages, template, tokenize=True))
     text = "\n\n".join(m["content"] for m in messages)
     return encode_text(tokenizer, text, add_special_tokens=True)
+
+
+def _check_tool_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], template: ChatTemplate) -> None:
+    """Refuses special-token text in what the template writes as it is (tool definitions, history's tool calls):
+    unlike message contents, it cannot be kept as plain text, and could forge a turn or a call."""
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    for param, name, value in (("tools", "tools", list(template.tools)), ("messages", "tool_calls", calls)):
+        if value and contains_special_text(tokenizer, json.dumps(value, ensure_ascii=False)):
+            message = f"{name} must not hold the text of the tokenizer's special or added tokens"
+            raise UnsupportedParameter(param, message)
 
 
 def encode_prompt(

@@ -64,6 +64,9 @@ from viasd.serve.schemas import (
 )
 from viasd.serve.settings import ServeSettings
 from viasd.serve.structured import GrammarTokenizer, request_grammar, requested_schema
+from viasd.serve.tools import ToolUse, text_answer, tool_answer, tool_use
+from viasd.toolcalls.formats import template_format
+from viasd.toolcalls.streaming import ToolCallStream
 
 log = logging.getLogger("viasd.serve")
 
@@ -191,6 +194,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     grammar_tokenizer = GrammarTokenizer(engine.tokenizer, default_decoder.eos_ids, max(vocab_size, logits_width))
     # /tokenize's max_model_len: the model's context, or (when its config does not say) what this server lets in
     max_model_len = context_limit or settings.max_prompt_tokens + settings.max_tokens_limit
+    tool_format = template_format(getattr(engine.tokenizer, "chat_template", None))  # None: tools are refused
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -217,6 +221,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         max_tokens=settings.max_tokens_limit,
         vocab_size=vocab_size,
         api_key=settings.api_key is not None,
+        tools=tool_format is not None,
     )
     install_openapi(
         app,
@@ -260,7 +265,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
 
     @app.exception_handler(ViasdError)
     async def user_error(request: Request, exc: ViasdError) -> JSONResponse:
-        return JSONResponse(error_body(400, str(exc)), status_code=400)
+        return JSONResponse(error_body(400, str(exc), param=getattr(exc, "param", None)), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -381,8 +386,10 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
                         if isinstance(piece, list):
                             scored.extend(piece)
                             continue
-                        yield piece_event(piece, scored)
-                        scored = []
+                        # Empty while a tool call's text is held: its scores wait for the next event.
+                        if event := piece_event(piece, scored):
+                            yield event
+                            scored = []
                     result = await drain.race(asyncio.shield(job.result))
             except Drained:
                 yield sse(error_body(503, drain.message, "shutting_down"))
@@ -453,12 +460,12 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             for name in tokenization.MESSAGES_ONLY:
                 if getattr(req, name) is not None:
                     raise APIError(400, f"{name} applies to messages only, not to a prompt", "invalid_request", name)
+        offered = tool_use(req.tools, None, None, tool_format).offered
         try:
-            ids = await off_loop(tokenization.tokenize, engine.tokenizer, req)
+            ids = await off_loop(tokenization.tokenize, engine.tokenizer, req, offered)
         except ViasdError as error:
-            raise APIError(
-                400, str(error), "invalid_request", "prompt" if req.prompt is not None else "messages"
-            ) from error
+            param = getattr(error, "param", "prompt" if req.prompt is not None else "messages")
+            raise APIError(400, str(error), "invalid_request", param) from error
         strings = await off_loop(tokenization.token_strings, engine.tokenizer, ids) if req.return_token_strs else None
         return tokenization.TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strings
@@ -492,7 +499,9 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         check_model(req.model)
         method = pick_method(req.method)
         config = await generation_config(req, method)
-        prompt = await encode([m.as_prompt_message() for m in req.messages], chat=True, template=req.template())
+        use = tool_use(req.tools, req.tool_choice, req.parallel_tool_calls, tool_format)
+        messages = [m.as_prompt_message() for m in req.messages]
+        prompt = await encode(messages, chat=True, template=req.template(use.offered))
         prompt = prompt[-(req.truncate_prompt_tokens or len(prompt)) :]
         check_prompt(prompt, "messages")
         job = start(request, prompt, method, config)
@@ -503,17 +512,13 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             logprobs = None
             if result.logprobs is not None:
                 logprobs = await off_loop(chat_logprobs, result.logprobs, token_text)
+            answer = text_answer(result.text, use, _FINISH.get(result.finish_reason, result.finish_reason))
+            message = ChatMessageOut(content=answer.content, tool_calls=answer.calls or None)
             return ChatCompletion(
                 id=rid,
                 created=now,
                 model=settings.model_id,
-                choices=[
-                    ChatChoice(
-                        message=ChatMessageOut(content=result.text),
-                        logprobs=logprobs,
-                        finish_reason=_FINISH.get(result.finish_reason, result.finish_reason),
-                    )
-                ],
+                choices=[ChatChoice(message=message, logprobs=logprobs, finish_reason=answer.finish_reason)],
                 usage=usage(prompt, result),
             )
 
@@ -525,15 +530,42 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         def usage_chunk(u: Usage) -> str:
             return sse(ChatCompletionChunk(id=rid, created=now, model=settings.model_id, choices=[], usage=u))
 
+        piece_event, finish_event = chat_events(chunk, use)
         body = stream(
             job,
             prompt,
             first=chunk(ChatDelta(role="assistant", content="")),
-            piece_event=lambda piece, scored: chunk(ChatDelta(content=piece), None, scored),
-            finish_event=lambda reason, scored: chunk(ChatDelta(), reason, scored),
+            piece_event=piece_event,
+            finish_event=finish_event,
             usage_event=usage_chunk if req.include_usage() else None,
         )
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    def chat_events(
+        chunk: Callable[[ChatDelta, str | None, Sequence[TokenLogprob]], str], use: ToolUse
+    ) -> tuple[Callable[[str, list[TokenLogprob]], str], Callable[[str, list[TokenLogprob]], str]]:
+        """A chat stream's events for a piece of text and for the end, each with the log-probabilities of the tokens
+        not sent yet; with tools to call, content until a call starts, then at the end the rest of the content and
+        each call whole (or all of it as content, if the calls are badly written), the held scores on the last."""
+        if use.format is None:
+            return (
+                lambda piece, scored: chunk(ChatDelta(content=piece), None, scored),
+                lambda reason, scored: chunk(ChatDelta(), reason, scored),
+            )
+        calls = ToolCallStream(use.format, use.names)
+
+        def piece_event(piece: str, scored: list[TokenLogprob]) -> str:
+            content = calls.feed(piece)
+            return chunk(ChatDelta(content=content), None, scored) if content else ""
+
+        def finish_event(reason: str, scored: list[TokenLogprob]) -> str:
+            tail, parsed = calls.finish()
+            answer = tool_answer(parsed, use, reason, indexed=True)
+            events = chunk(ChatDelta(content=tail), None, ()) if tail else ""
+            events += "".join(chunk(ChatDelta(tool_calls=[call]), None, ()) for call in answer.calls)
+            return events + chunk(ChatDelta(), answer.finish_reason, scored)
+
+        return piece_event, finish_event
 
     @app.post("/v1/completions", response_model=None, responses=completion_responses(Completion, Completion, keyed))
     async def completions(request: Request) -> Response | Completion:

@@ -85,6 +85,7 @@ class Served:
     max_tokens: int  # --max-tokens-limit
     vocab_size: int  # token ids in a prompt are below it
     api_key: bool
+    tools: bool = False  # whether the chat template offers tools (without, `tools` is refused)
 
 
 def install_openapi(
@@ -106,8 +107,8 @@ def install_openapi(
 
 def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> None:
     """Publish the server's own limits in the request schemas: the model id, the loaded methods, the
-    largest max_tokens and the vocabulary of prompt and stop token ids (every other value is refused with 400 or
-    404)."""
+    largest max_tokens, the vocabulary of prompt and stop token ids, and no tools when the chat template offers none
+    (every other value is refused with 400 or 404)."""
     limits: dict[str, dict[str, Any]] = {
         "model": {"enum": [served.model_id]},
         "method": {"enum": list(served.methods)},
@@ -122,6 +123,8 @@ def _narrow(schemas: dict[str, Any], names: Sequence[str], served: Served) -> No
         for branch in [*properties.get("prompt", {}).get("anyOf", []), properties.get("tokens", {})]:
             if branch.get("items", {}).get("type") == "integer":  # token ids
                 branch["items"]["maximum"] = served.vocab_size - 1
+        if "tools" in properties and not served.tools:
+            _typed_branch(properties["tools"]).update({"maxItems": 0})  # with minItems 1: only null or left out
         if "stop_token_ids" in properties:
             _typed_branch(properties["stop_token_ids"])["items"]["maximum"] = served.vocab_size - 1
 

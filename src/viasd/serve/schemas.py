@@ -2,7 +2,7 @@
 
 Every parameter of OpenAI's API is declared with OpenAI's type, checked strictly as OpenAI checks it (`true` is
 not 1, `"8"` is not 8, `8.0` is not an integer), and is either honoured or refused with a message that names it
-(n > 1, logprobs, tools, audio, predicted outputs...): a silently ignored parameter would give the client wrong
+(n > 1, logprobs, functions, audio, predicted outputs...): a silently ignored parameter would give the client wrong
 output. So are the extensions of vLLM's OpenAI server that clients send (min_p, repetition_penalty, min_tokens,
 stop_token_ids, guided decoding, beam search...; `_VLLM_REFUSED` lists those refused). A field neither API defines
 is refused too, as OpenAI refuses it (vLLM ignores it): a misspelt parameter would otherwise be dropped unseen.
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate
 from viasd.serve.structured import FORMAT_TYPES, format_check
+from viasd.serve.tools import MessageToolCall, ToolCallOut, ToolSpec, duplicate_name, refused_tool_choice
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
@@ -33,7 +34,7 @@ _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: a token id written as a d
 # enforce them with messages that say why.
 _ONLY_FALSE: dict[str, Any] = {"enum": [False, None], "description": "not supported: false or leave it out"}
 _LEAVE_OUT: dict[str, Any] = {"enum": [None], "description": "not supported: leave it out"}
-_NO_TOOL: dict[str, Any] = {"enum": ["none", "auto", None], "description": "no tools here: none, auto or leave it out"}
+_NO_TOOL: dict[str, Any] = {"enum": ["none", "auto", None], "description": "none, auto or leave it out"}
 _EMPTY: dict[str, Any] = {"maxItems": 0, "maxProperties": 0}
 _TEXT = {"type": "string", "pattern": r"\S"}  # not empty or blank: an empty prompt is refused
 _PROMPT_SCHEMA: dict[str, Any] = {
@@ -289,11 +290,25 @@ class ContentPart(BaseModel):
     text: str | None = Field(default=None, json_schema_extra={"type": "string"})
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+# What the validator below checks, published: a tool message names its call, only an assistant's carries calls.
+_TOOL_FIELDS = {
+    "allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["tool_call_id"]}},
+        {
+            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"properties": {"tool_calls": {"type": "null"}}},
+        },
+    ]
+}
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_TOOL_FIELDS)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="assistant messages: the calls made")
+    tool_call_id: str | None = Field(default=None, description="tool messages: the call this is the result of")
 
     @field_validator("content")
     @classmethod
@@ -304,13 +319,27 @@ class ChatMessage(BaseModel):
                     raise ValueError(f"only text content parts are supported, got type {part.type!r}")
         return value
 
-    def as_prompt_message(self) -> dict[str, str]:
-        """The message as `encode_messages` takes it ('developer' is OpenAI's newer name for 'system')."""
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role} ones")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        return self
+
+    def as_prompt_message(self) -> dict[str, Any]:
+        """The message as `encode_messages` takes it ('developer' is OpenAI's newer name for 'system'), tool calls
+        and results in the shape Hugging Face chat templates read."""
         if isinstance(self.content, list):
             text = "".join(part.text or "" for part in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 # At least one message must have some text: an empty prompt is refused.
@@ -344,7 +373,9 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra=_SOME_TEXT)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = Field(default=None, description="the target's log-probability of each output token")
-    tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
+    tools: list[ToolSpec] | None = Field(
+        default=None, min_length=1, description="functions the model may call (with a chat template that offers tools)"
+    )
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY, description="not supported")
     add_generation_prompt: bool | None = Field(
         default=None, description="extension (vLLM): end the prompt with the assistant's turn opening (default true)"
@@ -366,9 +397,15 @@ class ChatCompletionRequest(_Request):
         le=MAX_TOP_LOGPROBS,
         description="with logprobs true: the most likely tokens listed at each position",
     )
-    tool_choice: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_NO_TOOL,
+        description="none or auto (the default); required and a named function are not supported yet",
+    )
     function_call: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
-    parallel_tool_calls: bool | None = Field(default=None, description="no tools here: nothing is called")
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: only the first of the model's tool calls is answered"
+    )
     audio: dict[str, Any] | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
     modalities: list[str] | None = Field(default=None, json_schema_extra={"items": {"enum": ["text"]}})
     prediction: dict[str, Any] | None = Field(default=None, json_schema_extra=_LEAVE_OUT)
@@ -393,12 +430,24 @@ class ChatCompletionRequest(_Request):
             raise ValueError("needs logprobs: true")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any] | None, info: ValidationInfo) -> str | dict[str, Any] | None:
+    def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        return refused_tool_choice(value)
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if value not in (None, "none", "auto"):
-            kind = "tools" if info.field_name == "tool_choice" else "functions"
-            raise ValueError(f"{kind} are not supported (none, auto or leave {info.field_name} out)")
+            raise ValueError("functions are not supported: send tools (none, auto or leave function_call out)")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, value: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        twice = duplicate_name(value or [])
+        if twice is not None:
+            raise ValueError(f"function {twice!r} is offered twice")
         return value
 
     @field_validator("chat_template_kwargs")
@@ -448,18 +497,19 @@ class ChatCompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools or self.functions:
-            raise ValueError("tools and functions are not supported")
+        if self.functions:
+            raise ValueError("functions are not supported: send tools")
         return self
 
-    def template(self) -> ChatTemplate:
-        """How the chat template renders this request's messages."""
+    def template(self, tools: tuple[dict[str, Any], ...] = ()) -> ChatTemplate:
+        """How the chat template renders this request's messages, offering `tools`."""
         return ChatTemplate(
             add_generation_prompt=not self.continue_final_message
             if self.add_generation_prompt is None
             else self.add_generation_prompt,
             continue_final_message=bool(self.continue_final_message),
             variables=tuple(sorted((self.chat_template_kwargs or {}).items())),
+            tools=tools,
         )
 
     def requested_max_tokens(self) -> int | None:
@@ -551,7 +601,8 @@ class Usage(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the model only called tools")
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 def _is_none(value: Any) -> bool:
@@ -615,6 +666,9 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallOut] | None = Field(
+        default=None, exclude_if=_is_none, description="each call whole, with its index, in one delta"
+    )
 
 
 class ChatChunkChoice(BaseModel):

@@ -2,9 +2,9 @@
 
 /tokenize encodes a prompt as /v1/completions does, or chat messages as /v1/chat/completions does (the text of a
 special token in them stays text; vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs
-render the template), so that its count is the `usage.prompt_tokens` a request would report. Fields that would
-change the tokens without being honoured (another chat template, tools) and fields neither vLLM nor OpenAI
-defines are refused, never ignored.
+render the template, and `tools` are offered to it), so that its count is the `usage.prompt_tokens` a request would
+report. Fields that would change the tokens without being honoured (another chat template) and fields neither vLLM
+nor OpenAI defines are refused, never ignored.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate, encode_messages, encode_text, tokens_around
 from viasd.serve.schemas import _SOME_TEXT, ChatMessage, continued_turn, template_variables
+from viasd.serve.tools import ToolSpec, duplicate_name
 
 # Fields that shape the chat template: with a prompt they are refused (they would change nothing).
-MESSAGES_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+MESSAGES_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 # Exactly one of prompt (without the template's fields) and messages (not both opening a turn and continuing the
 # last): published so that schema-driven clients send what the handler takes.
 _ONE_OF = {
@@ -36,7 +37,6 @@ _ONE_OF = {
 }
 _NOT_HONOURED = {
     "chat_template": "only the model's own chat template is used (leave chat_template out)",
-    "tools": "tools are not supported (leave tools out)",
     "mm_processor_kwargs": "this server takes text only (leave mm_processor_kwargs out)",
 }
 
@@ -73,7 +73,9 @@ class TokenizeRequest(BaseModel):
     )
     return_token_strs: bool = Field(default=False, description="also answer each token's string")
     chat_template: str | None = Field(default=None, json_schema_extra={"enum": [None]})
-    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    tools: list[ToolSpec] | None = Field(
+        default=None, min_length=1, description="messages: functions offered to the chat template, as chat completions"
+    )
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
 
     @field_validator("prompt")
@@ -100,19 +102,29 @@ class TokenizeRequest(BaseModel):
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return template_variables(value)
 
-    @field_validator("chat_template", "tools", "mm_processor_kwargs")
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, value: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        twice = duplicate_name(value or [])
+        if twice is not None:
+            raise ValueError(f"function {twice!r} is offered twice")
+        return value
+
+    @field_validator("chat_template", "mm_processor_kwargs")
     @classmethod
     def _not_honoured(cls, value: Any, info: ValidationInfo) -> Any:
         if value:
             raise ValueError(_NOT_HONOURED[info.field_name or ""])
         return value
 
-    def template(self) -> ChatTemplate:
-        """How the chat template renders the messages, as /v1/chat/completions renders them."""
+    def template(self, tools: tuple[dict[str, Any], ...] = ()) -> ChatTemplate:
+        """How the chat template renders the messages offering `tools`, as /v1/chat/completions renders them."""
         continued = bool(self.continue_final_message)
         opening = not continued if self.add_generation_prompt is None else self.add_generation_prompt
         variables = tuple(sorted((self.chat_template_kwargs or {}).items()))
-        return ChatTemplate(add_generation_prompt=opening, continue_final_message=continued, variables=variables)
+        return ChatTemplate(
+            add_generation_prompt=opening, continue_final_message=continued, variables=variables, tools=tools
+        )
 
 
 class TokenizeResponse(BaseModel):
@@ -139,13 +151,16 @@ class VersionInfo(BaseModel):
     version: str = Field(description="viasd's package version")
 
 
-def tokenize(tokenizer: PreTrainedTokenizerBase, request: TokenizeRequest) -> list[int]:
-    """The token ids of a request that has a prompt or messages (the caller checked that it has one)."""
+def tokenize(
+    tokenizer: PreTrainedTokenizerBase, request: TokenizeRequest, tools: tuple[dict[str, Any], ...] = ()
+) -> list[int]:
+    """The token ids of a request that has a prompt or messages (the caller checked that it has one), offering `tools`
+    to the chat template."""
     if request.prompt is not None:
         special = True if request.add_special_tokens is None else request.add_special_tokens
         return encode_text(tokenizer, request.prompt, add_special_tokens=special)
     messages = [m.as_prompt_message() for m in request.messages or []]
-    ids = encode_messages(tokenizer, messages, template=request.template())
+    ids = encode_messages(tokenizer, messages, template=request.template(tools))
     if not request.add_special_tokens or not getattr(tokenizer, "chat_template", None):
         return ids  # text joined without a template already has the tokenizer's own, as the chat endpoint sends it
     before, after = tokens_around(tokenizer)  # vLLM's option: the tokenizer's own around the template's
