@@ -24,7 +24,7 @@ from viasd.passes.prepare import prepare
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.gguf import GgufWeights
 from viasd.views.layer_skip import LayerMask
-from viasd.views.linears import Int6Int8Linear
+from viasd.views.linears import Int6Int8Linear, Int8Int8Linear
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
@@ -59,12 +59,20 @@ def int4a8_view(arch, window=None):
     return model, View(linears=quantize(model, QuantRecipe.parse("int4a8")))
 
 
-def gguf_view(tmp_path):
+def gemma3_270m_mix(name: str) -> str:
+    """gemma3-270m's Q4_K_M file's block types: Q5_0 where rows are no whole number of super-blocks (q, k, gate, up),
+    Q8_0 value projections, Q4_K output projections, Q6_K down projections."""
+    kinds = {"v_proj": "Q8_0", "o_proj": "Q4_K", "down_proj": "Q6_K"}
+    return kinds.get(name.rsplit(".", 1)[-1], "Q5_0")
+
+
+def gguf_view(tmp_path, mix=None):
     """A tiny bf16 Qwen2 in a GGUF file's blocks: 4-bit ones, 6-bit value projections (so q, k and v are three
-    products, not one)."""
-    model, path, _ = qwen2_with_gguf(tmp_path, dtype=torch.bfloat16)
+    products, not one); or `mix`'s (with 8-bit ones)."""
+    model, path, _ = qwen2_with_gguf(tmp_path, dtype=torch.bfloat16, **({} if mix is None else {"kind_of": mix}))
     view = View(linears=quantize(model, QuantRecipe.parse("gguf"), gguf=GgufWeights(path)))
-    assert any(isinstance(m, Int6Int8Linear) for m in view.linears.modules.values())
+    kind = Int6Int8Linear if mix is None else Int8Int8Linear
+    assert any(isinstance(m, kind) for m in view.linears.modules.values())
     return model, view
 
 
@@ -118,6 +126,13 @@ def test_fused_greedy_decoding_gives_the_layer_loops_tokens(arch, monkeypatch):
 
 def test_fused_layers_take_a_gguf_files_4_and_6_bit_layers(tmp_path: Path, monkeypatch):
     close_to_the_loop(*gguf_view(tmp_path), monkeypatch)
+
+
+def test_fused_layers_take_a_gguf_files_8_bit_layers(tmp_path: Path, monkeypatch):
+    """Q5_0 and Q8_0 blocks (8-bit products) beside Q4_K and Q6_K ones, as in gemma3-270m's file."""
+    model, view = gguf_view(tmp_path, gemma3_270m_mix)
+    assert applies(model, view)
+    close_to_the_loop(model, view, monkeypatch)
 
 
 @pytest.mark.parametrize("which", ["int4a8", "gguf", "gemma3"])
