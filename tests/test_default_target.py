@@ -120,29 +120,29 @@ def test_none_for_a_model_without_a_gguf_file_says_so_in_one_line(tmp_path, capf
 
 
 def test_a_gguf_file_without_blocks_a_kernel_takes_runs_its_dense_copy_with_one_line(tmp_path, capfd):
-    path = blocks_gguf(tmp_path / "q5.gguf", "Q5_0")
+    path = blocks_gguf(tmp_path / "tq.gguf", "TQ2_0")
     recipe, why = stored_view(str(path), str(path))
-    assert recipe is None and why is not None and "Q5_0" in why and "dense copy" in why
+    assert recipe is None and why is not None and "TQ2_0" in why and "dense copy" in why
     target = LoadedModel(tiny_model("qwen2", dtype=torch.float32), tiny_tokenizer(64), str(path), str(path))
     engine = Engine(EngineSpec(target=str(path), drafter="d", device="cpu"), target=target)
     out = engine.generate(PROMPT, "plain", GenerationConfig(max_new_tokens=2))
     engine.generate(PROMPT, "lookup", GenerationConfig(max_new_tokens=2))
-    assert out.tokens and engine.describe("plain")["target_as_run"] == "fp32 copy of q5.gguf"
+    assert out.tokens and engine.describe("plain")["target_as_run"] == "fp32 copy of tq.gguf"
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Q5_0" in err[0], err  # said once, not per method
+    assert len(err) == 1 and "TQ2_0" in err[0], err  # said once, not per method
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_a_gguf_file_with_blocks_a_kernel_takes_runs_its_gguf_view(tmp_path, kind):
     path = blocks_gguf(tmp_path / "own.gguf", kind)
     assert stored_view(str(path), str(path)) == (GGUF, None) and has_own_blocks(str(path), str(path))
 
 
 def test_block_types_without_a_kernel_beside_ones_with_are_named_in_one_line(tmp_path, capfd):
-    path = blocks_gguf(tmp_path / "mixed.gguf", "Q4_1", "Q5_0", "Q5_1")
+    path = blocks_gguf(tmp_path / "mixed.gguf", "Q4_1", "TQ1_0", "TQ2_0")
     recipe, why = stored_view(str(path), str(path))
     assert recipe == GGUF and why is not None and "\n" not in why
-    assert "Q5_0, Q5_1 tensors run as int8 weight-only" in why and "no kernel for Q5_0, Q5_1" in why
+    assert "TQ1_0, TQ2_0 tensors run as int8 weight-only" in why and "no kernel for TQ1_0, TQ2_0" in why
     target = LoadedModel(tiny_model("qwen2", dtype=torch.float32), tiny_tokenizer(64), str(path), str(path))
     engine = Engine(EngineSpec(target=str(path), drafter="d", device="cpu"), target=target)
     assert engine.target_recipe() == GGUF and engine.target_recipe() == GGUF

@@ -1,7 +1,8 @@
 """Model families on viasd's short passes beyond Llama and Qwen2 (docs/design.md's table): Qwen3's per-head q/k norms,
 Llama 3's rope scaling (any scaling: cos and sin come from the model's own rotary embedding), Mistral's sliding
-window, Phi-3's fused projections. Each runs through viasd's loop with the model's own logits and cache entries,
-gives plain greedy's tokens under speculative decoding, and the fused stack either takes it or says why not."""
+window, Phi-3's fused projections, Gemma 3's norms and local layers. Each runs through viasd's loop with the model's
+own logits and cache entries, gives plain greedy's tokens under speculative decoding, and the fused stack takes it
+(a decoder it does not compute, says why not)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import random
 
 import pytest
 import torch
-from transformers import MistralConfig, Phi3Config, Phi3ForCausalLM
+from transformers import Gemma3TextConfig, MistralConfig, Phi3Config, Phi3ForCausalLM
+from transformers.activations import ACT2FN
 
 from helpers import PROMPT, own_and_short
 from tiny import tiny_model, tiny_tokenizer
@@ -128,19 +130,21 @@ def test_a_merged_pass_gives_each_sequence_the_rope_frequencies_of_its_own_pass(
             assert torch.allclose(got, want.logits[0], rtol=0, atol=1e-10)
 
 
-LACKING = {
-    "qwen3": "it has no per-head q/k norms",
-    "mistral": "it has no sliding windows",
-    "gemma3": "it has no Gemma 3's (1 + w) norms, feed-forward norms and GELU MLP",
-}
+def exact_gelu_llama() -> torch.nn.Module:
+    """A bf16 Llama whose MLP activates by exact GELU: viasd's loop runs it (its own MLP modules), the fused stack
+    has no such activation."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    model.config.hidden_act = "gelu"
+    for layer in model.model.layers:
+        layer.mlp.act_fn = ACT2FN["gelu"]
+    return prepare(model)
 
 
-@pytest.mark.parametrize("arch", list(LACKING))
-def test_a_family_the_fused_stack_lacks_runs_layer_by_layer_and_says_why_once(arch, capsys):
-    model = prepare(tiny_model(arch, dtype=torch.bfloat16, sliding_window=8 if arch == "mistral" else None))
+def test_a_decoder_the_fused_stack_lacks_runs_layer_by_layer_and_says_why_once(capsys):
+    model = exact_gelu_llama()
     view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
     reason = fused.why_not(model.config)
-    assert reason == LACKING[arch]
+    assert reason == "it has no gelu activation"
     notice.warn_once.cache_clear()
     assert short_stack(model, view)[0] is Stack.LOOP and short_stack(model, view)[0] is Stack.LOOP
     assert capsys.readouterr().err.count(reason) == 1
@@ -150,8 +154,12 @@ def test_a_family_the_fused_stack_lacks_runs_layer_by_layer_and_says_why_once(ar
     assert session.routes == {"loop": 2}  # a prompt of a few tokens is a short pass too
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "phi3"])
-def test_the_fused_stack_computes_the_families_it_has(arch):
-    assert fused.why_not(tiny_model(arch).config) is None
-    assert fused.why_not(MistralConfig()) == "it has no sliding windows"  # Mistral 7B v0.1's 4096 positions
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3", "mistral", "phi3", "gemma3"])
+def test_the_fused_stack_computes_the_families_of_the_loop(arch):
+    model = prepare(tiny_model(arch, dtype=torch.bfloat16, sliding_window=8 if arch in ("mistral", "gemma3") else None))
+    assert fused.why_not(model.config) is None
+    view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
+    assert short_stack(model, view)[0] is Stack.FUSED
+    assert fused.why_not(MistralConfig()) is None  # Mistral 7B v0.1's window of 4096 positions
     assert fused.why_not(MistralConfig(sliding_window=None)) is None  # v0.2 on: full attention
+    assert fused.why_not(Gemma3TextConfig(attn_logit_softcapping=50.0)) == "it has no soft cap of attention scores"

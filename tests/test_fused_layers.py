@@ -8,18 +8,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import qwen2_with_gguf
-from tiny import tiny_model
+from helpers import PROMPT, qwen2_with_gguf
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.decode.speculative import SpeculativeDecoder
+from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.kernels import fused_layers as fused_kernel
 from viasd.kernels import notice
 from viasd.kernels.build import Library
 from viasd.passes import fused as fused_layers
 from viasd.passes import layer_loop, route
 from viasd.passes import loop as short_pass
+from viasd.passes.prepare import prepare
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.gguf import GgufWeights
 from viasd.views.layer_skip import LayerMask
-from viasd.views.linears import Int6Int8Linear
+from viasd.views.linears import Int6Int8Linear, Int8Int8Linear
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
@@ -49,17 +54,25 @@ def passes(model, view, blocks, seed=0):
     return torch.cat(out, dim=1), cache
 
 
-def int4a8_view(arch):
-    model = tiny_model(arch, dtype=torch.bfloat16)
+def int4a8_view(arch, window=None):
+    model = tiny_model(arch, dtype=torch.bfloat16, sliding_window=window)
     return model, View(linears=quantize(model, QuantRecipe.parse("int4a8")))
 
 
-def gguf_view(tmp_path):
+def gemma3_270m_mix(name: str) -> str:
+    """gemma3-270m's Q4_K_M file's block types: Q5_0 where rows are no whole number of super-blocks (q, k, gate, up),
+    Q8_0 value projections, Q4_K output projections, Q6_K down projections."""
+    kinds = {"v_proj": "Q8_0", "o_proj": "Q4_K", "down_proj": "Q6_K"}
+    return kinds.get(name.rsplit(".", 1)[-1], "Q5_0")
+
+
+def gguf_view(tmp_path, mix=None):
     """A tiny bf16 Qwen2 in a GGUF file's blocks: 4-bit ones, 6-bit value projections (so q, k and v are three
-    products, not one)."""
-    model, path, _ = qwen2_with_gguf(tmp_path, dtype=torch.bfloat16)
+    products, not one); or `mix`'s (with 8-bit ones)."""
+    model, path, _ = qwen2_with_gguf(tmp_path, dtype=torch.bfloat16, **({} if mix is None else {"kind_of": mix}))
     view = View(linears=quantize(model, QuantRecipe.parse("gguf"), gguf=GgufWeights(path)))
-    assert any(isinstance(m, Int6Int8Linear) for m in view.linears.modules.values())
+    kind = Int6Int8Linear if mix is None else Int8Int8Linear
+    assert any(isinstance(m, kind) for m in view.linears.modules.values())
     return model, view
 
 
@@ -76,19 +89,58 @@ def close_to_the_loop(model, view, monkeypatch, blocks=(1, 4, 1, 7, 2)):
         assert (a.keys.float() - b.keys.float()).abs().max() <= 0.02 * b.keys.float().abs().max()
 
 
-# phi3: q|k|v and gate|up are one product each; Mistral without a sliding window is Llama's layer
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "mistral-v0.2"])
-def test_fused_layers_compute_what_the_loop_computes(arch, monkeypatch):
-    close_to_the_loop(*int4a8_view(arch), monkeypatch)
+# phi3: q|k|v and gate|up are one product each; Mistral without a sliding window is Llama's layer, with one an 8-token
+# window on every layer; qwen3: per-head q/k norms; gemma3: its norms, GELU, and 8-token windows with their own rope
+# on every other layer. The passes reach 35 positions: far past the windows.
+FAMILIES = [("llama", None), ("qwen2", None), ("phi3", None), ("mistral-v0.2", None), ("qwen3", None), ("mistral", 8),
+            ("gemma3", 8), ("gemma3", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "window"), FAMILIES)
+def test_fused_layers_compute_what_the_loop_computes(arch, window, monkeypatch):
+    close_to_the_loop(*int4a8_view(arch, window), monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_fused_greedy_decoding_gives_the_layer_loops_tokens(arch, monkeypatch):
+    """Plain and speculative greedy decoding of a 4-bit view (Gemma 3 with 8-token windows, some 60 positions) give
+    the same tokens fused as layer by layer, and the fused stack is what runs their short passes."""
+    model, view = int4a8_view(arch, 8 if arch == "gemma3" else None)
+    prepare(model)
+    tokenizer = tiny_tokenizer(64)
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    results = {}
+    for mode in ("on", "-fused"):
+        monkeypatch.setenv("VIASD_KERNELS", mode)
+        plain = PlainDecoder(model, tokenizer, view).generate(PROMPT, config)
+        speculative = SpeculativeDecoder(model, tokenizer, PromptLookupDrafter(), gamma=4, view=view).generate(
+            PROMPT, config
+        )
+        results[mode] = plain, speculative
+    fused_plain, fused_speculative = results["on"]
+    assert fused_plain.tokens == results["-fused"][0].tokens == fused_speculative.tokens
+    assert results["-fused"][1].tokens == fused_plain.tokens
+    assert fused_plain.stats.routes.get("fused", 0) >= 40 and "loop" not in fused_plain.stats.routes
+    assert "fused" in fused_speculative.stats.routes and "loop" not in fused_speculative.stats.routes
 
 
 def test_fused_layers_take_a_gguf_files_4_and_6_bit_layers(tmp_path: Path, monkeypatch):
     close_to_the_loop(*gguf_view(tmp_path), monkeypatch)
 
 
-@pytest.mark.parametrize("which", ["int4a8", "gguf"])
+def test_fused_layers_take_a_gguf_files_8_bit_layers(tmp_path: Path, monkeypatch):
+    """Q5_0 and Q8_0 blocks (8-bit products) beside Q4_K and Q6_K ones, as in gemma3-270m's file."""
+    model, view = gguf_view(tmp_path, gemma3_270m_mix)
+    assert applies(model, view)
+    close_to_the_loop(model, view, monkeypatch)
+
+
+@pytest.mark.parametrize("which", ["int4a8", "gguf", "gemma3"])
 def test_each_token_gets_the_same_logits_in_any_block(which, tmp_path: Path):
-    model, view = int4a8_view("qwen2") if which == "int4a8" else gguf_view(tmp_path)
+    if which == "gguf":
+        model, view = gguf_view(tmp_path)
+    else:  # gemma3: 4-token windows, reached within the blocks
+        model, view = int4a8_view("qwen2") if which == "int4a8" else int4a8_view("gemma3", 4)
     whole, whole_cache = passes(model, view, (9,))
     stepped, stepped_cache = passes(model, view, (1, 3, 1, 4))
     assert torch.equal(whole, stepped)

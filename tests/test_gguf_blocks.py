@@ -1,5 +1,5 @@
-"""A GGUF file's own blocks (Q4_K, Q4_0 and Q4_1 as int4a8, Q6_K as 6-bit weights, Q8_0 and Q5_K as 8-bit ones;
-views/gguf.py) and the `gguf` recipe built on them."""
+"""A GGUF file's own blocks (Q4_K, Q4_0 and Q4_1 as int4a8, Q6_K as 6-bit weights, Q8_0, Q5_K, Q5_0 and Q5_1 as 8-bit
+ones; views/gguf.py) and the `gguf` recipe built on them."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from viasd.views.gguf import (
     q4_0_to_int4a8,
     q4_1_to_int4a8,
     q4k_to_int4a8,
+    q5_0_to_int8a8,
+    q5_1_to_int8a8,
     q5k_to_int8a8,
     q6k_to_int6a8,
     q8_0_to_int8a8,
@@ -67,6 +69,8 @@ EXACT = {
     "Q4_1": (q4_1_to_int4a8, w4a8),
     "Q8_0": (q8_0_to_int8a8, w8a8),
     "Q5_K": (q5k_to_int8a8, w8a8),
+    "Q5_0": (q5_0_to_int8a8, w8a8),
+    "Q5_1": (q5_1_to_int8a8, w8a8),
 }
 
 
@@ -89,9 +93,12 @@ def test_q4_0_blocks_whose_minimum_leaves_fp16_are_refused():
 
 
 def mixed(name: str) -> str:
-    """Every block type a kernel takes, and one (Q5_0) none does, across a tiny model's layers."""
-    kinds = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q5_K", "gate_proj": "Q5_0"}
-    return kinds.get(name.rsplit(".", 1)[-1], "Q4_K" if name.endswith("up_proj") else "Q6_K")
+    """Every block type a kernel takes, and one (TQ2_0) none does, across a tiny model's layers."""
+    kinds = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q5_K", "gate_proj": "TQ2_0"}
+    first = ".0." in name
+    if name.endswith("up_proj"):
+        return "Q5_0" if first else "Q5_1"
+    return kinds.get(name.rsplit(".", 1)[-1], "Q4_K" if first else "Q6_K")
 
 
 def test_the_gguf_recipe_runs_every_block_type_a_kernel_takes_and_comes_back_from_the_cache(tmp_path: Path):
@@ -99,14 +106,15 @@ def test_the_gguf_recipe_runs_every_block_type_a_kernel_takes_and_comes_back_fro
     recipe = QuantRecipe.parse("gguf")
     made = cached_quantize(model, recipe, list, root=tmp_path / "q", gguf=lambda: GgufWeights(path))
     expected = {"Q4_0": Int4Int8Linear, "Q4_1": Int4Int8Linear, "Q4_K": Int4Int8Linear, "Q6_K": Int6Int8Linear,
-                "Q8_0": Int8Int8Linear, "Q5_K": Int8Int8Linear, "Q5_0": Int8WeightOnlyLinear}  # fmt: skip
+                "Q8_0": Int8Int8Linear, "Q5_K": Int8Int8Linear, "Q5_0": Int8Int8Linear, "Q5_1": Int8Int8Linear,
+                "TQ2_0": Int8WeightOnlyLinear}  # fmt: skip
     layers = quantizable(model)
     for name in in_blocks:
         module = made.modules[name]
         assert type(module) is expected[mixed(name)], name
         if mixed(name) in EXACT:
             assert torch.equal(EXACT[mixed(name)][1].dequantize(module.weights), layers[name].weight), name
-    assert made.from_file == len(in_blocks) - 2  # the two gate projections (Q5_0) have no kernel
+    assert made.from_file == len(in_blocks) - 2  # the two gate projections (TQ2_0) have no kernel
 
     def unusable() -> GgufWeights:
         raise AssertionError("a sound cache needs no GGUF file")

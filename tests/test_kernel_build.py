@@ -71,7 +71,9 @@ def test_status_codes_and_product_kinds_are_named_from_the_header_on_both_sides(
     bare_python = re.compile(r"status\s*[=!]=\s*-?\d|kind\s*[=!]=\s*\d|Product\(\d|_random_product\(\d")
     for path in (*Path(str(folder)).glob("*.py"), Path(fused_plan.__file__)):
         assert not bare_python.search(path.read_text()), path.name
-    assert {interface.FOUR_BIT, interface.SIX_BIT} == set(build.constants("viasd_kind").values())
+    assert {interface.FOUR_BIT, interface.SIX_BIT, interface.EIGHT_BIT} == set(build.constants("viasd_kind").values())
+    assert {interface.NORM_LLAMA, interface.NORM_GEMMA} == set(build.constants("viasd_norm").values())
+    assert {interface.SILU, interface.GELU_TANH} == set(build.constants("viasd_activation").values())
 
 
 @needs_build

@@ -6,11 +6,13 @@ import shutil
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from viasd.kernels import attention as short_attention
 from viasd.kernels import build
 from viasd.kernels.build import Library
 from viasd.kernels.cpu import cpu_flags
+from viasd.passes import window_attention
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.passes.layer_loop import LayerAttention
 
@@ -53,8 +55,9 @@ def layer_with(prefix):
     return layer
 
 
-def truth(query, cos, sin, layer, heads, dim):
-    """float64 attention over the rotated bf16 queries and the layer's (bf16) cache, causal: [M, heads * dim]."""
+def truth(query, cos, sin, layer, heads, dim, window=0):
+    """float64 attention over the rotated bf16 queries and the layer's (bf16) cache, causal (over the last `window`
+    positions of each query's where `window` > 0): [M, heads * dim]."""
     rows = query.shape[0]
     rotated = short_attention.rotated(query.view(1, rows, heads, dim).transpose(1, 2), cos[None, None], sin[None, None])
     q, keys, values = rotated[0].double(), layer.keys[0].double(), layer.values[0].double()
@@ -64,8 +67,9 @@ def truth(query, cos, sin, layer, heads, dim):
     for h in range(heads):
         for m in range(rows):
             visible = past + m + 1
-            weights = torch.softmax((keys[h // group, :visible] @ q[h, m]) * dim**-0.5, dim=0)
-            out[m, h] = weights @ values[h // group, :visible]
+            first = max(0, visible - window) if window else 0
+            weights = torch.softmax((keys[h // group, first:visible] @ q[h, m]) * dim**-0.5, dim=0)
+            out[m, h] = weights @ values[h // group, first:visible]
     return out.reshape(rows, heads * dim)
 
 
@@ -91,6 +95,44 @@ def test_kernel_writes_torchs_cache_entries_and_attends_as_exactly_as_bf16_allow
     # no further from it than torch's result.
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-6).all()
     assert (got.double() - exact).abs().mean() <= (want.double() - exact).abs().mean() * 1.001
+
+
+def sliding_with(prefix, window, cropped):
+    """transformers' sliding cache layer as sessions keep it (recording its past for rollbacks) after `prefix`;
+    `cropped`: trimmed back to its last window - 1 positions, as a session's crop leaves it."""
+    layer = DynamicSlidingWindowLayer(window)
+    layer.activate_past_recording()
+    if prefix.shape[-2]:
+        layer.update(prefix[0], prefix[1])
+    if cropped:
+        layer.crop(0)
+    return layer
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "past", "rows", "window", "cropped"), [
+    (4, 1, 256, 40, 5, 8, True),  # gemma3-270m's heads, queries far past the window
+    (4, 1, 256, 40, 5, 8, False),  # the layer holds more than the window: the kernel must look back no further
+    (12, 2, 128, 37, 7, 20, True),
+    (4, 2, 16, 3, 5, 4, False),  # the window reached within the pass
+    (8, 8, 32, 17, 2, 64, False),  # a window longer than the context: causal attention
+])  # fmt: skip
+def test_a_sliding_window_layer_attends_over_its_window_as_exactly_as_bf16_allows(heads, kv_heads, dim, past, rows,
+                                                                                  window, cropped):  # fmt: skip
+    """The kernel over transformers' sliding layer writes what the layer's own update keeps, and each query sees
+    exactly the last `window` positions up to its own (the model's sliding mask), within one bf16 rounding."""
+    query, key, value, cos, sin, prefix = case(heads, kv_heads, dim, past, rows, seed=3)
+    torch_layer, kernel_layer = sliding_with(prefix, window, cropped), sliding_with(prefix, window, cropped)
+    want = window_attention.attend(query, key, value, cos, sin, torch_layer, heads, dim**-0.5)
+    got = window_attention.attend_by_kernel(short_attention.compiled(), query, key, value, cos, sin, kernel_layer,
+                                            heads, dim**-0.5)  # fmt: skip
+    assert kernel_layer.get_seq_length() == torch_layer.get_seq_length() == past + rows
+    assert torch.equal(kernel_layer.keys, torch_layer.keys) and torch.equal(kernel_layer.values, torch_layer.values)
+    exact = truth(query, cos, sin, kernel_layer, heads, dim, window)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 * 1.01 + 1e-6).all()
+    assert ((want.double() - exact).abs() <= exact.abs() * 2**-4 + 1e-2).all()  # torch's bf16: the same window
+    if kernel_layer.keys.shape[-2] > window:  # the test can fail: a query seeing one position more is off
+        wider = truth(query, cos, sin, kernel_layer, heads, dim, window + 1)
+        assert not ((got.double() - wider).abs() <= wider.abs() * 2**-8 * 1.01 + 1e-6).all()
 
 
 def test_each_query_row_gets_the_same_bits_in_every_block():

@@ -1,6 +1,6 @@
 /* The attention of a short pass (a decoding step, a verification block) of a bf16 model on x86 CPUs, in one call:
  * the rotary embedding of the pass's queries and keys, its keys and values written into the layer's cache store,
- * and every query attending its causal prefix.
+ * and every query attending its causal prefix, or in a sliding-window layer the last `window` positions of it.
  *
  * Torch spends some 100 us per layer on this at a few hundred tokens of context, most of it in the dozen small
  * operations around the attention product; here it is one call. The rotary embedding rounds to bf16 after each
@@ -120,10 +120,10 @@ static void attend_row(const uint16_t *q, const uint16_t *cos, const uint16_t *s
 int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
                     int64_t v_stride, const uint16_t *cos, const uint16_t *sin, uint16_t *key_store,
                     uint16_t *value_store, int64_t capacity, int64_t past, int64_t rows, int64_t heads,
-                    int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int threads) {
+                    int64_t kv_heads, int64_t dim, float scale, int64_t window, uint16_t *out, int threads) {
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     if (rows < 1 || group < 1 || group > MAX_GROUP || group * kv_heads != heads || dim % LANES || dim > MAX_DIM ||
-        past + rows > capacity)
+        past + rows > capacity || window < 0)
         return VIASD_BAD_SHAPE;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -144,11 +144,13 @@ int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int6
 #pragma omp for schedule(static)
         for (int64_t hm = 0; hm < kv_heads * rows; hm++) {
             const int64_t h = hm / rows, m = hm % rows;
+            /* The store holds consecutive positions: query m (index past + m) sees indices from `first` on. */
+            const int64_t first = window > 0 && past + m + 1 > window ? past + m + 1 - window : 0;
             if (!scores)
                 continue;
             attend_row(q + m * q_stride + h * group * dim, cos + m * dim, sin + m * dim,
-                       key_store + h * capacity * dim, value_store + h * capacity * dim, past + m + 1, group, dim,
-                       scale, scores, out + m * heads * dim + h * group * dim);
+                       key_store + (h * capacity + first) * dim, value_store + (h * capacity + first) * dim,
+                       past + m + 1 - first, group, dim, scale, scores, out + m * heads * dim + h * group * dim);
         }
         free(scores);
     }

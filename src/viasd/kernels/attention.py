@@ -45,10 +45,11 @@ def reference(
     past: int,
     heads: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """One layer's attention in torch operations: query [M, heads * dim], key and value [M, kv_heads * dim], cos
     and sin [M, dim]; the rotated keys and the values written into `stores` at positions past .. past + M; out
-    [M, heads * dim]."""
+    [M, heads * dim]. A `window` > 0 lets each query see only the last `window` positions up to its own."""
     length, dim = query.shape[0], cos.shape[-1]
     shape = (1, length, -1, dim)
     q = rotated(query.view(shape).transpose(1, 2), cos[None, None], sin[None, None])
@@ -61,8 +62,10 @@ def reference(
     kv_heads = keys.shape[1]
     groups = heads // kv_heads
     mask = None
-    if length > 1:  # query m (position past + m) sees keys 0 .. past + m; a single query all (as transformers)
+    if length > 1 or 0 < window < end:  # query m (position past + m) sees keys 0 .. past + m; one query all of them
         mask = torch.ones(length, end, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        if window > 0:  # ... from past + m - window + 1 on
+            mask &= ~torch.ones_like(mask).tril(diagonal=past - window)
         mask = mask.repeat(groups, 1)
     packed = q.reshape(1, kv_heads, groups * length, dim)
     out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scale)
@@ -80,6 +83,7 @@ def run(
     past: int,
     heads: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """`reference`'s result by the kernel (bf16; cos and sin contiguous). The rows of query, key and value may be
     strided (columns of one fused projection); the elements of a row must be side by side. A shape the kernel
@@ -93,7 +97,7 @@ def run(
     status = library.lib.short_attention(
         address(query), query.stride(0), address(key), key.stride(0), address(value), value.stride(0), address(cos),
         address(sin), address(key_store), address(value_store), key_store.shape[-2], past, length, heads, kv_heads,
-        dim, scale, address(out), torch.get_num_threads(),
+        dim, scale, window, address(out), torch.get_num_threads(),
     )  # fmt: skip
     if status == NO_MEMORY:
         raise MemoryError("the attention kernel could not allocate its scratch memory")
@@ -111,7 +115,8 @@ def takes(dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> bool:
 def _self_check(library: Library) -> str | None:
     """Why the kernel cannot be trusted on this machine, or None: over a cache of 40 positions and blocks of 1 to 5
     queries (strided like a fused projection's columns, a tail of scores that is not a whole vector), its cache
-    entries must be torch's and its outputs torch's to bf16 rounding, each row the same whatever its block."""
+    entries must be torch's and its outputs torch's to bf16 rounding (in a sliding window too), each row the same
+    whatever its block."""
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, past = 6, 2, 32, 40
     fused = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=generator).bfloat16()
@@ -130,6 +135,11 @@ def _self_check(library: Library) -> str | None:
         return "writes other cache entries than torch"
     if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
         return "disagrees with torch's attention"
+    window_stores = stores()  # a sliding window of 7 positions: the last queries see past .. past + m only
+    windowed = reference(query, key, value, cos, sin, stores(), past, heads, dim**-0.5, window=7)
+    got_windowed = run(library, query, key, value, cos, sin, window_stores, past, heads, dim**-0.5, window=7)
+    if not torch.allclose(got_windowed.float(), windowed.float(), rtol=2e-2, atol=2e-2):
+        return "disagrees with torch's attention in a sliding window"
     for rows in range(1, 5):
         part = run(library, query[:rows], key[:rows], value[:rows], cos[:rows], sin[:rows], stores(), past, heads,
                    dim**-0.5)  # fmt: skip

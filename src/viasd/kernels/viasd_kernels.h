@@ -32,7 +32,21 @@ enum viasd_status {
 /* The kinds of low-bit product (`viasd_linear.kind`). */
 enum viasd_kind {
     VIASD_FOUR_BIT = 4,        /* w4a8.c: t0 packed codes, t1 scales, t2 minimums */
-    VIASD_SIX_BIT = 6          /* w6a8.c: t0 low nibbles, t1 high bit pairs, t2 sub-block scales, t3 super-blocks' */
+    VIASD_SIX_BIT = 6,         /* w6a8.c: t0 low nibbles, t1 high bit pairs, t2 sub-block scales, t3 super-blocks' */
+    VIASD_EIGHT_BIT = 8        /* w8a8.c: t0 int8 codes, t1 float32 scales, t2 float32 minimums */
+};
+
+/* How a decoder's RMSNorms round (`viasd_layer.norm_kind`): Llama's (Qwen2, Qwen3, Mistral, Phi-3) round the
+ * normalized row to bf16 before the weight's product; Gemma's multiply by (1 + weight) in float32 and round once. */
+enum viasd_norm {
+    VIASD_NORM_LLAMA = 0,
+    VIASD_NORM_GEMMA = 1
+};
+
+/* The gating activation of a decoder's MLP (`viasd_layer.activation`). */
+enum viasd_activation {
+    VIASD_SILU = 0,
+    VIASD_GELU_TANH = 1        /* GELU's tanh approximation (Gemma's gelu_pytorch_tanh) */
 };
 
 /* One low-bit product y[rows][n] = x[rows][k] @ W^T + bias of a `viasd_kind`; bias float32 or NULL. */
@@ -43,10 +57,16 @@ typedef struct viasd_linear {
 } viasd_linear;
 
 /* One decoder layer of a Llama-style model for `fused_layers`: `inputs` products make the q|k|v columns (1: all
- * three fused; 3: q, k, v), `mlp_inputs` the gate|up ones (1 or 2); norms are RMSNorm weights [hidden] in bf16. */
+ * three fused; 3: q, k, v), `mlp_inputs` the gate|up ones (1 or 2). Norms are RMSNorm weights in float32 as the
+ * norm multiplies by them (Gemma's 1 + weight), rounding as `norm_kind` says: norm1 before attention, norm2 before
+ * the MLP; post_attention and post_mlp (Gemma 3's, or NULL) on the attention's and the MLP's outputs before each
+ * residual sum; q_norm and k_norm (Qwen3's and Gemma 3's, or NULL) on each head's query and key [dim], before the
+ * rotary embedding. `window`: the positions a query sees (itself included) in a sliding-window layer, 0 for all;
+ * `local`: the layer rotates by the second (local) table of cos and sin (Gemma 3's sliding layers). */
 typedef struct viasd_layer {
-    const uint16_t *norm1, *norm2;
-    float eps1, eps2;
+    const float *norm1, *norm2, *post_attention, *post_mlp, *q_norm, *k_norm;
+    float eps1, eps2, eps_post_attention, eps_post_mlp, eps_q, eps_k;
+    int64_t norm_kind, activation, window, local;
     int64_t inputs, mlp_inputs;
     viasd_linear qkv[3], o, gate_up[2], down;
 } viasd_layer;
@@ -66,16 +86,19 @@ int w8a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const int8_t *
 /* bf16 weights x float32 activations, float32 out, for CPUs without bf16 matrix instructions (bf16.c). */
 int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads);
 
-/* A short pass's attention of one layer in bf16: rotary embedding, cache write, attention (attention.c). */
+/* A short pass's attention of one layer in bf16: rotary embedding, cache write, attention over the causal prefix or,
+ * where `window` > 0, over the last `window` positions up to each query's own (attention.c). */
 int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,
                     int64_t v_stride, const uint16_t *cos, const uint16_t *sin, uint16_t *key_store,
                     uint16_t *value_store, int64_t capacity, int64_t past, int64_t rows, int64_t heads,
-                    int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int threads);
+                    int64_t kv_heads, int64_t dim, float scale, int64_t window, uint16_t *out, int threads);
 
 /* All decoder layers of a short pass of a bf16 model whose products are all low-bit ones, over the new tokens of one
- * or several sequences, each with its own cache (fused_layers.c). */
+ * or several sequences, each with its own cache (fused_layers.c); local_cos and local_sin rotate the layers marked
+ * `local`. */
 int fused_layers(uint16_t *x, int64_t rows, int64_t hidden, int64_t count, const viasd_layer *layers,
-                 const uint16_t *cos, const uint16_t *sin, int64_t sequences, const int64_t *starts,
+                 const uint16_t *cos, const uint16_t *sin, const uint16_t *local_cos, const uint16_t *local_sin,
+                 int64_t sequences, const int64_t *starts,
                  uint16_t *const *key_stores, uint16_t *const *value_stores, const int64_t *capacity,
                  const int64_t *past, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t inner,
                  int threads);

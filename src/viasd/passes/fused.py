@@ -1,11 +1,12 @@
 """A model's decoder layers described for the fused-layers kernel (kernels/fused_layers.py), and the call.
 
-Where every Linear layer of the decoder is one of viasd's low-bit ones (int4a8, or a GGUF file's 4- and 6-bit
-blocks) in a bf16 model and the attention kernel takes its shape, a short pass runs the whole decoder stack as
-one C call; it is held to viasd's decoder layer (passes/layer_loop.py), checked at first use (`agrees`). The
-description (a plan) is made once per set of modules: a view swaps its own in, so a plan remembers
-the modules it was made for, weakly (a plan must not keep a dropped view's weights alive), and is made again when
-they are not all alive and in place; its pointers are only followed while they are valid.
+Where every Linear layer of the decoder is one of viasd's low-bit ones (int4a8, or a GGUF file's 4-, 6- and 8-bit
+blocks) in a bf16 model of a family the kernel computes (`FAMILIES`: Llama's layer, Qwen3's q/k norms, Gemma 3's
+norms, GELU and local rotary table, sliding windows) and the attention kernel takes its shape, a short pass runs
+the whole decoder stack as one C call; it is held to viasd's decoder layer (passes/layer_loop.py), checked at first
+use (`agrees`) and in tests. The description (a plan) is made once per set of modules: a view swaps its own in, so
+a plan remembers the modules it was made for, weakly (a plan must not keep a dropped view's weights alive), and is
+made again when they are not all alive and in place; its pointers are only followed while they are valid.
 """
 
 from __future__ import annotations
@@ -18,23 +19,25 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from viasd.kernels import attention, fused_layers, w6a8
 from viasd.kernels.build import Library
-from viasd.kernels.fused_layers import Layers, LayerWeights, Product, SequenceCache
-from viasd.kernels.interface import FOUR_BIT, SIX_BIT
+from viasd.kernels.fused_layers import Layers, LayerWeights, Norm, Product, SequenceCache
+from viasd.kernels.interface import EIGHT_BIT, FOUR_BIT, GELU_TANH, NORM_GEMMA, NORM_LLAMA, SILU, SIX_BIT
 from viasd.kernels.notice import warn_once
-from viasd.passes import layer_loop
+from viasd.passes import layer_loop, sliding_store
 from viasd.passes.cache_layer import growing_cache
 from viasd.passes.layer_loop import attention_kernel
-from viasd.views.linears import Int4Int8Linear, Int6Int8Linear
+from viasd.views.linears import Int4Int8Linear, Int6Int8Linear, Int8Int8Linear
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
 LANES = attention.LANES  # hidden and intermediate sizes: whole vectors of the kernel
+PRODUCT_KINDS = {Int4Int8Linear: FOUR_BIT, Int6Int8Linear: SIX_BIT, Int8Int8Linear: EIGHT_BIT}
+INPUTS_PER_COLUMN = {FOUR_BIT: 8, SIX_BIT: 8, EIGHT_BIT: 4}  # a product's inputs per column of its first tensor
 
 
 class Plan:
@@ -50,17 +53,18 @@ class Plan:
 
 def _product(module: nn.Module) -> Product | None:
     """One low-bit product as the kernel takes it, or None for another kind of layer."""
+    kind = PRODUCT_KINDS.get(type(module))
+    if kind is None:
+        return None
     bias = None if module.bias is None else module.bias.float().contiguous()  # type: ignore[union-attr]
-    if type(module) is Int4Int8Linear:
+    if kind == FOUR_BIT:
         tensors: tuple[torch.Tensor, ...] = (module.packed, module.scale, module.low)
-    elif type(module) is Int6Int8Linear:
+    elif kind == SIX_BIT:
         tensors = (module.low, module.high, module.sub, module.d)
     else:
-        return None
-    k, n = tensors[0].shape[1] * 8, module.out_features
-    return Product(FOUR_BIT if type(module) is Int4Int8Linear else SIX_BIT, tensors, bias, k, n) if all(
-        t.is_contiguous() for t in tensors
-    ) else None  # fmt: skip
+        tensors = (module.codes, module.scale, module.low)
+    k, n = tensors[0].shape[1] * INPUTS_PER_COLUMN[kind], module.out_features
+    return Product(kind, tensors, bias, k, n) if all(t.is_contiguous() for t in tensors) else None
 
 
 def _together(members: tuple[nn.Module, ...]) -> tuple[Product, ...] | None:
@@ -78,12 +82,23 @@ def _together(members: tuple[nn.Module, ...]) -> tuple[Product, ...] | None:
 
 def _parts(layer: nn.Module) -> tuple[nn.Module, tuple[nn.Module, ...], nn.Module, nn.Module, tuple[nn.Module, ...],
                                      nn.Module]:  # fmt: skip
-    """A decoder layer's modules as the kernel takes them: input norm, q|k|v (q, k and v, or one projection: Phi-3),
-    output projection, post-attention norm, gate|up (gate and up, or one projection: Phi-3), down projection."""
+    """A decoder layer's modules as the kernel takes them: norm before attention, q|k|v (q, k and v, or one
+    projection: Phi-3), output projection, norm before the MLP (Llama's post-attention norm, Gemma 3's
+    pre-feedforward one), gate|up (gate and up, or one projection: Phi-3), down projection."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = (attn.qkv_proj,) if hasattr(attn, "qkv_proj") else (attn.q_proj, attn.k_proj, attn.v_proj)
     gate_up = (mlp.gate_up_proj,) if hasattr(mlp, "gate_up_proj") else (mlp.gate_proj, mlp.up_proj)
-    return layer.input_layernorm, qkv, attn.o_proj, layer.post_attention_layernorm, gate_up, mlp.down_proj
+    before_mlp = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+    return layer.input_layernorm, qkv, attn.o_proj, before_mlp, gate_up, mlp.down_proj
+
+
+def _extra_norms(layer: nn.Module) -> tuple[nn.Module | None, ...]:
+    """The norms a layer has besides the two before attention and the MLP, or None each: on the attention's and
+    the MLP's outputs (Gemma 3), on each head's query and key (Qwen3, Gemma 3)."""
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    attn = layer.self_attn
+    return (layer.post_attention_layernorm if gemma else None, getattr(layer, "post_feedforward_layernorm", None),
+            getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))  # fmt: skip
 
 
 def _modules(model: nn.Module) -> tuple[nn.Module, ...]:
@@ -91,19 +106,48 @@ def _modules(model: nn.Module) -> tuple[nn.Module, ...]:
     parts: list[nn.Module] = []
     for layer in model.model.layers:  # type: ignore[union-attr]
         norm1, qkv, o, norm2, gate_up, down = _parts(layer)
-        parts += [norm1, *qkv, o, norm2, *gate_up, down]
+        parts += [norm1, *qkv, o, norm2, *gate_up, down, *(n for n in _extra_norms(layer) if n is not None)]
     return tuple(parts)
 
 
+def _norm(module: nn.Module | None, kind: int) -> Norm | None:
+    """A norm module as the kernel takes it: the float32 factor it multiplies by (Gemma's 1 + weight, as its
+    forward computes it) and its epsilon."""
+    if module is None:
+        return None
+    weight = module.weight.detach().float()
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    return Norm((1.0 + weight if kind == NORM_GEMMA else weight).contiguous(), float(eps))
+
+
+ACTIVATIONS = {"silu": SILU, "swish": SILU, "gelu_pytorch_tanh": GELU_TANH}  # the MLP activations the kernel has
+
+
+def activation_name(config: PretrainedConfig) -> str | None:
+    """The MLP's activation as the config names it (Gemma's `hidden_activation`, the others' `hidden_act`)."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+
+
+def windows(config: PretrainedConfig) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers makes its cache layers."""
+    kinds = get_layer_types_and_kwargs(config)[0]
+    return [config.sliding_window if kind == "sliding_attention" else 0 for kind in kinds]
+
+
 def _make_plan(model: nn.Module, modules: tuple[nn.Module, ...]) -> Plan | None:
+    config = model.config  # type: ignore[union-attr]
+    kind = NORM_GEMMA if config.model_type == "gemma3_text" else NORM_LLAMA
+    activation = ACTIVATIONS[activation_name(config)]  # type: ignore[index]  # `fits` checked it
     described = []
-    for layer in model.model.layers:  # type: ignore[union-attr]
+    for layer, window in zip(model.model.layers, windows(config), strict=True):  # type: ignore[union-attr]
         norm1, q_k_v, o, norm2, gate_and_up, down = _parts(layer)
         qkv, gate_up, out, down_product = _together(q_k_v), _together(gate_and_up), _product(o), _product(down)
         if qkv is None or gate_up is None or out is None or down_product is None:
             return None
-        described.append(LayerWeights(norm1.weight, norm2.weight, norm1.variance_epsilon, norm2.variance_epsilon,
-                                      qkv, out, gate_up, down_product))  # type: ignore[arg-type]  # fmt: skip
+        post_attention, post_mlp, q_norm, k_norm = (_norm(n, kind) for n in _extra_norms(layer))
+        described.append(LayerWeights(_norm(norm1, kind), _norm(norm2, kind), qkv, out, gate_up, down_product,  # type: ignore[arg-type]
+                                      post_attention, post_mlp, q_norm, k_norm, kind, activation, window,
+                                      local=window > 0))  # fmt: skip
     return Plan(modules, Layers(described))
 
 
@@ -125,21 +169,25 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # Phi-3's
 
-# The families whose decoder layers the kernel computes, and what it lacks for the others viasd's loop covers
-# (passes/loop.py `MIRRORED`): their short passes run layer by layer.
-FAMILIES = ("llama", "qwen2", "mistral", "phi3")
-LACKS = {"qwen3": "per-head q/k norms", "gemma3_text": "Gemma 3's (1 + w) norms, feed-forward norms and GELU MLP"}
+# The families whose decoder layers the kernel computes (those of viasd's loop, passes/loop.py `MIRRORED`); other
+# families' short passes run their own forward.
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 WHY_NOT = "_viasd_fused_why_not"  # where a prepared model keeps `why_not`'s verdict (passes/prepare.py)
 
 
 def why_not(config: PretrainedConfig) -> str | None:
-    """Why the fused stack cannot compute a decoder of this config whatever its view (its family, a sliding
-    window), or None: a pure function of the config, read once per model (`remember`)."""
+    """Why the fused stack cannot compute a decoder of this config whatever its view (its family, its attention
+    kinds, its activation, a soft cap), or None: a pure function of the config, read once per model (`remember`)."""
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
-        return f"it has no {LACKS.get(family or '', f'{family} layers')}"
-    if any(kind != "full_attention" for kind in get_layer_types_and_kwargs(config)[0]):
-        return "it has no sliding windows"
+        return f"it has no {family} layers"
+    kinds = set(get_layer_types_and_kwargs(config)[0])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return f"it has no {', '.join(sorted(kinds - {'full_attention', 'sliding_attention'}))} layers"
+    if activation_name(config) not in ACTIVATIONS:
+        return f"it has no {activation_name(config)} activation"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "it has no soft cap of attention scores"
     return None
 
 
@@ -160,7 +208,7 @@ def _names(layers: int, linears: tuple[str, ...]) -> tuple[str, ...]:
 
 def fits(model: nn.Module, view: View | None) -> bool:
     """Whether short passes of `model` (one the loop covers, on in-place caches) as `view` run their layers in one call:
-    bf16, silu MLPs, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of the view's
+    bf16, sizes in whole vectors, the attention kernel's shapes, every decoder Linear layer one of the view's
     low-bit copies, a family the kernel computes (`why_not`), the kernel there and not switched off. Read from the view
     and the model's config, not from the modules in place (another generation's pass may have its view swapped in)."""
     if view is None or view.linears is None or (view.mask is not None and not view.mask.is_full):
@@ -170,14 +218,12 @@ def fits(model: nn.Module, view: View | None) -> bool:
     copies = view.linears.modules
     linears = FUSED_LINEARS if getattr(config, "model_type", None) == "phi3" else LINEARS
     names = _names(config.num_hidden_layers, linears)
-    if dtype != torch.bfloat16 or not all(type(copies.get(name)) in (Int4Int8Linear, Int6Int8Linear) for name in names):
+    if dtype != torch.bfloat16 or not all(type(copies.get(name)) in PRODUCT_KINDS for name in names):
         return False
     family = _why_not(model)
     if family is not None:  # a view the kernel would take, of a decoder it does not compute: said once
         warn_once(f"the fused layers do not run this model ({family}): short passes of low-bit views run their "
                   "layers one by one")  # fmt: skip
-        return False
-    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
         return False
     if config.hidden_size % LANES or config.intermediate_size % LANES:
         return False
@@ -267,11 +313,12 @@ def run_layers(
     sin: torch.Tensor,
     caches: Sequence[DynamicCache],
     starts: Sequence[int],
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), whose rows
     starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], for a view that `fits`
-    (applied); cos and sin [M, dim]. Each cache is extended by its sequence's entries; on failure every cache keeps
-    what it had."""
+    (applied); cos and sin [M, dim], `local` those of the sliding-window layers where they have their own (Gemma 3).
+    Each cache is extended by its sequence's entries; on failure every cache keeps what it had."""
     layers = plan(model).layers
     library = fused_layers.kernel()
     assert isinstance(library, Library), "fits said the kernel is there"
@@ -280,16 +327,29 @@ def run_layers(
     config = model.config  # type: ignore[union-attr]
     first = model.model.layers[0].self_attn  # type: ignore[union-attr, index]
     dim, kv_heads = first.head_dim, config.num_key_value_heads
-    sequences = []
+    sequences, sliding = [], []
     for cache, a, b in zip(caches, starts, starts[1:], strict=False):
-        # Room for the sequence's entries after each layer's; the attention kernel writes them.
-        past = [layer.reserve((1, kv_heads, b - a, dim), x.dtype, x.device) for layer in cache.layers]  # type: ignore[union-attr]
-        sequences.append(SequenceCache([layer.stores() for layer in cache.layers], past))  # type: ignore[union-attr]
+        shape = (1, kv_heads, b - a, dim)
+        stores, past = [], []
+        for layer in cache.layers:
+            if type(layer) is DynamicSlidingWindowLayer:  # a new store: the layer takes it once the pass is done
+                pair, held = sliding_store.room(layer, shape, x.dtype)
+                sliding.append((layer, pair, b - a))
+                stores.append(pair)
+                past.append(held)
+            else:  # room for the sequence's entries after the layer's; the attention kernel writes them
+                past.append(layer.reserve(shape, x.dtype, x.device))  # type: ignore[union-attr]
+                stores.append(layer.stores())  # type: ignore[union-attr]
+        sequences.append(SequenceCache(stores, past))
     try:
         fused_layers.run(library, x[0], layers, cos.contiguous(), sin.contiguous(), sequences, starts,
-                         config.num_attention_heads, first.scaling, config.intermediate_size)  # fmt: skip
+                         config.num_attention_heads, first.scaling, config.intermediate_size,
+                         None if local is None else (local[0].contiguous(), local[1].contiguous()))  # fmt: skip
     except (MemoryError, RuntimeError):  # the pass's positions were reserved, maybe not written: not kept
         for cache, a, b in zip(caches, starts, starts[1:], strict=False):
             for layer in cache.layers:
-                layer.crop(-(b - a))
+                if type(layer) is not DynamicSlidingWindowLayer:
+                    layer.crop(-(b - a))
         raise
+    for layer, pair, added in sliding:
+        sliding_store.commit(layer, pair, added)

@@ -1,11 +1,12 @@
 """viasd's decoder layer: the one it writes beside the model's own (transformers'), over the model's own modules.
 
 Per layer: the input norm, the q/k/v projections (or one q|k|v projection, Phi-3's), per-head q/k norms where the
-model has them (Qwen3's), attention (rotary embedding, cache write: kernels/attention.py's kernel or its torch
-reference; a sliding-window layer's by passes/window_attention.py), the output projection and residual, then the
-model's own norm and MLP modules and residual. With the references it is the model's own arithmetic, bit for bit
-(tests/test_loop.py); viasd's loop runs short passes through it (passes/loop.py), and the fused C stack
-(passes/fused.py, kernels/fused_layers.c) is checked against it, at first use and in tests/test_fused_layers.py.
+model has them (Qwen3's, Gemma 3's), attention (rotary embedding, cache write: kernels/attention.py's kernel or its
+torch reference; a sliding-window layer's by passes/window_attention.py, with the kernel or torch's operations), the
+output projection and residual, then the model's own norm and MLP modules and residual. With the references it is
+the model's own arithmetic, bit for bit (tests/test_loop.py); viasd's loop runs short passes through it
+(passes/loop.py), and the fused C stack (passes/fused.py, kernels/fused_layers.c) is checked against it, at first
+use and in tests/test_fused_layers.py.
 """
 
 from __future__ import annotations
@@ -108,9 +109,12 @@ def run(
         attended = []
         for attend, cache, (a, b) in zip(attends, caches, spans, strict=True):
             own = cache.layers[index]
-            if type(own) is DynamicSlidingWindowLayer:  # no C kernel for windows: torch's, over transformers' layer
+            if type(own) is DynamicSlidingWindowLayer:  # over transformers' own sliding layer
                 rows = query[a:b], key[a:b], value[a:b], local_cos[a:b], local_sin[a:b]
-                attended.append(window_attention.attend(*rows, own, heads, first.scaling))
+                if library is None:
+                    attended.append(window_attention.attend(*rows, own, heads, first.scaling))
+                else:
+                    attended.append(window_attention.attend_by_kernel(library, *rows, own, heads, first.scaling))
             else:
                 attended.append(attend(query[a:b], key[a:b], value[a:b], own))
         out = attn.o_proj((attended[0] if len(attended) == 1 else torch.cat(attended))[None])

@@ -205,7 +205,7 @@ def ragged_pass(
     cos, sin = angles.get("all") or angles.get("full_attention") or angles["sliding_attention"]
     caches = [segment.cache for segment in segments]
     if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
-        fused.run_layers(model, x, cos, sin, caches, starts)
+        fused.run_layers(model, x, cos, sin, caches, starts, angles.get("sliding_attention"))
     else:
         x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel, angles.get("sliding_attention"))
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])

@@ -1,5 +1,6 @@
-"""A sliding-window layer's attention in a short pass (Mistral's layers, Qwen2's and Qwen3's sliding ones), in
-torch's operations over transformers' own sliding cache layer, as the model's own forward attends there.
+"""A sliding-window layer's attention in a short pass (Mistral's layers, Qwen2's and Qwen3's sliding ones, Gemma 3's
+local ones), in torch's operations over transformers' own sliding cache layer, as the model's own forward attends
+there (`attend`), or by viasd's attention kernel with a window (`attend_by_kernel`, bf16 models).
 
 The cache layer is transformers' `DynamicSlidingWindowLayer` (sessions keep it: passes/session.py crops it by its
 own rules), so the keys a pass sees are the ones it hands out, and the mask is the model's: a query at position p
@@ -14,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from viasd.kernels import attention
 from viasd.kernels.attention import rotated
+from viasd.kernels.build import Library
+from viasd.passes import sliding_store
 
 
 def window_mask(past: int, length: int, first: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
@@ -58,3 +62,26 @@ def attend(
         layer.crop(-length)  # the layer keeps what it had
         raise
     return out.reshape(heads, length, dim).transpose(0, 1).reshape(length, heads * dim)
+
+
+def attend_by_kernel(
+    library: Library,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer: DynamicSlidingWindowLayer,
+    heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """`attend`'s result by the attention kernel (bf16): the layer's held positions and the pass's in one store
+    (passes/sliding_store.py), each query seeing the last `sliding_window` positions up to its own, as the model's
+    mask lets it; the layer takes the store once the kernel has written it."""
+    dim = cos.shape[-1]
+    shape = (1, key.shape[1] // dim, query.shape[0], dim)
+    stores, held = sliding_store.room(layer, shape, key.dtype)
+    out = attention.run(library, query, key, value, cos.contiguous(), sin.contiguous(), stores, held, heads, scale,
+                        layer.sliding_window)  # fmt: skip
+    sliding_store.commit(layer, stores, query.shape[0])
+    return out

@@ -14,6 +14,9 @@ Which kernel takes which block type, and how (each exactly, unless said):
 * Q8_0 (blocks of 32: fp16 d, int8 codes, weight = d * code) and Q5_K (Q4_K's scales with 5-bit codes) go to the
   8-bit kernel (kernels/w8a8.py: int8 codes, a float32 scale and minimum per 32), Q5_K's codes widened to bytes and
   its d * sc_j and -dmin * m_j multiplied out in float32, where they are exact.
+* Q5_0 (blocks of 32: fp16 d, 5-bit codes, weight = d * (code - 16)) and Q5_1 (fp16 d and m, weight = d * code + m)
+  go to the 8-bit kernel too: code - 16 or the code as a byte, d as the scale, no minimum or m (llama.cpp's Q4_K_M
+  files store such blocks where a row is no whole number of 256-weight super-blocks: gemma3-270m's 640 inputs).
 
 Tensors the file stores otherwise are quantized from the dense weights (int8 weight-only: see the `gguf` recipe,
 views/recipe.py). Each tensor is checked against the model's own weight before use, so a file of another model, or
@@ -37,9 +40,9 @@ _SUPER = 256  # weights per Q4_K, Q5_K or Q6_K block
 _BYTES = 144  # a Q4_K block's size: d, dmin (fp16 each), 12 bytes of 6-bit scales and minimums, 128 bytes of codes
 _BYTES5 = 176  # a Q5_K block's: Q4_K's d, dmin and scales, 32 bytes of fifth bits, 128 bytes of low nibbles
 _BYTES6 = 210  # a Q6_K block's: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (fp16)
-_SMALL = 32  # weights per Q4_0, Q4_1 or Q8_0 block
+_SMALL = 32  # weights per Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 block
 # The GGML types whose blocks one of viasd's kernels takes (in the order a tensor's weights are looked for).
-KERNEL_TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0", "Q5_K")
+KERNEL_TYPES = ("Q4_K", "Q4_0", "Q4_1", "Q6_K", "Q8_0", "Q5_K", "Q5_0", "Q5_1")
 # Types that are no quantization of their own: a file of only these has no view to take over.
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # Largest relative (Frobenius) difference between a tensor's dequantized blocks and the model's weight for the
@@ -115,6 +118,32 @@ def q8_0_to_int8a8(blocks: np.ndarray, rows: int, columns: int) -> w8a8.EightBit
     return w8a8.layout(codes, d.float(), torch.zeros(rows, columns // _SMALL))
 
 
+def _five_bit_codes(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """A Q5_0 or Q5_1 block's 32 codes (0..31) from its 4 high-bit bytes (bit j of the little-endian word: weight
+    j's fifth bit) and 16 low-nibble bytes (as Q4_0's)."""
+    high = qh.copy().view("<u4").reshape(-1, 1) >> np.arange(_SMALL, dtype=np.uint32).reshape(1, _SMALL)
+    return _nibbles(qs, len(qs)) | ((high & 1).astype(np.uint8) << 4)
+
+
+def q5_0_to_int8a8(blocks: np.ndarray, rows: int, columns: int) -> w8a8.EightBitWeights:
+    """A Q5_0 tensor's raw bytes [rows, columns / 32 * 22] (fp16 d, weight = d * (code - 16)) as 8-bit groups: codes
+    - 16, d as the scale, no minimum."""
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SMALL), 22)
+    d = torch.from_numpy(raw[:, 0:2].copy().view(np.float16).reshape(rows, columns // _SMALL))
+    codes = _five_bit_codes(raw[:, 2:6], raw[:, 6:]).astype(np.int8) - np.int8(16)
+    return w8a8.layout(torch.from_numpy(codes.reshape(rows, columns)), d.float(), torch.zeros(rows, columns // _SMALL))
+
+
+def q5_1_to_int8a8(blocks: np.ndarray, rows: int, columns: int) -> w8a8.EightBitWeights:
+    """A Q5_1 tensor's raw bytes [rows, columns / 32 * 24] (fp16 d and m, weight = d * code + m) as 8-bit groups:
+    its codes, d and m as they are."""
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows * (columns // _SMALL), 24)
+    d = torch.from_numpy(raw[:, 0:2].copy().view(np.float16).reshape(rows, columns // _SMALL))
+    m = torch.from_numpy(raw[:, 2:4].copy().view(np.float16).reshape(rows, columns // _SMALL))
+    codes = _five_bit_codes(raw[:, 4:8], raw[:, 8:]).astype(np.int8)
+    return w8a8.layout(torch.from_numpy(codes.reshape(rows, columns)), d.float(), m.float())
+
+
 def q5k_to_int8a8(blocks: np.ndarray, rows: int, columns: int) -> w8a8.EightBitWeights:
     """A Q5_K tensor's raw bytes [rows, columns / 256 * 176] as 8-bit groups of 32: its 5-bit codes as bytes, each
     group's d * sc and -dmin * m in float32 (exact: an fp16 times a 6-bit integer). Code bytes as Q4_K's; byte l of
@@ -141,6 +170,8 @@ _CONVERTERS = {
     "Q6_K": q6k_to_int6a8,
     "Q8_0": q8_0_to_int8a8,
     "Q5_K": q5k_to_int8a8,
+    "Q5_0": q5_0_to_int8a8,
+    "Q5_1": q5_1_to_int8a8,
 }
 OwnWeights = w4a8.FourBitWeights | w6a8.SixBitWeights | w8a8.EightBitWeights
 

@@ -21,9 +21,10 @@ Kinds (`QuantRecipe.kind`):
   than made again: int4a8 layers with the file's own 4-bit codes, scales and minimums where it stores a tensor
   as Q4_K, Q4_0 or Q4_1, 6-bit layers (`Int6Int8Linear`, kernels/w6a8.py) with its own codes and scales where it
   stores one as Q6_K (Q4_K_M keeps the output head and some down and value projections so), 8-bit layers
-  (`Int8Int8Linear`, kernels/w8a8.py) where it stores one as Q8_0 or Q5_K, and int8 weight-only (`int8wo`) for
-  any other tensor (views/gguf.py). It computes what llama.cpp computes from the same file, up to the activations'
-  rounding, whereas re-quantizing the dequantized weights would round them a second time onto another grid.
+  (`Int8Int8Linear`, kernels/w8a8.py) where it stores one as Q8_0, Q5_K, Q5_0 or Q5_1, and int8 weight-only
+  (`int8wo`) for any other tensor (views/gguf.py). It computes what llama.cpp computes from the same file, up to
+  the activations' rounding, whereas re-quantizing the dequantized weights would round them a second time onto
+  another grid.
   The layers kept at more bits are the sensitive ones: as int8 with int8 activations per token the default
   target's greedy top-1 agreement with bf16 was 0.954, as int8wo 0.986 (as bf16 0.994; 347 teacher-forced
   positions); as the file's own 6-bit blocks, with activations in int8 per group of 32 (outliers stay within

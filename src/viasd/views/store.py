@@ -64,8 +64,9 @@ if TYPE_CHECKING:
 
 # 2: a gguf recipe's 6-bit layers are the file's own blocks; 3: low-bit tiles; 4: a digest per tensor, the dtype;
 # 5: tensors at 64-byte boundaries (a file of 4 is made again, not copied tensor by tensor at every load); 6: a gguf
-# recipe also takes Q4_0, Q4_1 (as int4a8), Q8_0 and Q5_K (as int8a8) blocks, where 5 made them int8 weight-only
-FORMAT = "viasd-quantized/6"
+# recipe also takes Q4_0, Q4_1 (as int4a8), Q8_0 and Q5_K (as int8a8) blocks, where 5 made them int8 weight-only; 7:
+# and Q5_0 and Q5_1 (as int8a8)
+FORMAT = "viasd-quantized/7"
 # What smoothing calibrates on (activation ranges per channel): varied requests in the chat template.
 SMOOTHING_TEXTS = (
     "Write a Python function that parses a CSV line into a list of fields, handling quoted commas.",
