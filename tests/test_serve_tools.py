@@ -133,15 +133,15 @@ ARGUMENTS = "messages.1.tool_calls.0.function.arguments"
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
-        ({"tool_choice": "required"}, "tool_choice", "needs constrained decoding"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "constrained"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "not among the tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "must be none, auto, required or a named function"),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type", "Input should be 'function'"),
         ({"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
         ({"tools": [tool(name="get weather")]}, "tools.0.function.name", "1 to 64 letters"),
         ({"tools": [tool(name="x" * 65)]}, "tools.0.function.name", "1 to 64 letters"),
         ({"tools": [tool(parameters={"type": "array"})]}, "tools.0.function.parameters", 'type "object"'),
         ({"tools": [tool(parameters="{}")]}, "tools.0.function.parameters", "must be a JSON object"),
-        ({"tools": [tool(strict=True)]}, "tools.0.function.strict", "needs constrained decoding"),
+        ({"tools": [tool(strict=True)]}, "tools.0.function.strict", "strict: true is not supported"),
         ({"tools": [tool(descripton="typo")]}, "tools.0.function.descripton", "unknown parameter"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is offered twice"),
         ({"tools": []}, "tools", "at least 1 item"),

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate
 from viasd.serve.structured import FORMAT_TYPES, format_check
-from viasd.serve.tools import MessageToolCall, ToolCallOut, ToolSpec, duplicate_name, refused_tool_choice
+from viasd.serve.tools import MessageToolCall, ToolCallOut, ToolSpec, checked_tool_choice, duplicate_name
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
@@ -35,6 +35,21 @@ _TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: a token id written as a d
 _ONLY_FALSE: dict[str, Any] = {"enum": [False, None], "description": "not supported: false or leave it out"}
 _LEAVE_OUT: dict[str, Any] = {"enum": [None], "description": "not supported: leave it out"}
 _NO_TOOL: dict[str, Any] = {"enum": ["none", "auto", None], "description": "none, auto or leave it out"}
+_NAMED_FUNCTION = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["type", "function"],
+    "additionalProperties": False,
+}
+_TOOL_CHOICE: dict[str, Any] = {"anyOf": [{"enum": ["none", "auto", "required", None]}, _NAMED_FUNCTION]}
 _EMPTY: dict[str, Any] = {"maxItems": 0, "maxProperties": 0}
 _TEXT = {"type": "string", "pattern": r"\S"}  # not empty or blank: an empty prompt is refused
 _PROMPT_SCHEMA: dict[str, Any] = {
@@ -399,8 +414,8 @@ class ChatCompletionRequest(_Request):
     )
     tool_choice: str | dict[str, Any] | None = Field(
         default=None,
-        json_schema_extra=_NO_TOOL,
-        description="none or auto (the default); required and a named function are not supported yet",
+        json_schema_extra=_TOOL_CHOICE,
+        description="none, auto (the default), required, or a named function (forced by constrained decoding)",
     )
     function_call: str | dict[str, Any] | None = Field(default=None, json_schema_extra=_NO_TOOL)
     parallel_tool_calls: bool | None = Field(
@@ -433,7 +448,7 @@ class ChatCompletionRequest(_Request):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        return refused_tool_choice(value)
+        return checked_tool_choice(value)
 
     @field_validator("function_call")
     @classmethod

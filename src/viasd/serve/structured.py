@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from viasd.errors import ViasdError
 from viasd.serve.errors import APIError
+from viasd.serve.tools import forced_call_schema
 from viasd.verify.grammar import Grammar, grammar_tokenizer
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ def requested_schema(req: ChatCompletionRequest | CompletionRequest) -> tuple[st
         asked.append(("guided_json", _schema_value(req.guided_json, "guided_json")))
     if req.structured_outputs is not None:
         asked.append(("structured_outputs", _structured_outputs(req.structured_outputs)))
+    forced = forced_call_schema(getattr(req, "tools", None), getattr(req, "tool_choice", None))
+    if forced is not None:  # a chat request whose tool_choice forces a call
+        asked.append(("tool_choice", forced))
     if len(asked) > 1:
         names = " and ".join(name for name, _ in asked)
         raise APIError(400, f"{names} both ask for structured output; give one", param=asked[1][0])
@@ -80,10 +84,12 @@ def request_grammar(req: ChatCompletionRequest | CompletionRequest, tokenizer: G
     if asked is None:
         return None
     name, schema = asked
+    # A forced call's schema is made of the tools' parameters: where it cannot be compiled, they are at fault.
+    what, param = ("the tools' parameters", "tools") if name == "tool_choice" else (f"{name}'s JSON schema", name)
     try:
-        return Grammar.json_schema(tokenizer.get(), schema, what=f"{name}'s JSON schema")
+        return Grammar.json_schema(tokenizer.get(), schema, what=what)
     except ViasdError as error:
-        raise APIError(400, str(error), code="invalid_schema", param=name) from error
+        raise APIError(400, str(error), code="invalid_schema", param=param) from error
 
 
 def _schema_value(value: Any, name: str) -> dict[str, Any]:

@@ -3,8 +3,9 @@ in a conversation's history (request side), what a request asks of the model (`T
 its output in OpenAI's answer shapes (response side).
 
 `tool_choice` "auto" (the default with tools) lets the model call any offered function or none; "none" offers them to
-the template as vLLM does by default, and answers the output as content. "required" and a named function need
-constrained decoding and are refused for now, as `strict` function schemas are.
+the template as vLLM does by default, and answers the output as content. "required" and a named function force a
+call by constrained decoding (`forced_call_schema`: the output is a call object of one of them, as vLLM forces
+them); `strict` function schemas under "auto" would need a grammar that also allows free text, and are refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from viasd.serve.errors import APIError
 from viasd.toolcalls.formats import ParsedOutput, ToolCall, ToolCallFormat
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
-CONSTRAINED = "needs constrained decoding, which is not supported yet"
+# Under "auto" a strict schema needs a grammar that allows free text or a strict call: not built.
+STRICT = "is not supported (tool_choice required or a named function does make the arguments follow the schema)"
 # The deepest nesting of a history call's arguments: the request body's own JSON is held to about 200 levels, and the
 # chat template, rendering them back as JSON, runs out of Python's stack a few hundred levels down.
 MAX_ARGUMENT_DEPTH = 128
@@ -67,7 +69,7 @@ class FunctionSpec(BaseModel):
     @classmethod
     def _not_strict(cls, value: bool | None) -> bool | None:
         if value:
-            raise ValueError(f"strict: true {CONSTRAINED} (false or leave it out)")
+            raise ValueError(f"strict: true {STRICT}")
         return value
 
 
@@ -120,14 +122,53 @@ class MessageToolCall(BaseModel):
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
-def refused_tool_choice(value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    """`tool_choice`: none, auto or left out; "required" and a named function are refused until constrained decoding
-    can force them."""
-    if value in (None, "none", "auto"):
+def checked_tool_choice(value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """`tool_choice`'s shape: none, auto, required, a named function ({"type": "function", "function": {"name": ...}})
+    or left out."""
+    if value in (None, "none", "auto", "required"):
         return value
-    if value == "required" or isinstance(value, dict):
-        raise ValueError(f"{json.dumps(value)} {CONSTRAINED} (auto, none or leave tool_choice out)")
+    if isinstance(value, dict):
+        function = value.get("function")
+        named = isinstance(function, dict) and isinstance(function.get("name"), str) and set(function) == {"name"}
+        if value.get("type") == "function" and set(value) == {"type", "function"} and named:
+            return value
+        raise ValueError(
+            f'a named function is {{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(value)}'
+        )
     raise ValueError(f"must be none, auto, required or a named function, got {json.dumps(value)}")
+
+
+def forced_call_schema(
+    tools: Sequence[ToolSpec] | None, tool_choice: str | dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The JSON schema the output must follow where `tool_choice` forces a call, else None: a call object
+    {"name": ..., "arguments": {...}} of one offered function ("required") or of the named one, its arguments under
+    that function's parameters schema. The parsers take such an output as the call (toolcalls/formats.py)."""
+    if tool_choice != "required" and not isinstance(tool_choice, dict):
+        return None
+    if not tools:
+        raise APIError(400, "tool_choice forces a call but no tools are offered", param="tool_choice")
+    chosen = list(tools)
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        chosen = [tool for tool in tools if tool.function.name == name]
+        if not chosen:
+            raise APIError(
+                400, f"tool_choice names {json.dumps(name)}, which is not among the tools", param="tool_choice"
+            )
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.function.name},
+                "arguments": tool.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in chosen
+    ]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def duplicate_name(tools: Sequence[ToolSpec]) -> str | None:
