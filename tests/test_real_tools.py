@@ -117,3 +117,22 @@ def test_langchain_bind_tools_round_trip(server: Server, tmp_path: Path) -> None
     ]
     answer = model.invoke(messages)
     assert not answer.tool_calls and "23" in answer.content, answer
+
+
+def test_langchain_with_structured_output_by_function_calling_forces_the_call(server: Server) -> None:
+    """with_structured_output(method="function_calling") names the function in tool_choice: the server forces the
+    call by constrained decoding, and the answer parses into the pydantic model."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        """A country's capital city."""
+
+        country: str
+        capital: str
+
+    model = langchain_openai.ChatOpenAI(
+        model=MODEL_ID, base_url=f"{server.url}/v1", api_key="unused", temperature=0, max_tokens=96, max_retries=0
+    ).with_structured_output(Capital, method="function_calling")
+    answer = model.invoke("What is the capital of France?")
+    assert isinstance(answer, Capital) and answer.capital.lower() == "paris", answer
