@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate
 from viasd.serve.structured import FORMAT_TYPES, format_check
-from viasd.serve.tools import MessageToolCall, ToolCallOut, ToolSpec, checked_tool_choice, duplicate_name
+from viasd.serve.tools import MessageToolCall, ToolCallOut, ToolSpec, checked_tool_choice, distinct_tools
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 16
@@ -460,10 +460,7 @@ class ChatCompletionRequest(_Request):
     @field_validator("tools")
     @classmethod
     def _distinct_tools(cls, value: list[ToolSpec] | None) -> list[ToolSpec] | None:
-        twice = duplicate_name(value or [])
-        if twice is not None:
-            raise ValueError(f"function {twice!r} is offered twice")
-        return value
+        return distinct_tools(value)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate, encode_messages, encode_text, tokens_around
 from viasd.serve.schemas import _SOME_TEXT, ChatMessage, continued_turn, template_variables
-from viasd.serve.tools import ToolSpec, duplicate_name
+from viasd.serve.tools import ToolSpec, distinct_tools
 
 # Fields that shape the chat template: with a prompt they are refused (they would change nothing).
 MESSAGES_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
@@ -105,10 +105,7 @@ class TokenizeRequest(BaseModel):
     @field_validator("tools")
     @classmethod
     def _distinct_tools(cls, value: list[ToolSpec] | None) -> list[ToolSpec] | None:
-        twice = duplicate_name(value or [])
-        if twice is not None:
-            raise ValueError(f"function {twice!r} is offered twice")
-        return value
+        return distinct_tools(value)
 
     @field_validator("chat_template", "mm_processor_kwargs")
     @classmethod

@@ -181,6 +181,14 @@ def duplicate_name(tools: Sequence[ToolSpec]) -> str | None:
     return None
 
 
+def distinct_tools(tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
+    """`tools` as a request gives them, refused (ValueError) where a function is offered twice."""
+    twice = duplicate_name(tools or [])
+    if twice is not None:
+        raise ValueError(f"function {twice!r} is offered twice")
+    return tools
+
+
 # ------------------------------------------------------------------------------------------ what a request asks
 
 
