@@ -329,7 +329,8 @@ def test_malformed_and_invalid_requests_are_400(server: Server, client: openai.O
     for extra, words in (
         ({"temperature": 7}, ("temperature",)),
         ({"n": 2}, ("n=1",)),
-        ({"messages": [{"role": "tool", "content": "x"}]}, ("role",)),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, ("role",)),
+        ({"messages": [{"role": "tool", "content": "x"}]}, ("tool_call_id",)),
         ({"messages": [{"role": "user", "content": "   "}]}, ("empty",)),
     ):
         response = httpx.post(url, json={"messages": messages, **extra}, headers=auth(), timeout=10)
