@@ -8,6 +8,7 @@ Generations are kept to a few tokens: the whole file runs in about a minute on t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -74,6 +75,18 @@ def launch_server(log_dir: Path, name: str, *args: str) -> Server:
     with log.open("wb") as out:
         process = subprocess.Popen([*command, *args], stdout=out, stderr=subprocess.STDOUT, env=_env())
     return Server(process, f"http://127.0.0.1:{port}", log)
+
+
+@contextlib.contextmanager
+def healthy_server(log_dir: Path, name: str, *args: str) -> Iterator[Server]:
+    """A server started as `launch_server` starts it, once healthy; stopped after, its log free of tracebacks."""
+    server = launch_server(log_dir, name, *args)
+    try:
+        wait_healthy(server)
+        yield server
+        assert "Traceback" not in server.log.read_text(errors="replace"), server.log_tail()
+    finally:
+        stop_server(server)
 
 
 def wait_healthy(server: Server, timeout: float = START_TIMEOUT) -> None:

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 import viasd
-from test_serve import Server, assert_error, launch_server, sse_payloads, stop_server, tiny_model_dir, wait_healthy
+from test_serve import Server, assert_error, healthy_server, sse_payloads, tiny_model_dir
 
 VOCAB = 320  # tiny_model_dir's vocabulary
 CONTEXT = 1 << 20  # tiny_model_dir's max_position_embeddings
@@ -38,16 +38,11 @@ HISTOGRAMS = (
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     directory = tmp_path_factory.mktemp("serve-ops")
     model = tiny_model_dir(directory / "model")
-    server = launch_server(
+    with healthy_server(
         directory, "ops", "--target", str(model), "--device", "cpu", "--methods", "lookup,plain",
         "--served-model-name", MODEL_ID, "--max-active", "2", "--max-tokens-limit", "16", "--no-access-log",
-    )  # fmt: skip
-    try:
-        wait_healthy(server)
+    ) as server:  # fmt: skip
         yield server
-        assert "Traceback" not in server.log.read_text(errors="replace"), server.log_tail()
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture(scope="module")

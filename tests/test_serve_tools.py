@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from test_serve import Server, assert_error, launch_server, sse_payloads, stop_server, tiny_model_dir, wait_healthy
+from test_serve import Server, assert_error, healthy_server, sse_payloads, tiny_model_dir
 from tiny import TOOLS_CHATML_TEMPLATE, tiny_chat_tokenizer
 
 MODEL_ID = "tiny-tools"
@@ -40,16 +40,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     directory = tmp_path_factory.mktemp("serve-tools")
     model = tiny_model_dir(directory / "model")
     tiny_chat_tokenizer(320, TOOLS_CHATML_TEMPLATE).save_pretrained(model)  # the same vocabulary, a tools template
-    server = launch_server(
+    with healthy_server(
         directory, "tools", "--target", str(model), "--device", "cpu", "--methods", "plain,lookup",
         "--max-tokens-limit", "16", "--served-model-name", MODEL_ID, "--no-access-log",
-    )  # fmt: skip
-    try:
-        wait_healthy(server)
+    ) as server:  # fmt: skip
         yield server
-        assert "Traceback" not in server.log.read_text(errors="replace"), server.log_tail()
-    finally:
-        stop_server(server)
 
 
 @pytest.fixture(scope="module")
