@@ -67,7 +67,7 @@ def prefix_cache_counters(base_url: str, api_key: str | None) -> dict[str, float
 
 def ask(client: openai.OpenAI, model: str, messages: list[dict[str, str]], args: argparse.Namespace) -> dict:
     """One streamed turn: its answer, time to first token and total time (seconds), and prompt tokens."""
-    extra = {"ignore_eos": True, **({"method": args.method} if args.method else {})}
+    extra = {"ignore_eos": True, **({"method": args.method} if args.method else {}), **args.extra_body}
     start = time.perf_counter()
     first = None
     pieces: list[str] = []
@@ -107,6 +107,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4, help="user turns per conversation (>= 2)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, help="write one JSON line per turn here")
+    parser.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help='more request fields, a JSON object (llama-server without its cache: {"cache_prompt": false})',
+    )
     args = parser.parse_args()
     if args.turns < 2 or args.conversations < 1 or args.max_tokens < 1:
         raise SystemExit("--turns must be >= 2, --conversations and --max-tokens >= 1")

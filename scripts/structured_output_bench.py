@@ -23,7 +23,8 @@ from viasd.spec import EngineSpec
 from viasd.verify.grammar import Grammar, grammar_tokenizer
 from viasd.verify.sampling import SamplingParams
 
-# (request, JSON schema): an extraction that copies from the prompt, a record invented, a list of records.
+# (request, JSON schema): extractions that copy from the prompt (an order, a meeting), records invented (a function's
+# description, a bug report), lists of records (capitals, review labels).
 TASKS: tuple[tuple[str, dict], ...] = (
     (
         "Extract the order as JSON: 'Order 1042 from Ada Lovelace, 3 notebooks at 4.50 each, ship to 12 Analytical "
@@ -90,6 +91,64 @@ TASKS: tuple[tuple[str, dict], ...] = (
                 }
             },
             "required": ["cities"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "Extract the meeting from this email as JSON: 'Hi Grace, can we move the design review to Thursday 14 March "
+        "at 15:30 in room B2? Linus and Margaret will join; please bring the latency numbers. Thanks, Alan.'",
+        {
+            "type": "object",
+            "properties": {
+                "topic": {"type": "string"},
+                "day": {"type": "string"},
+                "date": {"type": "string"},
+                "time": {"type": "string"},
+                "room": {"type": "string"},
+                "attendees": {"type": "array", "items": {"type": "string"}},
+                "to_bring": {"type": "string"},
+            },
+            "required": ["topic", "day", "date", "time", "room", "attendees", "to_bring"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "Review this Python function and report the bug as JSON (line, problem, fix):\n\n"
+        "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+        "    return total / len(values) - 1\n",
+        {
+            "type": "object",
+            "properties": {
+                "line": {"type": "integer"},
+                "problem": {"type": "string"},
+                "fix": {"type": "string"},
+                "severity": {"enum": ["low", "medium", "high"]},
+            },
+            "required": ["line", "problem", "fix", "severity"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "Classify the sentiment of each review as JSON: 1. 'The battery lasts two days, superb.' 2. 'Screen cracked "
+        "after a week.' 3. 'It works, nothing special.' 4. 'Support never answered my emails.'",
+        {
+            "type": "object",
+            "properties": {
+                "reviews": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "number": {"type": "integer"},
+                            "sentiment": {"enum": ["positive", "neutral", "negative"]},
+                            "reason": {"type": "string"},
+                        },
+                        "required": ["number", "sentiment", "reason"],
+                        "additionalProperties": False,
+                    },
+                }
+            },
+            "required": ["reviews"],
             "additionalProperties": False,
         },
     ),
