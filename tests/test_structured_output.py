@@ -145,7 +145,7 @@ def test_relaxed_via_keeps_the_schema():
 INTEGER = {"type": "integer"}
 
 
-def masked_law(target, grammar, prompt, params, ends, length):
+def masked_law(target, grammar, prompt, params, ends, length, schema=INTEGER):
     """Exact probability of each output (cut at an end token) under the warped target restricted by the grammar,
     the allowed tokens read from fresh llguidance matchers."""
     law: dict[tuple[int, ...], float] = {}
@@ -156,7 +156,7 @@ def masked_law(target, grammar, prompt, params, ends, length):
             return
         with torch.inference_mode():
             logits = target(input_ids=torch.tensor([prompt + prefix])).logits[0, -1:].float()
-        matcher = LLMatcher(grammar.tokenizer, LLMatcher.grammar_from_json_schema(json.dumps(INTEGER), JSON_LAYOUT))
+        matcher = LLMatcher(grammar.tokenizer, LLMatcher.grammar_from_json_schema(json.dumps(schema), JSON_LAYOUT))
         assert matcher.consume_tokens(prefix)
         allowed = torch.tensor([t not in ends and matcher.validate_tokens([t]) == 1 for t in range(VOCAB)])
         allowed[sorted(ends)] = matcher.is_accepting()
@@ -193,6 +193,71 @@ def test_sampling_under_a_grammar_follows_the_masked_target():
     law = masked_law(target, grammar, prompt, params, eos_token_ids(target, tok), length)
     assert len(law) > 20  # the grammar leaves a real choice: digits, '-', multi-digit tokens
     assert set(counts) <= {cell for cell, p in law.items() if p > 0}  # nothing the grammar forbids
+    assert pooled_pvalue(law, counts, n) > ALPHA
+
+
+class Silent:
+    """A drafter that never drafts: every draft of its rounds is text the grammar forces."""
+
+    name, forward_passes, pass_seconds, sessions = "silent", 0, 0.0, ()
+
+    def reset(self, prompt_length=None, budget=None) -> None:
+        pass
+
+    def follow(self, target) -> None:
+        pass
+
+    def propose(self, context, k, params, generator, stop=0.0) -> Proposal:
+        return Proposal([], source=self.name)
+
+
+def test_text_the_grammar_forces_is_drafted_and_kept_exact():
+    """After '{' the schema forces '"name": "', after a name's closing quote ', "age": ': the library's spelling of
+    that text is drafted, so even a drafter that never drafts gets rounds of several tokens; the tokens stay plain
+    greedy's under the schema."""
+    target, tok = tiny_model("llama", vocab_size=VOCAB), tiny_chat_tokenizer(VOCAB)
+    prompt = chat_prompt(tok, f"Reply as {EXAMPLE}")
+    grammar = schema_grammar(target, tok).bound(len(prompt), frozenset(eos_token_ids(target, tok)))
+    assert tok.decode(grammar.forced(prompt)) == '{"name": "'
+    after_name = tok.encode('{"name": "fox"')
+    assert tok.decode(grammar.forced(prompt + after_name)) == ', "age":'  # the space may start the number's token
+    config = GenerationConfig(max_new_tokens=60, sampling=SamplingParams(grammar=schema_grammar(target, tok)))
+    plain = PlainDecoder(target, tok).generate(prompt, config)
+    out = SpeculativeDecoder(target, tok, Silent(), gamma=8).generate(prompt, config)
+    assert (out.tokens, out.finish_reason) == (plain.tokens, plain.finish_reason)
+    forced = out.stats.sources["grammar"]
+    assert forced.accepted >= 6 and out.stats.rounds < len(plain.tokens) - 5
+
+
+FORCED = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+
+
+def test_sampling_with_forced_drafts_follows_the_masked_target():
+    """Chi-square of outputs that start with forced text ('{"n": ') and then sample an integer, drafted by the
+    grammar and a small model, against the exact law of the target restricted by the grammar (false-alarm rate
+    ALPHA): one-hot forced drafts leave sampling exact, even where the model spells forced text its own way."""
+    n = 1500
+    target = tiny_model("qwen2", vocab_size=VOCAB, init_scale=0.2)
+    tok = tiny_chat_tokenizer(VOCAB)
+    drafter = ModelDrafter(tiny_model("qwen2", vocab_size=VOCAB, layers=2, seed=5, init_scale=0.4))
+    decoder = SpeculativeDecoder(target, tok, drafter, gamma=7)
+    grammar = schema_grammar(target, tok, FORCED)
+    prompt = chat_prompt(tok, "a number")
+    length = len(grammar.bound(len(prompt), frozenset()).forced(prompt)) + 2  # the forced text, then two tokens
+    params = SamplingParams(temperature=1.0, grammar=grammar)
+    counts: dict[tuple[int, ...], int] = {}
+    forced = rejected = 0
+    for seed in range(n):
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
+        out = decoder.generate(prompt, GenerationConfig(max_new_tokens=length, sampling=sampling))
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+        model = out.stats.sources.get("model")
+        forced += model.evaluated if model is not None else 0
+        rejected += out.stats.evaluated - out.stats.accepted
+    assert forced > n  # first rounds drafted the forced text and the model's tokens after it
+    assert rejected > n // 10, "the drafter must disagree often enough to exercise rejection"
+    law = masked_law(target, grammar, prompt, params, eos_token_ids(target, tok), length, FORCED)
+    assert len(law) > 10 and set(counts) <= {cell for cell, p in law.items() if p > 0}
     assert pooled_pvalue(law, counts, n) > ALPHA
 
 

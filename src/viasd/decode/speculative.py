@@ -96,7 +96,15 @@ class SpeculativeDecoder(Decoder):
             if k:
                 before = self.drafter.pass_seconds
                 with stats.timed("draft"):
-                    proposal = self.drafter.propose(context, k, params, generator, self.stop).within(params, context)
+                    # Text the grammar forces (a JSON key, say) is drafted as the library spells it; the drafter
+                    # goes on after it.
+                    forced = params.grammar.forced(context)[:k] if params.grammar is not None else []
+                    proposal = (
+                        self.drafter.propose(context + forced, k - len(forced), params, generator, self.stop)
+                        if k > len(forced)
+                        else Proposal([])
+                    )
+                    proposal = proposal.after(forced).within(params, context)
                 drafting.record(self.drafter.pass_seconds - before, len(proposal))
             else:  # nothing to draft (the load, or the last token): the drafter catches up when next asked
                 proposal = Proposal([])

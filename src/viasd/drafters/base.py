@@ -63,6 +63,27 @@ class Proposal:
             return min(self.tops) if self.tops else None
         return draft_confidence(self.soft)
 
+    def after(self, forced: Sequence[int]) -> Proposal:
+        """`forced` (deterministic drafts: one-hot distributions, top probability 1) followed by these drafts; named
+        after the drafter when it drafted any, else `grammar`."""
+        if not forced:
+            return self
+        count = len(forced)
+
+        def joined(rows: torch.Tensor | None) -> torch.Tensor | None:
+            if rows is None:
+                return None
+            ones = torch.zeros(count, rows.shape[1], device=rows.device, dtype=rows.dtype)
+            ones[torch.arange(count), torch.tensor(list(forced))] = 1.0
+            return torch.cat([ones, rows])
+
+        if self.tops is not None:
+            tops: list[float] | None = [1.0] * count + list(self.tops)
+        else:  # read from `soft` where it exists; forced drafts alone are sure
+            tops = None if self.tokens else [1.0] * count
+        source = self.source if self.tokens else "grammar"
+        return Proposal([*forced, *self.tokens], joined(self.probs), joined(self.soft), source, tops)
+
     def within(self, params: SamplingParams, context: list[int]) -> Proposal:
         """These drafts up to the first the grammar forbids after `context` (all of them without a grammar): a
         forbidden draft would be rejected anyway, so it is cut before verification costs anything."""

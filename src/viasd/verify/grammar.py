@@ -124,6 +124,20 @@ class Grammar:
             kept += 1
         return kept
 
+    def forced(self, context: Sequence[int]) -> list[int]:
+        """The tokens that spell the text the grammar forces next after `context` (a JSON key and its quotes and
+        colon, say), as the library tokenizes it; none where the output is complete or off the grammar. They are
+        drafts, not commitments: a model may spell forced text with other tokens, and verification decides."""
+        output = list(context[self._prompt_length :])
+        if self._follow(output) < len(output) or self._matcher.is_stopped():
+            return []
+        forced = []
+        for token in self._matcher.compute_ff_tokens():
+            if int(token) in self._ends:
+                break
+            forced.append(int(token))
+        return forced
+
     def _follow(self, tokens: Sequence[int]) -> int:
         """Move the matcher to the state after `tokens`, rolling back what differs; returns how many leading tokens
         it holds (fewer than all where one is forbidden or ends the generation)."""
