@@ -1,0 +1,59 @@
+"""What the target as run costs to verify a block of drafts, by the block's rows: a target's verification pass.
+
+`viasd costs --views` times a view as a slim verifier checks a block (gate signals included). Speculation over the
+fast mode needs the other number: the target's own pass over a block of 1 + drafts rows, as `sd` makes it. This
+times exactly that (`PassTimer.verification`), lengths interleaved in a shuffled order per repeat, and prints the
+median per length in milliseconds and in single-token steps:
+
+    python scripts/verification_costs.py                       # the default target as run (its GGUF view)
+    python scripts/verification_costs.py --rows 1,4,8,16 --repeats 15 --quant none
+
+Run it on a quiet machine: the timings are wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from viasd.calibration.costs import PassTimer
+from viasd.cli_options import engine_spec
+from viasd.engine import Engine
+from viasd.models.catalog import DEFAULT_TARGET
+
+TEXT = "def fibonacci(n):\n    '''Return the n-th Fibonacci number.'''\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--quant", default=None, help="the target's view (default: as its file stores it)")
+    parser.add_argument("--rows", default="1,2,4,5,6,8,10,12,16", help="comma-separated block sizes")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--context", type=int, default=100, help="tokens in the cache before each block")
+    args = parser.parse_args()
+    lengths = sorted({int(part) for part in args.rows.split(",")} | {1})
+    engine = Engine(engine_spec(args.target, args.target, quant=args.quant))
+    loaded = engine.target
+    view = engine.quantized(loaded, engine.target_recipe())
+    ids = loaded.tokenizer(TEXT * 40)["input_ids"]
+    if len(ids) < args.context + lengths[-1]:
+        raise SystemExit(f"--context + the largest block must be at most {len(ids)} tokens")
+    timer = PassTimer(loaded.model, ids[: args.context], ids[args.context : args.context + lengths[-1]], view)
+    seconds: dict[int, list[float]] = {n: [] for n in lengths}
+    for n in lengths:  # first passes of each shape, untimed
+        timer.verification(n, n)
+    for _ in range(args.repeats):
+        for n in random.sample(lengths, len(lengths)):
+            seconds[n].append(timer.verification(n, n))
+    step = statistics.median(seconds[1])
+    print(f"target: {args.target} as {view.linears.recipe.name if view is not None else 'loaded'}")
+    print("rows  ms/pass  steps")
+    for n in lengths:
+        median = statistics.median(seconds[n])
+        print(f"{n:>4}  {median * 1000:>7.1f}  {median / step:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()
