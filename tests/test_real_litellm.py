@@ -7,7 +7,6 @@ litellm's BadRequestError (the server's 400 naming the parameter). The first run
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -18,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_serve import VIASD, Server, _env, free_port, stop_server, wait_healthy
+from test_serve import Server, real_server
 
 pytestmark = [
     pytest.mark.real,
@@ -62,18 +61,8 @@ class Colour(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("real-litellm") / "server.log"
-    port = free_port()
-    command = [*VIASD, "serve", "--port", str(port), "--served-model-name", MODEL_ID, "--no-access-log"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env())
-    started = Server(process, f"http://127.0.0.1:{port}", log)
-    try:
-        wait_healthy(started, timeout=600)
+    with real_server(tmp_path_factory.mktemp("real-litellm"), "--served-model-name", MODEL_ID) as started:
         yield started
-        assert "Traceback" not in log.read_text(errors="replace"), started.log_tail()
-    finally:
-        stop_server(started)
 
 
 @pytest.fixture(scope="module")

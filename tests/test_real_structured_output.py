@@ -4,8 +4,6 @@ the official OpenAI client's `beta.chat.completions.parse` with a pydantic model
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +12,7 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from test_serve import Server, free_port, stop_server, wait_healthy
-from test_serve import _env as server_env
+from test_serve import Server, real_server
 
 pytestmark = pytest.mark.real
 
@@ -32,21 +29,8 @@ QUESTION = "Describe Paris as JSON: its name, country, population in millions an
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = Path(tmp_path_factory.mktemp("structured")) / "server.log"
-    port = free_port()
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "viasd", "serve", "--port", str(port), "--no-access-log"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=server_env(),
-        )
-    started = Server(process, f"http://127.0.0.1:{port}", log)
-    try:
-        wait_healthy(started, timeout=600)
+    with real_server(Path(tmp_path_factory.mktemp("structured"))) as started:
         yield started
-    finally:
-        stop_server(started)
 
 
 def test_openai_parse_with_a_pydantic_model(server: Server) -> None:

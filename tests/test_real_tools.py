@@ -8,7 +8,6 @@ it takes (toolcalls/formats.py). The first run fetches the models (about 1.6 GB)
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from test_serve import VIASD, Server, _env, free_port, stop_server, wait_healthy
+from test_serve import Server, real_server
 
 pytestmark = pytest.mark.real
 
@@ -38,22 +37,9 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    directory = tmp_path_factory.mktemp("real-tools")
-    port = free_port()
-    log = directory / "server.log"
-    command = [
-        *VIASD, "serve", "--methods", "sd,plain", "--port", str(port), "--served-model-name", MODEL_ID,
-        "--max-tokens-limit", "256", "--no-access-log",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env())
-    server = Server(process, f"http://127.0.0.1:{port}", log)
-    try:
-        wait_healthy(server, timeout=600)
-        yield server
-        assert "Traceback" not in log.read_text(errors="replace"), server.log_tail()
-    finally:
-        stop_server(server)
+    args = ("--methods", "sd,plain", "--served-model-name", MODEL_ID, "--max-tokens-limit", "256")
+    with real_server(tmp_path_factory.mktemp("real-tools"), *args) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

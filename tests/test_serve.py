@@ -89,6 +89,24 @@ def healthy_server(log_dir: Path, name: str, *args: str) -> Iterator[Server]:
         stop_server(server)
 
 
+@contextlib.contextmanager
+def real_server(log_dir: Path, *args: str) -> Iterator[Server]:
+    """`viasd serve` on the default real pair with `args`, once healthy (loading it may take minutes the first time);
+    stopped after, its log free of tracebacks."""
+    port = free_port()
+    log = log_dir / "server.log"
+    with log.open("wb") as out:
+        command = [*VIASD, "serve", "--port", str(port), "--no-access-log", *args]
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=_env())
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    try:
+        wait_healthy(server, timeout=600)
+        yield server
+        assert "Traceback" not in log.read_text(errors="replace"), server.log_tail()
+    finally:
+        stop_server(server)
+
+
 def wait_healthy(server: Server, timeout: float = START_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
