@@ -171,6 +171,18 @@ def masked_law(target, grammar, prompt, params, ends, length, schema=INTEGER):
     return law
 
 
+def sampled_under(decoder, prompt, grammar, length, n):
+    """Outputs of n generations sampled at temperature 1 under `grammar` (seeds 0..n-1): counts, and their stats."""
+    counts: dict[tuple[int, ...], int] = {}
+    stats = []
+    for seed in range(n):
+        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
+        out = decoder.generate(prompt, GenerationConfig(max_new_tokens=length, sampling=sampling))
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+        stats.append(out.stats)
+    return counts, stats
+
+
 def test_sampling_under_a_grammar_follows_the_masked_target():
     """Chi-square of the first two tokens of JSON integers, sampled by speculative decoding with a model drafter,
     against the exact law of the target restricted by the grammar (false-alarm rate ALPHA)."""
@@ -182,13 +194,8 @@ def test_sampling_under_a_grammar_follows_the_masked_target():
     grammar = schema_grammar(target, tok, INTEGER)
     prompt = chat_prompt(tok, "a number")
     params = SamplingParams(temperature=1.0, grammar=grammar)
-    counts: dict[tuple[int, ...], int] = {}
-    rejected = 0
-    for seed in range(n):
-        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
-        out = decoder.generate(prompt, GenerationConfig(max_new_tokens=length, sampling=sampling))
-        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
-        rejected += out.stats.evaluated - out.stats.accepted
+    counts, stats = sampled_under(decoder, prompt, grammar, length, n)
+    rejected = sum(s.evaluated - s.accepted for s in stats)
     assert rejected > n // 10, "the drafter must disagree often enough to exercise rejection"
     law = masked_law(target, grammar, prompt, params, eos_token_ids(target, tok), length)
     assert len(law) > 20  # the grammar leaves a real choice: digits, '-', multi-digit tokens
@@ -245,15 +252,9 @@ def test_sampling_with_forced_drafts_follows_the_masked_target():
     prompt = chat_prompt(tok, "a number")
     length = len(grammar.bound(len(prompt), frozenset()).forced(prompt)) + 2  # the forced text, then two tokens
     params = SamplingParams(temperature=1.0, grammar=grammar)
-    counts: dict[tuple[int, ...], int] = {}
-    forced = rejected = 0
-    for seed in range(n):
-        sampling = SamplingParams(temperature=1.0, seed=seed, grammar=grammar)
-        out = decoder.generate(prompt, GenerationConfig(max_new_tokens=length, sampling=sampling))
-        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
-        model = out.stats.sources.get("model")
-        forced += model.evaluated if model is not None else 0
-        rejected += out.stats.evaluated - out.stats.accepted
+    counts, stats = sampled_under(decoder, prompt, grammar, length, n)
+    forced = sum(s.sources["model"].evaluated for s in stats if "model" in s.sources)
+    rejected = sum(s.evaluated - s.accepted for s in stats)
     assert forced > n  # first rounds drafted the forced text and the model's tokens after it
     assert rejected > n // 10, "the drafter must disagree often enough to exercise rejection"
     law = masked_law(target, grammar, prompt, params, eos_token_ids(target, tok), length, FORCED)
