@@ -16,19 +16,21 @@ import torch
 from torch import nn
 
 from viasd.drafters.base import Proposal, stops_after
+from viasd.heads.attention import AttentionCache, AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead
 from viasd.passes.features import FeatureStore
 from viasd.passes.session import KVSession, common_prefix_length
 from viasd.verify.sampling import SamplingParams, adjusted, sample, soft_probs, warp_probs
 
 CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; more: the round goes to the target
+EXTEND_ROWS = 512  # the attention head's entries computed at once (a long prompt's in blocks)
 
 
 class HeadDrafter:
     """A draft head on one target: the target's embeddings are shared, its output head's rows of the head's
     vocabulary gathered once, and the head's own (small) weights held in the dtype it computes in."""
 
-    def __init__(self, head: DraftHead, target: nn.Module, name: str = "head") -> None:
+    def __init__(self, head: DraftHead | AttentionHead, target: nn.Module, name: str = "head") -> None:
         self.name = name
         rows = target.get_output_embeddings().weight  # type: ignore[operator]
         # On a CPU the head computes in float32: its products are a few small matrix-vector ones, which torch runs
@@ -39,6 +41,7 @@ class HeadDrafter:
         self.rows = rows.detach()[head.token_ids.to(rows.device)].to(dtype).contiguous()  # [vocab, hidden]
         self.vocab_size = int(rows.shape[0])
         self.target: KVSession | None = None
+        self.cache = AttentionCache(self.head) if isinstance(self.head, AttentionHead) else None
         self.forward_passes = 0  # head steps
         self.pass_seconds = 0.0
 
@@ -49,7 +52,11 @@ class HeadDrafter:
 
     def describe(self) -> str:
         config = self.head.config
-        return f"{self.name} (draft head: {config.blocks} x {config.width}, {config.vocab} tokens)"
+        if isinstance(config, AttentionHeadConfig):
+            shape = f"attention, {config.heads} heads, MLP {config.width}"
+        else:
+            shape = f"{config.blocks} x {config.width}"
+        return f"{self.name} (draft head: {shape}, {config.vocab} tokens)"
 
     def follow(self, target: KVSession) -> None:
         """Draft from the features of `target`'s passes (the decoder's session of the target)."""
@@ -58,10 +65,11 @@ class HeadDrafter:
             target.features = FeatureStore()
 
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
-        pass
+        if self.cache is not None:
+            self.cache.cut(0)
 
     def _start(self, context: list[int]) -> torch.Tensor | None:
-        """The head's state after the last token of `context`, from the latest feature that still holds."""
+        """The head's state after the last token of `context` (which predicts the next one), or None."""
         session = self.target
         if session is None or session.features is None or len(context) < 2:
             return None
@@ -70,11 +78,48 @@ class HeadDrafter:
         position = session.features.latest(valid - 1)
         if position is None or len(context) - 1 - position > CATCH_UP:
             return None
+        if self.cache is not None:
+            return self._start_attention(context, session.features, valid)
         state = session.features.row(position).to(self.rows.dtype)
         for token in context[position + 1 :]:
             state = self.head.step(state, self.embeddings.weight[token].to(self.rows.dtype))
             self.forward_passes += 1
         return state
+
+    def _start_attention(self, context: list[int], store: FeatureStore, valid: int) -> torch.Tensor:
+        """The attention head's state after `context`: its cache cut where it no longer matches the context and
+        the session's features, then extended by the entries it lacks (entry j: feature j, token j + 1)."""
+        cache = self.cache
+        assert cache is not None
+        need = len(context) - 1
+        known = min(valid, store.known)
+        have = store.have[:known] + [False] * (need - known)
+        keep = common_prefix_length(cache.tokens, context[1 : need + 1])
+        if cache.featured[:keep] != have[:keep]:
+            keep = common_prefix_length(cache.featured[:keep], have[:keep])
+        if keep == need and cache.last_state is None:
+            keep -= 1  # the last entry's state is needed again: compute that entry anew
+        cache.cut(keep)
+        for begin in range(keep, need, EXTEND_ROWS):  # long prompts in blocks: the scores are [rows, length]
+            end = min(begin + EXTEND_ROWS, need)
+            flags = torch.tensor(have[begin:end], dtype=torch.bool)
+            rows = torch.zeros(end - begin, self.rows.shape[1], dtype=self.rows.dtype)
+            if bool(flags.any()):
+                assert store.rows is not None
+                rows[flags] = store.rows[begin:end][flags].to(self.rows.dtype)
+            embedded = self.embeddings.weight[context[begin + 1 : end + 1]].to(self.rows.dtype)
+            cache.extend(rows, flags, embedded, context[begin + 1 : end + 1])
+            self.forward_passes += 1
+        assert cache.last_state is not None
+        return cache.last_state
+
+    def _advance(self, state: torch.Tensor, token: int, chain: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The state after drafting `token` from `state`."""
+        embedded = self.embeddings.weight[token].to(self.rows.dtype)
+        self.forward_passes += 1
+        if self.cache is not None:
+            return self.cache.draft(state, embedded, chain)
+        return self.head.step(state, embedded)
 
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
@@ -90,6 +135,7 @@ class HeadDrafter:
             probs: list[torch.Tensor] = []
             soft: list[torch.Tensor] = []
             tops: list[float] = []
+            chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # the attention head's draft entries
             for i in range(k):
                 scores = self._scores(state)  # [1, vocab]: the head's own tokens only
                 if params.adjusts:  # adjusted over the whole vocabulary, the head's tokens kept
@@ -105,8 +151,7 @@ class HeadDrafter:
                 tops.append(float(soft[-1].max()))
                 if i + 1 == k or (stop > 0 and stops_after(tops[-1], stop)):
                     break
-                state = self.head.step(state, self.embeddings.weight[token].to(self.rows.dtype))
-                self.forward_passes += 1
+                state = self._advance(state, token, chain)
         self.pass_seconds += time.perf_counter() - start
         return Proposal(tokens, torch.cat(probs) if probs else None, torch.cat(soft), self.name, tops)
 

@@ -19,6 +19,7 @@ from safetensors.torch import save
 
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
+from viasd.heads.attention import AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead, HeadConfig
 
 FORMAT = "viasd-draft-head/1"
@@ -28,7 +29,7 @@ FORMAT = "viasd-draft-head/1"
 class HeadFile:
     """A head as read from its file, with what its metadata says."""
 
-    head: DraftHead
+    head: DraftHead | AttentionHead
     target: str  # the fingerprint of the target it drafts for
     vocabulary: str  # the fingerprint of that target's tokenizer
     training: dict[str, Any]
@@ -44,7 +45,9 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     return hasher.hexdigest()
 
 
-def save_head(path: Path, head: DraftHead, target: str, vocabulary: str, training: dict[str, Any]) -> None:
+def save_head(
+    path: Path, head: DraftHead | AttentionHead, target: str, vocabulary: str, training: dict[str, Any]
+) -> None:
     """Write the head (its weights in bfloat16) atomically."""
     tensors = {
         name: t.detach().to(torch.bfloat16 if t.is_floating_point() else t.dtype).contiguous()
@@ -65,6 +68,13 @@ def save_head(path: Path, head: DraftHead, target: str, vocabulary: str, trainin
         raise ViasdError(f"cannot write the draft head to {path}: {error.strerror or error}") from None
 
 
+def build_head(config: dict[str, Any], token_ids: torch.Tensor) -> DraftHead | AttentionHead:
+    """A head of the design and shape its file's config names (the chain head when it names none)."""
+    if config.get("design", "chain") == "attention":
+        return AttentionHead(AttentionHeadConfig(**config), token_ids)
+    return DraftHead(HeadConfig(**config), token_ids)
+
+
 def load_head(path: Path) -> HeadFile:
     """Read a head file, checking its format and digest (one-line ViasdError when it fails either)."""
     try:
@@ -80,8 +90,7 @@ def load_head(path: Path) -> HeadFile:
     if metadata.get("digest") != digest(tensors):
         raise ViasdError(f"draft head {path} is damaged (its contents do not match their digest): train it again")
     try:
-        config = HeadConfig(**json.loads(metadata["config"]))
-        head = DraftHead(config, tensors["token_ids"])
+        head = build_head(json.loads(metadata["config"]), tensors["token_ids"])
         head.load_state_dict(tensors)
         training = json.loads(metadata.get("training", "{}"))
     except (KeyError, TypeError, ValueError, RuntimeError) as error:

@@ -14,6 +14,7 @@ from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_TARGET
 
 MAX_REQUEST, MAX_ANSWER = 64, 256  # tokens of a written request and of its answer
+DESIGNS = ("attention", "chain")
 TASK_WEIGHT = 3  # how many times the calibration tasks' conversations count in training (they are few)
 
 
@@ -32,7 +33,14 @@ def train_drafter(
         ),
     ] = None,
     rows: Annotated[int, typer.Option(help="Conversations written at once (one pass serves them all).")] = 16,
-    width: Annotated[int, typer.Option(help="The head's hidden width.")] = 1024,
+    design: Annotated[
+        str,
+        typer.Option(
+            help="The head's design: attention (the chain head's step plus an attention over the sequence's entries) "
+            "or chain (the last feature only)."
+        ),
+    ] = "attention",
+    width: Annotated[int, typer.Option(help="The width of the head's residual block.")] = 1024,
     vocab: Annotated[int, typer.Option(help="Tokens the head can draft (the target's most written).")] = 8192,
     depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the data and the training.")] = 0,
@@ -46,12 +54,21 @@ def train_drafter(
             "conversations too: requests of the kinds and lengths people bring."
         ),
     ] = False,
+    start_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Start a new attention head from this chain head of the target (its block and vocabulary) instead "
+            "of from scratch."
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show progress bars.")] = True,
 ) -> None:
     """Train a draft head for the target on this machine: data the target writes itself, then the head."""
     for name, value in (("--rows", rows), ("--width", width), ("--vocab", vocab), ("--depth", depth)):
         if value < 1:
             raise ViasdError(f"{name} must be >= 1, got {value}")
+    if design not in DESIGNS:
+        raise ViasdError(f"--design must be one of {', '.join(DESIGNS)}, got {design!r}")
     if data_minutes < 0 or train_minutes < 0 or tokens < 0:
         raise ViasdError("--data-minutes, --train-minutes and --tokens must be >= 0")
     spec = engine_spec(target, target, quant=quant)
@@ -117,22 +134,36 @@ def train_drafter(
     if task_folder is not None and task_folder.shards():
         # The target's own conversations last: training holds out the last 5% of conversations, theirs.
         data = joined([task_folder.load()] * TASK_WEIGHT + [data])
-    settings = TrainSettings(width=width, vocab=vocab, depth=depth, seed=seed, seconds=train_minutes * 60)
+    # Attention: `batch` counts conversations; a head that starts from a trained chain head moves more gently.
+    shape = {"batch": 8, "lr": 2e-4 if start_from else 6e-4} if design == "attention" else {}
+    settings = TrainSettings(
+        design=design, width=width, vocab=vocab, depth=depth, seed=seed, seconds=train_minutes * 60, **shape
+    )
     stops = {
         int(t)
         for t in (loaded.tokenizer.eos_token_id, loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"))
         if isinstance(t, int)
     }
     model = loaded.model
+    start, checkpoint = None, home / ("checkpoint.pt" if design == "chain" else f"checkpoint-{design}.pt")
+    if start_from is not None:
+        from viasd.heads.find import find_head
+        from viasd.heads.network import DraftHead
+
+        found = find_head(model, start_from)
+        if not isinstance(found.head, DraftHead):
+            raise ViasdError(f"--start-from needs a chain head; {start_from} holds an attention head")
+        start, checkpoint = found.head, checkpoint.with_name(f"checkpoint-{design}-from-{found.digest[:12]}.pt")
     head, measured = train(
         data,
         model.get_input_embeddings().weight.detach(),
         model.get_output_embeddings().weight.detach(),
         settings,
-        Checkpoint(home / "checkpoint.pt"),
+        Checkpoint(checkpoint),
         stops,
         progress=progress,
         log=typer.echo,
+        start=start,
     )
     path = out or trained_head_path(fingerprint)
     info = {**settings.to_dict(), **measured, "data_view": view_name}

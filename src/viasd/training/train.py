@@ -8,6 +8,9 @@ the target sampled, weigh less than answers), plus a smooth-L1 pull of the head'
 feature at that position (EAGLE's regression term: a dense signal that small data needs). The head's first steps
 matter most, as every later draft needs them right: step d weighs 0.8^(d-1).
 
+The attention head (heads/attention.py) trains on whole conversations instead, each unrolled from every answer
+position at once (training/attention_unroll.py), with the same losses.
+
 A run is resumable at any point: the checkpoint (head, optimiser, step, seconds spent, random state) is written
 atomically every `every` seconds and at the end; a run started again continues from it, with the same settings.
 """
@@ -20,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn import functional
@@ -28,7 +31,15 @@ from tqdm import tqdm
 
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
+from viasd.heads.attention import AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead, HeadConfig
+from viasd.training.attention_unroll import (
+    conversation_bounds,
+    held_out_measures,
+    make_batch,
+    unrolled_loss,
+)
+from viasd.training.attention_unroll import unroll as unroll_conversations
 from viasd.training.dataset import TrainingSet
 
 
@@ -36,6 +47,7 @@ from viasd.training.dataset import TrainingSet
 class TrainSettings:
     """How a head is trained (a resume must use the same)."""
 
+    design: str = "chain"  # or "attention" (heads/attention.py): then `batch` counts conversations
     width: int = 1024
     blocks: int = 1
     vocab: int = 8192
@@ -150,6 +162,83 @@ def evaluate(head: DraftHead, target: Target, data: TrainingSet, ex: Examples, d
     }
 
 
+class Objective(Protocol):
+    """What a design trains on: a batch's loss, and what the head measures on held-out conversations."""
+
+    label_of: torch.Tensor
+    examples: int  # what one unit of `batch` counts: start positions, or conversations
+
+    def loss(self, head: Any) -> torch.Tensor: ...
+
+    def evaluate(self, head: Any) -> dict: ...
+
+
+class PositionObjective:
+    """The chain head's: unrolls from random feature rows (answers weigh 1, the target's sampled requests 0.3)."""
+
+    def __init__(
+        self, data: TrainingSet, target: Target, token_ids: torch.Tensor, settings: TrainSettings, rows: torch.Tensor
+    ) -> None:
+        self.data, self.target, self.settings = data, target, settings
+        self.train = examples(data, token_ids, rows)
+        self.held_out = self.train
+        self.label_of, self.examples = self.train.label_of, len(self.train.starts)
+        self.answer_weight = torch.where(data.answer, 1.0, 0.3)
+
+    def loss(self, head: DraftHead) -> torch.Tensor:
+        data, depth = self.data, self.settings.depth
+        batch = self.train.starts[torch.randint(len(self.train.starts), (self.settings.batch,))]
+        # float32 throughout: on CPUs without bf16 instructions bf16 products are slower, not faster.
+        logits, labels, regression = unroll(head, self.target, data, self.train, batch, depth)
+        at = data.feature_at[batch]
+        last = len(data.tokens) - 1
+        weights = torch.stack([self.answer_weight[(at + d + 1).clamp(max=last)] for d in range(1, depth + 1)])
+        return loss_of(logits.float(), labels, weights) + regression
+
+    def evaluate(self, head: DraftHead) -> dict:
+        return evaluate(head, self.target, self.data, self.held_out, self.settings.depth)
+
+
+class ConversationObjective:
+    """The attention head's: whole conversations unrolled at once (training/attention_unroll.py), in bf16 where
+    the CPU computes it natively (AMX, AVX-512 bf16), else float32."""
+
+    def __init__(
+        self, data: TrainingSet, target: Target, token_ids: torch.Tensor, settings: TrainSettings, trained: int
+    ) -> None:
+        self.data, self.target, self.settings = data, target, settings
+        self.answer_from, self.row_of = conversation_bounds(data)
+        self.trained = trained  # conversations [0, trained) train, the rest are held out
+        self.label_of = torch.full((target.embeddings.shape[0],), -1, dtype=torch.long)
+        self.label_of[token_ids] = torch.arange(len(token_ids))
+        self.examples = trained
+        self.token_ids = token_ids
+        self.dtype = torch.bfloat16 if native_bf16() else torch.float32
+
+    def loss(self, head: AttentionHead) -> torch.Tensor:
+        chosen = torch.randint(self.trained, (self.settings.batch,)).tolist()
+        batch = make_batch(self.data, self.row_of, self.answer_from, chosen, self.settings.depth)
+        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+            unrolled = unroll_conversations(head, self.target.embeddings, batch, self.settings.depth)
+            loss, _ = unrolled_loss(unrolled, batch, self.target.rows, self.label_of)
+        return loss
+
+    @torch.inference_mode()
+    def evaluate(self, head: AttentionHead) -> dict:
+        held = list(range(self.trained, self.data.conversations))
+        return held_out_measures(head, self.target.embeddings, self.target.rows, self.token_ids, self.data, held,
+                                 self.answer_from, self.row_of, self.settings.depth)  # fmt: skip
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AMX or AVX-512 bf16): there autocast to bf16 pays."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 class Checkpoint:
     """The training state in one file, written atomically."""
 
@@ -184,12 +273,17 @@ def train(
     checkpoint: Checkpoint,
     always: set[int],
     every: float = 120.0,
+    start: DraftHead | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
-) -> tuple[DraftHead, dict[str, Any]]:
-    """Train (or go on training) a head until the budget is spent; the head and what the training measured."""
+) -> tuple[DraftHead | AttentionHead, dict[str, Any]]:
+    """Train (or go on training) a head until the budget is spent; the head and what the training measured.
+
+    `start`: a trained chain head a new attention head begins as (its block and vocabulary)."""
     torch.manual_seed(settings.seed)
     state = checkpoint.load()
+    if state is not None:
+        state["settings"] = {"design": "chain", **state["settings"]}  # checkpoints from before the attention head
     if state is not None and state["settings"] != settings.to_dict():
         changed = sorted(k for k, v in settings.to_dict().items() if state["settings"].get(k) != v)
         if set(changed) - {"seconds", "steps"}:  # a budget may grow between runs
@@ -197,11 +291,22 @@ def train(
                 f"the checkpoint {checkpoint.path} was trained with other settings ({', '.join(changed)}): "
                 "train with the same ones, or remove it to start over"
             )
-    token_ids = state["token_ids"] if state is not None else head_vocabulary(data, settings.vocab, always)
-    config = HeadConfig(
-        hidden=data.features.shape[1], width=settings.width, blocks=settings.blocks, vocab=len(token_ids)
-    )
-    head = DraftHead(config, token_ids)
+    if state is not None:
+        token_ids = state["token_ids"]
+    elif start is not None:
+        token_ids = start.token_ids
+    else:
+        token_ids = head_vocabulary(data, settings.vocab, always)
+    hidden = data.features.shape[1]
+    head: DraftHead | AttentionHead
+    if settings.design == "attention":
+        head = AttentionHead(AttentionHeadConfig(hidden, width=settings.width, vocab=len(token_ids)), token_ids)
+    else:
+        head = DraftHead(HeadConfig(hidden, settings.width, settings.blocks, len(token_ids)), token_ids)
+    if start is not None and state is None:  # a new attention head begins as this chain head (heads/attention.py)
+        if not isinstance(head, AttentionHead) or start.config.blocks != 1 or start.config.width != settings.width:
+            raise ViasdError("--start-from takes a chain head of one block of the same --width, for --design attention")
+        head.block.load_state_dict(start.blocks[0].state_dict())
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     step, spent = 0, 0.0
     if state is not None:
@@ -214,11 +319,14 @@ def train(
     held_out = max(1, conversations // 20)  # the last 5% of conversations: never trained on
     split = int(data.starts[conversations - held_out])
     rows = torch.arange(len(data.feature_at))
-    train_ex = examples(data, token_ids, rows[data.feature_at < split])
-    test_ex = examples(data, token_ids, rows[data.feature_at >= split])
-    answer_weight = torch.where(data.answer, 1.0, 0.3)
-    covered = float((train_ex.label_of[data.tokens] >= 0).float().mean())
-    log(f"head: {len(token_ids)} tokens cover {covered:.1%} of the data; {len(train_ex.starts)} examples")
+    objective: Objective
+    if isinstance(head, AttentionHead):
+        objective = ConversationObjective(data, target, token_ids, settings, conversations - held_out)
+    else:
+        objective = PositionObjective(data, target, token_ids, settings, rows[data.feature_at < split])
+        objective.held_out = examples(data, token_ids, rows[data.feature_at >= split])
+    covered = float((objective.label_of[data.tokens] >= 0).float().mean())
+    log(f"head: {len(token_ids)} tokens cover {covered:.1%} of the data; {objective.examples} examples")
 
     def save() -> None:
         checkpoint.save(
@@ -248,14 +356,7 @@ def train(
             fraction = max(spent / settings.seconds, step / settings.steps if settings.steps else 0.0)
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / 100) * (1.0 - 0.9 * fraction)
-            batch = train_ex.starts[torch.randint(len(train_ex.starts), (settings.batch,))]
-            # float32 throughout: on CPUs without bf16 instructions bf16 products are slower, not faster.
-            logits, labels, regression = unroll(head, target, data, train_ex, batch, settings.depth)
-            at = data.feature_at[batch]
-            weights = torch.stack(
-                [answer_weight[(at + d + 1).clamp(max=len(data.tokens) - 1)] for d in range(1, settings.depth + 1)]
-            )
-            loss = loss_of(logits.float(), labels, weights) + regression
+            loss = objective.loss(head)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -271,7 +372,7 @@ def train(
     finally:
         bar.close()
         save()
-    measured = evaluate(head, target, data, test_ex, settings.depth)
+    measured = objective.evaluate(head)
     measured.update(
         {
             "steps": step,
@@ -279,7 +380,7 @@ def train(
             "coverage": round(covered, 4),
             "tokens": len(data.tokens),
             "conversations": conversations,
-            "epochs": round(step * settings.batch / max(1, len(train_ex.starts)), 3),
+            "epochs": round(step * settings.batch / max(1, objective.examples), 3),
             "this_run_seconds": round(time.monotonic() - began),
         }
     )
