@@ -14,7 +14,7 @@ from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_TARGET
 
 MAX_REQUEST, MAX_ANSWER = 64, 256  # tokens of a written request and of its answer
-DESIGNS = ("attention", "chain")
+DESIGNS = ("chain", "attention")
 TASK_WEIGHT = 3  # how many times the calibration tasks' conversations count in training (they are few)
 
 
@@ -36,10 +36,10 @@ def train_drafter(
     design: Annotated[
         str,
         typer.Option(
-            help="The head's design: attention (the chain head's step plus an attention over the sequence's entries) "
-            "or chain (the last feature only)."
+            help="The head's design: chain (drafts from the last feature) or attention (the chain head's step plus an "
+            "attention over the sequence's entries)."
         ),
-    ] = "attention",
+    ] = "chain",
     width: Annotated[int, typer.Option(help="The width of the head's residual block.")] = 1024,
     vocab: Annotated[int, typer.Option(help="Tokens the head can draft (the target's most written).")] = 8192,
     depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 4,
