@@ -201,3 +201,29 @@ def test_an_attention_head_started_from_a_chain_head_drafts_what_the_chain_head_
     with pytest.raises(ViasdError, match="same --width"):
         train(data, *borrowed(target), TrainSettings(**{**shape, "width": 16}, lr=0.0, steps=1),
               Checkpoint(tmp_path / "d.pt"), {2}, start=chain, **quiet)  # fmt: skip
+
+
+def test_train_drafter_trains_an_attention_head_and_refuses_bad_designs(tmp_path, monkeypatch):
+    """`--design attention` writes an attention head that drafting finds, `--start-from` an attention head or an
+    unknown design is one line."""
+    from typer.testing import CliRunner
+
+    from tiny import tiny_chat_tokenizer
+    from viasd.cli import app
+    from viasd.heads.find import trained_head_path
+    from viasd.models.loading import LoadedModel
+
+    tok = tiny_chat_tokenizer(320)
+    target = tiny_model("qwen2", vocab_size=320, hidden=64, dtype=torch.float32)
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("viasd.engine.load_model", lambda name, **_: LoadedModel(target, tok, name, name))
+    args = ["train-drafter", "--target", "tiny", "--width", "32", "--vocab", "64", "--depth", "2", "--rows", "4"]
+    args += ["--tokens", "300", "--no-progress", "--design", "attention"]
+    first = CliRunner().invoke(app, [*args, "--train-minutes", "0.02"])
+    assert first.exit_code == 0, first.output
+    path = trained_head_path(model_fingerprint(target))
+    assert isinstance(find_head(target).head, AttentionHead)
+    again = CliRunner().invoke(app, [*args, "--train-minutes", "0.02", "--start-from", str(path)])
+    assert again.exit_code == 2 and "--start-from needs a chain head" in again.output
+    bad = CliRunner().invoke(app, [*args, "--design", "tree"])
+    assert bad.exit_code == 2 and "--design must be one of chain, attention" in bad.output
