@@ -72,12 +72,17 @@ class Unrolled:
     labels: list[torch.Tensor]
 
 
-def unroll(head: AttentionHead, embeddings: torch.Tensor, batch: Batch, depth: int) -> Unrolled:
-    """Run the head `depth` draft steps from every row at once (training-time test)."""
+def unroll(
+    head: AttentionHead, embeddings: torch.Tensor, batch: Batch, depth: int, hide_request: bool = True
+) -> Unrolled:
+    """Run the head `depth` draft steps from every row at once (training-time test); `hide_request`: the request's
+    features are hidden, as drafting sees a prompt whose pass computed only its last row's."""
     b, t, _ = batch.features.shape
     rows = torch.arange(t)
     real = rows[None, :] < (batch.length[:, None] - 1)  # entry j needs x_{j+1}
-    seen = batch.have & (rows[None, :] >= (batch.answer_from[:, None] - 1)) & real
+    seen = batch.have & real
+    if hide_request:
+        seen = seen & (rows[None, :] >= (batch.answer_from[:, None] - 1))
     x = head.entries(batch.features, seen, embeddings[batch.tokens[:, 1 : t + 1]].float())
     q, k, v = head.project(x, rows)
     keys, values = head.expand(k), head.expand(v)
@@ -158,13 +163,14 @@ def held_out_measures(
     answer_from: torch.Tensor,
     row_of: torch.Tensor,
     depth: int,
+    hide_request: bool = True,
 ) -> dict:
     """Teacher-forced top-1 per step over every answer position of `conversations` (a token outside the head's
     vocabulary counts as missed), and the mean run of right drafts from step 1: what a chain of `depth` keeps."""
     hits, counts, runs = torch.zeros(depth), torch.zeros(depth), []
     for first in range(0, len(conversations), 4):
         batch = make_batch(data, row_of, answer_from, conversations[first : first + 4], depth)
-        unrolled = unroll(head, embeddings, batch, depth)
+        unrolled = unroll(head, embeddings, batch, depth, hide_request)
         full = unrolled.labels[-1] >= 0  # rows with all `depth` labels
         right = []
         for k in range(depth):
