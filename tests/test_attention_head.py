@@ -35,9 +35,11 @@ def random_attention_head(hidden: int, vocab: int, seed: int = 0, scale: float =
     return head
 
 
-def test_the_cache_and_its_draft_steps_compute_what_training_unrolls():
+@pytest.mark.parametrize("hide_request", [True, False])
+def test_the_cache_and_its_draft_steps_compute_what_training_unrolls(hide_request):
     """States from the cache (entries added in uneven blocks, cut and recomputed) and its draft entries equal the
-    training-time test's states for every start row and step of two conversations of a padded batch (float64)."""
+    training-time test's states for every start row and step of two conversations of a padded batch (float64), with
+    the request's features hidden (as drafting sees a prompt) or seen."""
     hidden, vocab, depth = 16, 12, 3
     head = random_attention_head(hidden, vocab, scale=0.3)
     generator = torch.Generator().manual_seed(1)
@@ -49,9 +51,9 @@ def test_the_cache_and_its_draft_steps_compute_what_training_unrolls():
     have = torch.ones(2, longest, dtype=torch.bool)
     have[0, 3] = False  # a request position without a feature: hidden either way
     batch = Batch(features, have, tokens, torch.tensor(lengths), torch.tensor(answers))
-    unrolled = unroll(head, embeddings, batch, depth)
+    unrolled = unroll(head, embeddings, batch, depth, hide_request)
     for c, (length, answer_from) in enumerate(zip(lengths, answers, strict=True)):
-        seen = [bool(have[c, j]) and j >= answer_from - 1 for j in range(length)]
+        seen = [bool(have[c, j]) and (j >= answer_from - 1 or not hide_request) for j in range(length)]
         for origin in range(answer_from - 1, length - depth - 1):
             cache = AttentionCache(head)
             for begin, end in ((0, 2), (2, 7), (7, origin + 1)):  # uneven blocks, as rounds add entries
