@@ -121,10 +121,10 @@ def unroll(
 
 def unrolled_loss(
     unrolled: Unrolled, batch: Batch, head_rows: torch.Tensor, label_of: torch.Tensor, decay: float = 0.8
-) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+) -> torch.Tensor:
     """Cross-entropy over the head's vocabulary per step (weighted decay^k) plus a smooth-L1 pull of each state
-    towards the target's feature it stands for; and (right, counted) top-1 per step."""
-    total, weight_sum, scored = torch.zeros(()), 0.0, []
+    towards the target's feature it stands for."""
+    total, weight_sum = torch.zeros(()), 0.0
     t = batch.features.shape[1]
     rows = torch.arange(t)
     for k, (state, label) in enumerate(zip(unrolled.states, unrolled.labels, strict=True)):
@@ -133,7 +133,6 @@ def unrolled_loss(
         where = where & (target >= 0)
         chosen = state[where]
         if not len(chosen):
-            scored.append((0, 0))
             continue
         logits = chosen @ head_rows.T
         wanted = target[where]
@@ -149,8 +148,7 @@ def unrolled_loss(
         )
         total = total + decay**k * (ce + regression)
         weight_sum += decay**k
-        scored.append((int((logits.argmax(-1) == wanted).sum()), len(wanted)))
-    return total / max(weight_sum, 1e-9), scored
+    return total / max(weight_sum, 1e-9)
 
 
 def held_out_measures(

@@ -33,6 +33,7 @@ from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.heads.attention import AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead, HeadConfig
+from viasd.kernels.cpu import cpu_flags
 from viasd.training.attention_unroll import (
     conversation_bounds,
     held_out_measures,
@@ -177,11 +178,17 @@ class PositionObjective:
     """The chain head's: unrolls from random feature rows (answers weigh 1, the target's sampled requests 0.3)."""
 
     def __init__(
-        self, data: TrainingSet, target: Target, token_ids: torch.Tensor, settings: TrainSettings, rows: torch.Tensor
+        self,
+        data: TrainingSet,
+        target: Target,
+        token_ids: torch.Tensor,
+        settings: TrainSettings,
+        rows: torch.Tensor,
+        held_out: torch.Tensor,
     ) -> None:
         self.data, self.target, self.settings = data, target, settings
         self.train = examples(data, token_ids, rows)
-        self.held_out = self.train
+        self.held_out = examples(data, token_ids, held_out)
         self.label_of, self.examples = self.train.label_of, len(self.train.starts)
         self.answer_weight = torch.where(data.answer, 1.0, 0.3)
 
@@ -220,7 +227,7 @@ class ConversationObjective:
         batch = make_batch(self.data, self.row_of, self.answer_from, chosen, self.settings.depth)
         with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
             unrolled = unroll_conversations(head, self.target.embeddings, batch, self.settings.depth)
-            loss, _ = unrolled_loss(unrolled, batch, self.target.rows, self.label_of)
+            loss = unrolled_loss(unrolled, batch, self.target.rows, self.label_of)
         return loss
 
     @torch.inference_mode()
@@ -232,11 +239,7 @@ class ConversationObjective:
 
 def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (AMX or AVX-512 bf16): there autocast to bf16 pays."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 class Checkpoint:
@@ -323,8 +326,8 @@ def train(
     if isinstance(head, AttentionHead):
         objective = ConversationObjective(data, target, token_ids, settings, conversations - held_out)
     else:
-        objective = PositionObjective(data, target, token_ids, settings, rows[data.feature_at < split])
-        objective.held_out = examples(data, token_ids, rows[data.feature_at >= split])
+        trained = data.feature_at < split
+        objective = PositionObjective(data, target, token_ids, settings, rows[trained], rows[~trained])
     covered = float((objective.label_of[data.tokens] >= 0).float().mean())
     log(f"head: {len(token_ids)} tokens cover {covered:.1%} of the data; {objective.examples} examples")
 
