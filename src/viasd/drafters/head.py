@@ -18,6 +18,7 @@ from torch import nn
 from viasd.drafters.base import Proposal, stops_after
 from viasd.heads.attention import AttentionCache, AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead
+from viasd.kernels.cpu import native_bf16
 from viasd.passes.features import FeatureStore
 from viasd.passes.session import KVSession, common_prefix_length
 from viasd.verify.sampling import SamplingParams, adjusted, sample, soft_probs, warp_probs
@@ -26,16 +27,27 @@ CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; m
 EXTEND_ROWS = 512  # the attention head's entries computed at once (a long prompt's in blocks)
 
 
+def head_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """What a head computes in. A draft step is a few matrix-vector products that stream the head's weights and its
+    rows of the output head (about 90 MB in float32), so on a CPU it is memory-bound: bf16 where the CPU multiplies
+    it natively (AMX, AVX-512 bf16), else float32, which torch runs faster than bf16 there (measured on an AVX-512
+    CPU without bf16: 24 against 29 ms per step)."""
+    if device.type != "cpu":
+        return stored
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
 class HeadDrafter:
     """A draft head on one target: the target's embeddings are shared, its output head's rows of the head's
     vocabulary gathered once, and the head's own (small) weights held in the dtype it computes in."""
 
-    def __init__(self, head: DraftHead | AttentionHead, target: nn.Module, name: str = "head") -> None:
+    def __init__(
+        self, head: DraftHead | AttentionHead, target: nn.Module, name: str = "head", dtype: torch.dtype | None = None
+    ) -> None:
         self.name = name
         rows = target.get_output_embeddings().weight  # type: ignore[operator]
-        # On a CPU the head computes in float32: its products are a few small matrix-vector ones, which torch runs
-        # faster in float32 than in bf16 on CPUs without bf16 instructions (measured: 24 against 29 ms per step).
-        dtype = torch.float32 if rows.device.type == "cpu" else next(head.parameters()).dtype
+        if dtype is None:
+            dtype = head_dtype(rows.device, next(head.parameters()).dtype)
         self.head = copy.deepcopy(head).to(device=rows.device, dtype=dtype)
         self.embeddings = target.get_input_embeddings()  # type: ignore[operator]
         self.rows = rows.detach()[head.token_ids.to(rows.device)].to(dtype).contiguous()  # [vocab, hidden]

@@ -32,3 +32,8 @@ def cpu_flags() -> frozenset[str]:
 def cpu_model() -> str | None:
     """The CPU's model name, e.g. `Intel(R) Xeon(R) Processor`; None where the system does not say."""
     return _cpuinfo_field("model name") or None
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AMX or AVX-512 bf16): there bf16 products pay."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})

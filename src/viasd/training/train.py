@@ -33,7 +33,7 @@ from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.heads.attention import AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead, HeadConfig
-from viasd.kernels.cpu import cpu_flags
+from viasd.kernels.cpu import native_bf16
 from viasd.training.attention_unroll import (
     conversation_bounds,
     held_out_measures,
@@ -235,11 +235,6 @@ class ConversationObjective:
         held = list(range(self.trained, self.data.conversations))
         return held_out_measures(head, self.target.embeddings, self.target.rows, self.token_ids, self.data, held,
                                  self.answer_from, self.row_of, self.settings.depth)  # fmt: skip
-
-
-def native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 natively (AMX or AVX-512 bf16): there autocast to bf16 pays."""
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 class Checkpoint:
