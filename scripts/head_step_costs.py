@@ -1,6 +1,6 @@
-"""What one draft step of the target's head costs, by the dtype it computes in: the head's step and its scores over
-its vocabulary (the target's output rows), as `HeadDrafter` runs them, dtypes interleaved in a shuffled order per
-repeat; the median per dtype in milliseconds. Memory-bound on a CPU: the bytes a step streams are printed beside.
+"""What one draft step of the target's head costs, by what it computes in (int8, bf16, float32): the head's step and
+its scores over its vocabulary (the target's output rows), as `HeadDrafter` runs them, interleaved in a shuffled
+order per repeat; the median of each in milliseconds. Memory-bound on a CPU: the bytes a step streams are beside.
 
     python scripts/head_step_costs.py                  # the shipped (or trained) head of the default target
     python scripts/head_step_costs.py --repeats 400 --head H.safetensors
@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from viasd.drafters.head import HeadDrafter, head_dtype
+from viasd.drafters.head import HeadDrafter, head_compute
 from viasd.engine import Engine, EngineSpec
 from viasd.heads.find import find_head
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COMPUTES = ("int8", "bfloat16", "float32")
 
 
 def main() -> None:
@@ -32,8 +32,8 @@ def main() -> None:
     args = parser.parse_args()
     model = Engine(EngineSpec()).target.model
     head = find_head(model, args.head).head
-    drafters = {name: HeadDrafter(head, model, dtype=dtype) for name, dtype in DTYPES.items()}
-    hidden = drafters["float32"].rows.shape[1]
+    drafters = {name: HeadDrafter(head, model, compute=name) for name in COMPUTES}
+    hidden = drafters["float32"].hidden
     start = torch.randn(hidden) * 2
     tokens = torch.randint(0, drafters["float32"].vocab_size, (args.steps,)).tolist()
     times: dict[str, list[float]] = {name: [] for name in drafters}
@@ -43,19 +43,20 @@ def main() -> None:
             random.shuffle(order)
             for name in order:
                 drafter = drafters[name]
-                state = start.to(drafter.rows.dtype)
+                state = start.to(drafter.dtype)
                 began = time.perf_counter()
                 for token in tokens:
-                    scores = (drafter.rows @ state).float()
-                    state = drafter.head.step(state, drafter.embeddings.weight[token].to(drafter.rows.dtype))
+                    scores = drafter.logits(state)
+                    state = drafter.head.step(state, drafter.embed(token))
                 scores.argmax()
                 if repeat >= 5:  # the first few warm caches and allocators
                     times[name].append((time.perf_counter() - began) / args.steps)
-    default = head_dtype(torch.device("cpu"), torch.bfloat16)
+    default = head_compute(torch.device("cpu"), torch.bfloat16, head, hidden)
     print(f"a draft step of {head.config.vocab} tokens; this CPU's default: {default}")
-    for name, drafter in drafters.items():
-        weights = sum(p.numel() for p in drafter.head.parameters()) + drafter.rows.numel()
-        megabytes = weights * drafter.rows.element_size() / 1e6
+    weights = sum(p.numel() for p in head.parameters()) + head.config.vocab * hidden
+    for name in drafters:
+        # int8: a byte per weight and a float32 scale per group of 32
+        megabytes = weights * ({"int8": 1 + 4 / 32, "bfloat16": 2, "float32": 4}[name]) / 1e6
         print(f"{name}: {statistics.median(times[name]) * 1e3:.2f} ms per step, {megabytes:.0f} MB streamed")
 
 

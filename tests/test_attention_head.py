@@ -76,7 +76,7 @@ def fresh_cache(drafter: HeadDrafter, tokens: list[int], entries: int) -> Attent
     store = drafter.target.features
     cache = AttentionCache(drafter.head)
     have = torch.tensor([p < store.known and store.have[p] for p in range(entries)])
-    rows = torch.zeros(entries, drafter.rows.shape[1], dtype=drafter.rows.dtype)
+    rows = torch.zeros(entries, drafter.hidden, dtype=drafter.dtype)
     rows[have] = store.rows[:entries][have].to(rows.dtype)
     embedded = drafter.embeddings.weight[tokens[1 : entries + 1]].to(rows.dtype)
     cache.extend(rows, have, embedded, tokens[1 : entries + 1])

@@ -17,7 +17,10 @@ from torch import nn
 
 from viasd.drafters.base import Proposal, stops_after
 from viasd.heads.attention import AttentionCache, AttentionHead, AttentionHeadConfig
+from viasd.heads.int8 import fits, int8_head, int8_weights
 from viasd.heads.network import DraftHead
+from viasd.kernels import w8a8
+from viasd.kernels.build import Library
 from viasd.kernels.cpu import native_bf16
 from viasd.passes.features import FeatureStore
 from viasd.passes.session import KVSession, common_prefix_length
@@ -27,30 +30,47 @@ CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; m
 EXTEND_ROWS = 512  # the attention head's entries computed at once (a long prompt's in blocks)
 
 
-def head_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
-    """What a head computes in. A draft step is a few matrix-vector products that stream the head's weights and its
-    rows of the output head (about 90 MB in float32), so on a CPU it is memory-bound: bf16 where the CPU multiplies
-    it natively (AMX, AVX-512 bf16), else float32, which torch runs faster than bf16 there (measured on an AVX-512
-    CPU without bf16: 24 against 29 ms per step)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def head_compute(device: torch.device, stored: torch.dtype, head: nn.Module, hidden: int) -> str:
+    """What a head computes in: `int8` or a dtype's name. A draft step is a few matrix-vector products that stream
+    the head's weights and its rows of the output head (about 80 MB in float32), so on a CPU it is memory-bound:
+    int8 where viasd's 8-bit kernel runs (heads/int8.py: 0.88 against 1.95 ms per step on an AMX Xeon), else bf16
+    where the CPU multiplies it natively (AMX, AVX-512 bf16), else float32, which torch runs faster than bf16 there
+    (measured on an AVX-512 CPU without bf16: 24 against 29 ms per step). Elsewhere (a GPU): as stored."""
     if device.type != "cpu":
-        return stored
-    return torch.bfloat16 if native_bf16() else torch.float32
+        return str(stored).removeprefix("torch.")
+    if isinstance(w8a8.kernel(), Library) and fits(head, hidden):
+        return "int8"
+    return "bfloat16" if native_bf16() else "float32"
 
 
 class HeadDrafter:
     """A draft head on one target: the target's embeddings are shared, its output head's rows of the head's
-    vocabulary gathered once, and the head's own (small) weights held in the dtype it computes in."""
+    vocabulary gathered once, and the head's own (small) weights held as it computes (`compute`: `int8`, heads/int8.py,
+    or a dtype's name; default: `head_compute`'s choice for the target's device)."""
 
     def __init__(
-        self, head: DraftHead | AttentionHead, target: nn.Module, name: str = "head", dtype: torch.dtype | None = None
+        self, head: DraftHead | AttentionHead, target: nn.Module, name: str = "head", compute: str | None = None
     ) -> None:
         self.name = name
         rows = target.get_output_embeddings().weight  # type: ignore[operator]
-        if dtype is None:
-            dtype = head_dtype(rows.device, next(head.parameters()).dtype)
-        self.head = copy.deepcopy(head).to(device=rows.device, dtype=dtype)
+        hidden = int(rows.shape[1])
+        self.compute = compute or head_compute(rows.device, next(head.parameters()).dtype, head, hidden)
+        if self.compute not in (*DTYPES, "int8"):
+            raise ValueError(f"a head computes in int8 or one of {', '.join(DTYPES)}, not {self.compute!r}")
+        mine = rows.detach()[head.token_ids.to(rows.device)]  # [vocab, hidden]
+        self.dtype = torch.float32 if self.compute == "int8" else DTYPES[self.compute]
+        self.head: DraftHead | AttentionHead
+        if self.compute == "int8":
+            self.head = int8_head(head)  # type: ignore[assignment]  (its linear layers swapped, same class)
+            self.rows: torch.Tensor | w8a8.EightBitWeights = int8_weights(mine)
+        else:
+            self.head = copy.deepcopy(head).to(device=rows.device, dtype=self.dtype)
+            self.rows = mine.to(self.dtype).contiguous()
+        self.hidden = hidden
         self.embeddings = target.get_input_embeddings()  # type: ignore[operator]
-        self.rows = rows.detach()[head.token_ids.to(rows.device)].to(dtype).contiguous()  # [vocab, hidden]
         self.vocab_size = int(rows.shape[0])
         self.target: KVSession | None = None
         self.cache = AttentionCache(self.head) if isinstance(self.head, AttentionHead) else None
@@ -68,7 +88,7 @@ class HeadDrafter:
             shape = f"attention, {config.heads} heads, MLP {config.width}"
         else:
             shape = f"{config.blocks} x {config.width}"
-        return f"{self.name} (draft head: {shape}, {config.vocab} tokens)"
+        return f"{self.name} (draft head: {shape}, {config.vocab} tokens, {self.compute})"
 
     def follow(self, target: KVSession) -> None:
         """Draft from the features of `target`'s passes (the decoder's session of the target)."""
@@ -92,9 +112,9 @@ class HeadDrafter:
             return None
         if self.cache is not None:
             return self._start_attention(context, session.features, valid)
-        state = session.features.row(position).to(self.rows.dtype)
+        state = session.features.row(position).to(self.dtype)
         for token in context[position + 1 :]:
-            state = self.head.step(state, self.embeddings.weight[token].to(self.rows.dtype))
+            state = self.head.step(state, self.embed(token))
             self.forward_passes += 1
         return state
 
@@ -115,11 +135,11 @@ class HeadDrafter:
         for begin in range(keep, need, EXTEND_ROWS):  # long prompts in blocks: the scores are [rows, length]
             end = min(begin + EXTEND_ROWS, need)
             flags = torch.tensor(have[begin:end], dtype=torch.bool)
-            rows = torch.zeros(end - begin, self.rows.shape[1], dtype=self.rows.dtype)
+            rows = torch.zeros(end - begin, self.hidden, dtype=self.dtype)
             if bool(flags.any()):
                 assert store.rows is not None
-                rows[flags] = store.rows[begin:end][flags].to(self.rows.dtype)
-            embedded = self.embeddings.weight[context[begin + 1 : end + 1]].to(self.rows.dtype)
+                rows[flags] = store.rows[begin:end][flags].to(self.dtype)
+            embedded = self.embeddings.weight[context[begin + 1 : end + 1]].to(self.dtype)
             cache.extend(rows, flags, embedded, context[begin + 1 : end + 1])
             self.forward_passes += 1
         assert cache.last_state is not None
@@ -127,7 +147,7 @@ class HeadDrafter:
 
     def _advance(self, state: torch.Tensor, token: int, chain: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """The state after drafting `token` from `state`."""
-        embedded = self.embeddings.weight[token].to(self.rows.dtype)
+        embedded = self.embed(token)
         self.forward_passes += 1
         if self.cache is not None:
             return self.cache.draft(state, embedded, chain)
@@ -149,7 +169,7 @@ class HeadDrafter:
             tops: list[float] = []
             chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # the attention head's draft entries
             for i in range(k):
-                scores = self._scores(state)  # [1, vocab]: the head's own tokens only
+                scores = self.logits(state)  # [1, vocab]: the head's own tokens only
                 if params.adjusts:  # adjusted over the whole vocabulary, the head's tokens kept
                     dense = adjusted(self._dense(scores, float("-inf")), params, context, tokens)
                     scores = dense[:, self.head.token_ids]
@@ -167,9 +187,15 @@ class HeadDrafter:
         self.pass_seconds += time.perf_counter() - start
         return Proposal(tokens, torch.cat(probs) if probs else None, torch.cat(soft), self.name, tops)
 
-    def _scores(self, state: torch.Tensor) -> torch.Tensor:
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits [1, vocab] of the head's tokens: the target's output head, its rows of the head's vocabulary."""
+        if isinstance(self.rows, w8a8.EightBitWeights):
+            return w8a8.product(state.reshape(1, -1), self.rows)
         return (self.rows @ state).float()[None]
+
+    def embed(self, token: int) -> torch.Tensor:
+        """The target's embedding of `token`, in the dtype the head computes in."""
+        return self.embeddings.weight[token].to(self.dtype)
 
     def _dense(self, values: torch.Tensor, fill: float) -> torch.Tensor:
         """Rows over the head's tokens [1, vocab] spread over the whole vocabulary [1, V], `fill` elsewhere."""
