@@ -85,3 +85,23 @@ def test_the_default_is_int8_only_where_the_kernel_runs_and_the_shapes_fit(monke
 def test_an_unknown_compute_is_refused_by_name():
     with pytest.raises(ValueError, match="'int4'"):
         HeadDrafter(random_head(64, 64), tiny_model("qwen2"), compute="int4")
+
+
+def test_the_head_compute_option_reaches_the_drafter(monkeypatch, tmp_path):
+    """`head_compute` is honoured (the drafter computes as named), and without it the machine's default holds."""
+    from test_auto import engine
+    from viasd.heads.file import save_head
+    from viasd.heads.find import trained_head_path
+    from viasd.models.fingerprint import model_fingerprint
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    built = engine()
+    fingerprint = model_fingerprint(built.target.model)
+    head = random_head(64, 64, dtype=torch.float32)
+    save_head(trained_head_path(fingerprint), head, fingerprint, "v", {})
+    for compute in COMPUTES:
+        assert built.decoder(f"sd:drafter=head:head_compute={compute}").drafter.compute == compute
+    hybrid = built.decoder("sd:drafter=lookup+head:head_compute=float32").drafter
+    assert hybrid.model.compute == "float32"
+    default = head_compute(torch.device("cpu"), torch.float32, head, 64)
+    assert built.decoder("sd:drafter=head").drafter.compute == default

@@ -39,8 +39,8 @@ def test_plain_names_and_variants_parse():
         ("sd:depth=3", "key one of gamma, cap, profile, pregate, kind, quant, drafter_quant, lookup, stop"),
         (
             "sd:cap=4",
-            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, head, quant, "
-            "drafter_quant)",
+            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, head, head_compute, "
+            "quant, drafter_quant)",
         ),
         ("sd:budget=0.1", "option 'budget' needs drafter=hybrid"),
         ("sd:drafter=hybrid:budget=-1", "budget must be a number >= 0, got -1.0"),
@@ -56,6 +56,8 @@ def test_plain_names_and_variants_parse():
         ("via:copy=8", "option 'copy' needs drafter=lookup, hybrid or lookup+head"),
         ("sd:drafter=head:match=2", "option 'match' needs drafter=lookup, hybrid or lookup+head"),
         ("sd:head=h.safetensors", "option 'head' needs drafter=head or drafter=lookup+head"),
+        ("sd:head_compute=int8", "option 'head_compute' needs drafter=head or drafter=lookup+head"),
+        ("sd:drafter=head:head_compute=int4", "head_compute must be one of int8, bfloat16, float32, got 'int4'"),
         ("sd:drafter=head:drafter_quant=int4", "option 'drafter_quant' needs a drafter model (a head has none)"),
         ("sd:drafter=lookup:stop=0.3", "option 'stop' needs a model drafter"),
         ("sd:drafter=hybrid:match=0", "match must be in 1..16, got 0"),

@@ -215,6 +215,12 @@ OPTIONS: dict[str, Option] = {
         ),
         Option("head", _path, "the draft head file of drafter=head (default: the one trained here, or shipped)"),
         Option(
+            "head_compute",
+            _choice("int8", "bfloat16", "float32"),
+            "what the draft head computes in (default on a CPU: int8 where viasd's 8-bit kernel runs, else bfloat16 "
+            "where the CPU multiplies it natively, else float32)",
+        ),
+        Option(
             "match",
             _int_in(1, 16),
             f"shortest n-gram match that prompt lookup copies from (lookup: {LOOKUP_MATCH}, hybrid: {HYBRID_MATCH})",
@@ -348,7 +354,7 @@ def _head_drafter(parts: Parts, spec: MethodSpec) -> Drafter | None:
     except ViasdError as error:
         print(f"{spec.name}: {error}; drafting with the next-best drafter instead", file=sys.stderr)
         return None
-    return HeadDrafter(found.head, parts.target.model)
+    return HeadDrafter(found.head, parts.target.model, compute=spec.get("head_compute"))
 
 
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:
@@ -549,7 +555,7 @@ METHODS: dict[str, Method] = {
             "sd",
             "classic speculative decoding with the small drafter model (exact)",
             _sd,
-            ("gamma", "stop", "drafter", "match", "copy", "budget", "head", "quant", "drafter_quant"),
+            ("gamma", "stop", "drafter", "match", "copy", "budget", "head", "head_compute", "quant", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
@@ -580,6 +586,7 @@ METHODS: dict[str, Method] = {
                 "copy",
                 "budget",
                 "head",
+                "head_compute",
                 "drafter_quant",
             ),
             uses_drafter=True,
@@ -590,7 +597,19 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd:quant=none)",
             _via,
-            ("gamma", "cap", "profile", "stop", "drafter", "match", "copy", "budget", "head", "drafter_quant"),
+            (
+                "gamma",
+                "cap",
+                "profile",
+                "stop",
+                "drafter",
+                "match",
+                "copy",
+                "budget",
+                "head",
+                "head_compute",
+                "drafter_quant",
+            ),
             uses_drafter=True,
             target="dense",
         ),
@@ -665,8 +684,9 @@ def _check_drafter_options(name: str, method: Method, options: Mapping[str, Any]
             raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup, hybrid or lookup+head")
     if "budget" in options and drafter != "hybrid":
         raise ViasdError(f"method {name!r}: option 'budget' needs drafter=hybrid")
-    if "head" in options and drafter not in HEAD_DRAFTERS:
-        raise ViasdError(f"method {name!r}: option 'head' needs drafter=head or drafter=lookup+head")
+    for key in ("head", "head_compute"):
+        if key in options and drafter not in HEAD_DRAFTERS:
+            raise ViasdError(f"method {name!r}: option {key!r} needs drafter=head or drafter=lookup+head")
     if "drafter_quant" in options and drafter in HEAD_DRAFTERS:
         raise ViasdError(f"method {name!r}: option 'drafter_quant' needs a drafter model (a head has none)")
     if "stop" in options and drafter == "lookup":
