@@ -13,6 +13,7 @@ Shapes: chains of 1-4, the chain that stops after a draft whose top probability 
 drafts), static trees, and that chain with the next-ranked siblings of its last draft (a tree that branches only
 where the head is unsure). Positions are those where the head drafts in `sd:drafter=lookup+head` (no 3-gram prompt
 lookup match); `--all` takes every answer position. `--costs flat` asks a machine whose rows cost nothing up to 16.
+Measure a head on answers it never trained on: its ranks on its own training data say nothing.
 
     python scripts/tree_drafts.py --data ~/.cache/viasd/heads/<fingerprint>/data-tasks
     python scripts/tree_drafts.py --data ... --costs flat
