@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 # What the `drafter` option of sd and via may name; the head ones need no drafter model (heads/, drafters/head.py).
 DRAFTERS = ("model", "lookup", "hybrid", "head", "lookup+head")
 HEAD_DRAFTERS = ("head", "lookup+head")
+# The options of a method that drafts (sd, via, via-exact), in the order messages list them.
+DRAFTING_OPTIONS = ("stop", "drafter", "match", "copy", "budget", "head", "head_compute")
 # sd's draft stop threshold, chosen from counts on the development prompts (BENCHMARKS.md, "Drafts that adapt"):
 # it cuts the drafts that no verifier looks at from 21.5% to 7.3% and is estimated 1.11x faster in decoding.
 DEFAULT_STOP = 0.5
@@ -555,7 +557,7 @@ METHODS: dict[str, Method] = {
             "sd",
             "classic speculative decoding with the small drafter model (exact)",
             _sd,
-            ("gamma", "stop", "drafter", "match", "copy", "budget", "head", "head_compute", "quant", "drafter_quant"),
+            ("gamma", *DRAFTING_OPTIONS, "quant", "drafter_quant"),
             uses_drafter=True,
         ),
         Method(
@@ -574,21 +576,7 @@ METHODS: dict[str, Method] = {
             "via",
             "VIA-SD: drafter -> slim verifier (target with layers skipped) -> full target, gated per token (relaxed)",
             _via,
-            (
-                "gamma",
-                "cap",
-                "profile",
-                "pregate",
-                "kind",
-                "stop",
-                "drafter",
-                "match",
-                "copy",
-                "budget",
-                "head",
-                "head_compute",
-                "drafter_quant",
-            ),
+            ("gamma", "cap", "profile", "pregate", "kind", *DRAFTING_OPTIONS, "drafter_quant"),
             uses_drafter=True,
             exact=False,
             target="dense",
@@ -597,19 +585,7 @@ METHODS: dict[str, Method] = {
             "via-exact",
             "VIA-SD machinery with every token sent to the full target (equals sd:quant=none)",
             _via,
-            (
-                "gamma",
-                "cap",
-                "profile",
-                "stop",
-                "drafter",
-                "match",
-                "copy",
-                "budget",
-                "head",
-                "head_compute",
-                "drafter_quant",
-            ),
+            ("gamma", "cap", "profile", *DRAFTING_OPTIONS, "drafter_quant"),
             uses_drafter=True,
             target="dense",
         ),
