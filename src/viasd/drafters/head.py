@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def head_compute(device: torch.device, stored: torch.dtype, head: nn.Module, hidden: int) -> str:
     """What a head computes in: `int8` or a dtype's name. A draft step is a few matrix-vector products that stream
     the head's weights and its rows of the output head (about 80 MB in float32), so on a CPU it is memory-bound:
-    int8 where viasd's 8-bit kernel runs (heads/int8.py: 0.88 against 1.95 ms per step on an AMX Xeon), else bf16
+    int8 where viasd's 8-bit kernel runs (heads/int8.py: 1.05 against 2.42 ms per step on an AMX Xeon), else bf16
     where the CPU multiplies it natively (AMX, AVX-512 bf16), else float32, which torch runs faster than bf16 there
     (measured on an AVX-512 CPU without bf16: 24 against 29 ms per step). Elsewhere (a GPU): as stored."""
     if device.type != "cpu":
