@@ -105,3 +105,12 @@ def test_the_head_compute_option_reaches_the_drafter(monkeypatch, tmp_path):
     assert hybrid.model.compute == "float32"
     default = head_compute(torch.device("cpu"), torch.float32, head, 64)
     assert built.decoder("sd:drafter=head").drafter.compute == default
+
+
+def test_int8_drafting_where_it_cannot_run_is_refused_in_one_line():
+    """A hidden size that is not whole groups of 32 cannot take the 8-bit kernel's layout: a clear error, not a
+    half-built drafter."""
+    target = tiny_model("qwen2", hidden=48)
+    with pytest.raises(ValueError, match="groups of 32"):
+        HeadDrafter(random_head(48, 64), target, compute="int8")
+    assert HeadDrafter(random_head(48, 64), target).compute != "int8"  # the default falls back by itself

@@ -356,7 +356,10 @@ def _head_drafter(parts: Parts, spec: MethodSpec) -> Drafter | None:
     except ViasdError as error:
         print(f"{spec.name}: {error}; drafting with the next-best drafter instead", file=sys.stderr)
         return None
-    return HeadDrafter(found.head, parts.target.model, compute=spec.get("head_compute"))
+    try:
+        return HeadDrafter(found.head, parts.target.model, compute=spec.get("head_compute"))
+    except ValueError as error:  # head_compute=int8 where the head or device cannot take it
+        raise ViasdError(f"method {spec.name!r}: option 'head_compute': {error}") from None
 
 
 def _plain(parts: Parts, spec: MethodSpec) -> Decoder:

@@ -60,6 +60,8 @@ class HeadDrafter:
         self.compute = compute or head_compute(rows.device, next(head.parameters()).dtype, head, hidden)
         if self.compute not in (*DTYPES, "int8"):
             raise ValueError(f"a head computes in int8 or one of {', '.join(DTYPES)}, not {self.compute!r}")
+        if self.compute == "int8" and (rows.device.type != "cpu" or not fits(head, hidden)):
+            raise ValueError("int8 drafting needs a target on the CPU and a head whose products take groups of 32")
         mine = rows.detach()[head.token_ids.to(rows.device)]  # [vocab, hidden]
         self.dtype = torch.float32 if self.compute == "int8" else DTYPES[self.compute]
         self.head: DraftHead | AttentionHead
