@@ -3,8 +3,9 @@
 On a CPU: grouped-query attention of short passes packs each key/value head's query heads into one block
 (passes/packed_attention.py), and bf16 Linear layers compute through viasd's kernel where the CPU lacks bf16 matrix
 instructions (passes/bf16_linear.py). Both keep the model's modules, weights and names; other devices are left as
-they are. Whether viasd's loop runs the model is read then too, once (passes/loop.py `covers`), and whether the
-fused stack computes its layers (passes/fused.py `why_not`).
+they are. A model on a CPU also has the process keep the memory its passes free (passes/allocator.py). Whether
+viasd's loop runs the model is read then too, once (passes/loop.py `covers`), and whether the fused stack computes
+its layers (passes/fused.py `why_not`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from viasd.passes import fused
+from viasd.passes.allocator import keep_freed_memory
 from viasd.passes.bf16_linear import use_bf16_kernel
 from viasd.passes.loop import remember_covers
 from viasd.passes.packed_attention import use_packed_attention
@@ -22,5 +24,7 @@ def prepare(model: nn.Module) -> nn.Module:
     use_bf16_kernel(model)  # bf16 on a CPU without bf16 matrix instructions: blocks as cheap as one token
     use_packed_attention(model)  # grouped-query attention of short passes on a CPU: one query block per group
     remember_covers(model)  # whether viasd's loop runs it, read while no view is applied (passes/loop.py)
+    if next(model.parameters()).device.type == "cpu":
+        keep_freed_memory()  # a prompt's activations reuse hot pages instead of faulting fresh ones in
     fused.remember(model)  # whether the fused stack computes its layers (its family: passes/fused.py `why_not`)
     return model
