@@ -65,6 +65,14 @@ def test_a_quantized_views_prompt_reads_its_head_with_the_models_weights_alone_a
         (0, 32, 1, True, Stack.MODEL, QUEUED), (32, 64, 1, True, Stack.MODEL, QUEUED),
         (64, 69, 1, True, Stack.LOOP, QUEUED), (69, 70, 1, False, Stack.FUSED, BATCHED),
     ]  # fmt: skip
+    # Since they never merge, their chunks may be longer than the batcher's (`own_chunk`); the view's are not.
+    longer = Facts(loop=True, chunk=32, own_chunk=128, fused=True, attention_kernel=True, own_weights_from=20)
+    assert [(leg.start, leg.stop, leg.own_weights, leg.stack) for leg in decide(300, 1, longer).legs] == [
+        (0, 128, True, Stack.MODEL), (128, 256, True, Stack.MODEL), (256, 299, True, Stack.MODEL),
+        (299, 300, False, Stack.FUSED),
+    ]  # fmt: skip
+    no_split = [(leg.start, leg.stop) for leg in decide(70, 1, Facts(loop=True, chunk=32, own_chunk=128)).legs]
+    assert no_split == [(0, 32), (32, 64), (64, 70)]  # no own weights: the batcher's chunks, merged
 
 
 def test_a_session_takes_its_route_from_its_model_cache_view_and_batcher():
@@ -76,10 +84,11 @@ def test_a_session_takes_its_route_from_its_model_cache_view_and_batcher():
     session.forward([5])
     session.forward([6, 7, 8])
     assert session.routes == {"model": 1, "loop": 2} and session.forward_passes == 3
-    batcher = PassBatcher(model, chunk=8).attach()
+    batcher = PassBatcher(model, chunk=8, own_chunk=24).attach()
     try:
         assert session.route(3, None, 3) == Route(Kind.BATCHED, (Leg(0, 3, 3, BATCHED, Stack.LOOP),))
         assert session.route(20, None, 1).kind is Kind.CHUNKED
+        assert session._facts(None, batcher).own_chunk == 24  # the batcher's, as the route reads it
     finally:
         batcher.detach()
     gemma = KVSession(tiny_model("gemma"))  # an architecture the loop does not cover

@@ -10,7 +10,8 @@ these routes (docs/design.md draws them):
 * `queued`: the model's own forward (or, for a pass the batcher would not merge, the loop), alone, in turn with
   the batcher's merged passes (one pass on a model at a time).
 * `chunked`: a long pass (a prompt) as batched passes of the batcher's chunk size, so that it stalls nobody (a
-  quantized view's head in queued chunks of the model's own weights, as `split` reads it: those never merge).
+  quantized view's head in queued chunks of the model's own weights, as `split` reads it: those never merge, so
+  their chunks are longer, `own_chunk`: a bf16 product streams its weights, so 256 rows cost 2.5x what 32 do).
 * `split`: a prompt of a quantized view: the positions that need no logits with the model's own weights, the rest
   with the view (`QuantRecipe.own_weights_from`).
 
@@ -88,6 +89,7 @@ class Facts:
 
     loop: bool  # viasd's loop runs this model on this cache (passes/loop.py `covers` and `runs_on`)
     chunk: int | None = None  # the attached batcher's most tokens of one sequence per pass; None: no batcher
+    own_chunk: int | None = None  # its most tokens per queued chunk of the model's own weights; None: `chunk`
     skips: bool = False  # the view skips layers: only the model's own forward knows their stand-ins
     fused: bool = False  # the view's decoder layers run as one C call (passes/fused.py `fits`)
     attention_kernel: bool = False  # the attention kernel takes the model's shapes and dtype
@@ -109,8 +111,9 @@ def decide(tokens: int, keep: int, facts: Facts) -> Route:
         parts = [(0, head, True), (head, tokens, False)] if split else [(0, tokens, False)]
         legs = []
         for first, last, own in parts:
-            for start in range(first, last, chunk):
-                stop = min(start + chunk, last)
+            step = (facts.own_chunk or chunk) if own else chunk
+            for start in range(first, last, step):
+                stop = min(start + step, last)
                 # Of this chunk's positions, the kept ones: a block of `keep` may start in an earlier chunk.
                 wanted = 1 if own else min(stop - start, max(0, keep - (tokens - stop)))  # own: 1, see split
                 legs.append(_leg(start, stop, wanted, facts, own_weights=own))

@@ -188,11 +188,11 @@ class KVSession:
         # A long pass of a quantized view (a prompt) may read the positions that need no logits with the model's own
         # weights, which are faster there (`QuantRecipe.own_weights_from`).
         own_from = linears.recipe.own_weights_from(self.device.type) if linears is not None else None
-        chunk = None if batcher is None else batcher.chunk
+        chunk, own_chunk = (None, None) if batcher is None else (batcher.chunk, batcher.own_chunk)
         if not runs:
-            return Facts(False, chunk, skips, own_weights_from=own_from)
+            return Facts(False, chunk, own_chunk, skips, own_weights_from=own_from)
         fits = not skips and fused.fits(self.model, view)
-        return Facts(True, chunk, skips, fits, attention_kernel(self.model), own_from)
+        return Facts(True, chunk, own_chunk, skips, fits, attention_kernel(self.model), own_from)
 
     def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
         """One pass of `view` over `ids`, by the route decided here, once; logits of the last `keep` positions.
