@@ -10,8 +10,8 @@ these routes (docs/design.md draws them):
 * `queued`: the model's own forward (or, for a pass the batcher would not merge, the loop), alone, in turn with
   the batcher's merged passes (one pass on a model at a time).
 * `chunked`: a long pass (a prompt) as batched passes of the batcher's chunk size, so that it stalls nobody (a
-  quantized view's head in queued chunks of the model's own weights, as `split` reads it: those never merge, so
-  their chunks are longer, `own_chunk`: a bf16 product streams its weights, so 256 rows cost 2.5x what 32 do).
+  quantized view's head in queued chunks of the model's own weights, as `split` reads it: those never merge, and
+  go in longer chunks, `own_chunk`, since a bf16 product streams its weights: 256 rows cost 2.5x what 32 do).
 * `split`: a prompt of a quantized view: the positions that need no logits with the model's own weights, the rest
   with the view (`QuantRecipe.own_weights_from`).
 
