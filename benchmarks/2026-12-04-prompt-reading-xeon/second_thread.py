@@ -1,3 +1,4 @@
+"""Scratch: the main thread's decoding speed beside a sleeping, a confined and an unconfined second thread."""
 import sys, threading, time, torch
 from viasd.cli_options import engine_spec
 from viasd.engine import Engine
