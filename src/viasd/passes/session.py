@@ -190,9 +190,12 @@ class KVSession:
         own_from = linears.recipe.own_weights_from(self.device.type) if linears is not None else None
         chunk, own_chunk = (None, None) if batcher is None else (batcher.chunk, batcher.own_chunk)
         if not runs:
-            return Facts(False, chunk, own_chunk, skips, own_weights_from=own_from)
+            return Facts(False, chunk=chunk, own_chunk=own_chunk, skips=skips, own_weights_from=own_from)
         fits = not skips and fused.fits(self.model, view)
-        return Facts(True, chunk, own_chunk, skips, fits, attention_kernel(self.model), own_from)
+        return Facts(
+            True, chunk=chunk, own_chunk=own_chunk, skips=skips, fused=fits,
+            attention_kernel=attention_kernel(self.model), own_weights_from=own_from,
+        )  # fmt: skip
 
     def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
         """One pass of `view` over `ids`, by the route decided here, once; logits of the last `keep` positions.
