@@ -175,7 +175,8 @@ class Objective(Protocol):
 
 
 class PositionObjective:
-    """The chain head's: unrolls from random feature rows (answers weigh 1, the target's sampled requests 0.3)."""
+    """The chain head's: unrolls from random feature rows (answers weigh 1, the target's sampled requests 0.3), its
+    products in `dtype` (autocast; the head's weights and optimiser stay float32). It measures in float32."""
 
     def __init__(
         self,
@@ -185,18 +186,22 @@ class PositionObjective:
         settings: TrainSettings,
         rows: torch.Tensor,
         held_out: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.data, self.target, self.settings = data, target, settings
         self.train = examples(data, token_ids, rows)
         self.held_out = examples(data, token_ids, held_out)
         self.label_of, self.examples = self.train.label_of, len(self.train.starts)
         self.answer_weight = torch.where(data.answer, 1.0, 0.3)
+        self.dtype = dtype
+        # The frozen output rows in the products' dtype, cast once: autocast would cast them at every step.
+        self.computed = Target(target.embeddings, target.rows.to(dtype))
 
     def loss(self, head: DraftHead) -> torch.Tensor:
         data, depth = self.data, self.settings.depth
         batch = self.train.starts[torch.randint(len(self.train.starts), (self.settings.batch,))]
-        # float32 throughout: on CPUs without bf16 instructions bf16 products are slower, not faster.
-        logits, labels, regression = unroll(head, self.target, data, self.train, batch, depth)
+        with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+            logits, labels, regression = unroll(head, self.computed, data, self.train, batch, depth)
         at = data.feature_at[batch]
         last = len(data.tokens) - 1
         weights = torch.stack([self.answer_weight[(at + d + 1).clamp(max=last)] for d in range(1, depth + 1)])
@@ -207,11 +212,17 @@ class PositionObjective:
 
 
 class ConversationObjective:
-    """The attention head's: whole conversations unrolled at once (training/attention_unroll.py), in bf16 where
-    the CPU computes it natively (AMX, AVX-512 bf16), else float32."""
+    """The attention head's: whole conversations unrolled at once (training/attention_unroll.py), its products in
+    `dtype` (autocast)."""
 
     def __init__(
-        self, data: TrainingSet, target: Target, token_ids: torch.Tensor, settings: TrainSettings, trained: int
+        self,
+        data: TrainingSet,
+        target: Target,
+        token_ids: torch.Tensor,
+        settings: TrainSettings,
+        trained: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.data, self.target, self.settings = data, target, settings
         self.answer_from, self.row_of = conversation_bounds(data)
@@ -220,7 +231,7 @@ class ConversationObjective:
         self.label_of[token_ids] = torch.arange(len(token_ids))
         self.examples = trained
         self.token_ids = token_ids
-        self.dtype = torch.bfloat16 if native_bf16() else torch.float32
+        self.dtype = dtype
 
     def loss(self, head: AttentionHead) -> torch.Tensor:
         chosen = torch.randint(self.trained, (self.settings.batch,)).tolist()
@@ -235,6 +246,12 @@ class ConversationObjective:
         held = list(range(self.trained, self.data.conversations))
         return held_out_measures(head, self.target.embeddings, self.target.rows, self.token_ids, self.data, held,
                                  self.answer_from, self.row_of, self.settings.depth)  # fmt: skip
+
+
+def products_dtype() -> torch.dtype:
+    """What a head's training multiplies in: bf16 where the CPU computes it natively (AMX, AVX-512 bf16: a chain
+    head's step costs half of float32's), else float32 (emulated bf16 products are slower, not faster)."""
+    return torch.bfloat16 if native_bf16() else torch.float32
 
 
 class Checkpoint:
@@ -274,10 +291,13 @@ def train(
     start: DraftHead | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    dtype: torch.dtype | None = None,
 ) -> tuple[DraftHead | AttentionHead, dict[str, Any]]:
     """Train (or go on training) a head until the budget is spent; the head and what the training measured.
 
-    `start`: a trained chain head a new attention head begins as (its block and vocabulary)."""
+    `start`: a trained chain head a new attention head begins as (its block and vocabulary). `dtype`: what the
+    products run in (default: `products_dtype()`); a resume may change it."""
+    dtype = dtype or products_dtype()
     torch.manual_seed(settings.seed)
     state = checkpoint.load()
     if state is not None:
@@ -305,11 +325,14 @@ def train(
         if not isinstance(head, AttentionHead) or start.config.blocks != 1 or start.config.width != settings.width:
             raise ViasdError("--start-from takes a chain head of one block of the same --width, for --design attention")
         head.block.load_state_dict(start.blocks[0].state_dict())
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    # Fused: one pass over each parameter's state instead of several (a fifth of a bf16 chain step otherwise).
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0, fused=True)
     step, spent = 0, 0.0
     if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:  # a checkpoint from before the fused optimiser restores its flags
+            group.update(fused=True, foreach=None)
         step, spent = state["step"], state["seconds"]
         torch.set_rng_state(state["rng"])
     target = Target(target_embeddings, target_head[token_ids].float().contiguous())
@@ -319,12 +342,13 @@ def train(
     rows = torch.arange(len(data.feature_at))
     objective: Objective
     if isinstance(head, AttentionHead):
-        objective = ConversationObjective(data, target, token_ids, settings, conversations - held_out)
+        objective = ConversationObjective(data, target, token_ids, settings, conversations - held_out, dtype)
     else:
         trained = data.feature_at < split
-        objective = PositionObjective(data, target, token_ids, settings, rows[trained], rows[~trained])
+        objective = PositionObjective(data, target, token_ids, settings, rows[trained], rows[~trained], dtype)
     covered = float((objective.label_of[data.tokens] >= 0).float().mean())
-    log(f"head: {len(token_ids)} tokens cover {covered:.1%} of the data; {objective.examples} examples")
+    products = str(dtype).removeprefix("torch.")
+    log(f"head: {len(token_ids)} tokens cover {covered:.1%} of the data; {objective.examples} examples; {products}")
 
     def save() -> None:
         checkpoint.save(
@@ -376,6 +400,7 @@ def train(
             "steps": step,
             "seconds": round(spent),
             "coverage": round(covered, 4),
+            "products": products,
             "tokens": len(data.tokens),
             "conversations": conversations,
             "epochs": round(step * settings.batch / max(1, objective.examples), 3),
