@@ -1,6 +1,7 @@
 """What one optimiser step of the chain head's training costs, with its products in float32 and in bf16 (the
 default where the CPU computes bf16 natively), at the default head's shapes: the median of each in milliseconds,
-interleaved, beside the floating-point work of a step. The data are random: a step's cost does not depend on them.
+in alternating blocks of steps, beside the floating-point work of a step. The data are random, at the target's
+scale: a step's cost does not depend on their values.
 
     python scripts/head_train_step_costs.py
     python scripts/head_train_step_costs.py --repeats 60 --batch 64
@@ -48,7 +49,12 @@ def main() -> None:
         answer=torch.ones(positions, dtype=torch.bool),
     )
     ids = torch.arange(settings.vocab)
-    target = Target(torch.randn(vocab, args.hidden).to(torch.bfloat16) * 0.02, torch.randn(settings.vocab, args.hidden))
+    # Sizes like the target's (its rows near 0.02): random rows at scale 1 make huge logits, and the float32
+    # backward then runs on subnormal probabilities, several times slower.
+    scale = 0.02
+    target = Target(
+        torch.randn(vocab, args.hidden).to(torch.bfloat16) * scale, torch.randn(settings.vocab, args.hidden) * scale
+    )
     rows = torch.arange(positions)
     steps = {}
     for name, dtype in DTYPES.items():
@@ -65,12 +71,15 @@ def main() -> None:
         for _ in range(3):  # warm-up, untimed
             step()
         steps[name] = step
+    # Each in blocks of consecutive steps, as a training runs them (interleaved single steps would charge float32
+    # for the AMX units' frequency after a bf16 step), the blocks alternating against drift.
     times: dict[str, list[float]] = {name: [] for name in DTYPES}
-    for index in range(args.repeats):
-        for name in list(DTYPES)[index % 2 :] + list(DTYPES)[: index % 2]:
-            began = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - began)
+    for block in range(4):
+        for name in list(DTYPES)[block % 2 :] + list(DTYPES)[: block % 2]:
+            for _ in range(args.repeats // 4):
+                began = time.perf_counter()
+                steps[name]()
+                times[name].append(time.perf_counter() - began)
     flops = step_flops(settings, args.hidden)
     threads = torch.get_num_threads()
     print(f"a step: batch {settings.batch} x depth {settings.depth}, {flops / 1e9:.1f} GFLOP, {threads} threads")
