@@ -1,4 +1,4 @@
-# Run from the repository root: the hooks of write_layers.py against transformers' hidden states, on a tiny model.
+# Run from the repository root: the hooks of write_layers.py (the first, layer-by-layer writer) against transformers' hidden states, on a tiny model.
 import importlib.util
 import sys
 

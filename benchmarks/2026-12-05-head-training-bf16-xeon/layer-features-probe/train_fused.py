@@ -1,6 +1,8 @@
 """Probe: the chain head from the final feature alone (as shipped) against the chain head whose first state also
 folds in three layers' features (EAGLE-3's fusion): s_0 = h + W [norm(l0); norm(l1); norm(l2)], W zero at the
-start, so it begins as the chain head. Same data, same steps, same seed, bf16 products; held-out measures."""
+start, so it begins as the chain head. Same data, same steps, same seed, bf16 products; held-out measures.
+Variants: plain, fused, and the plain head with more capacity (blocks2: two residual blocks; width2048).
+    python train_fused.py DATA VARIANT STEPS"""
 
 import json
 import sys
@@ -72,8 +74,10 @@ split = int(data.starts[data.conversations - held_out])
 rows = torch.arange(len(data.feature_at))
 trained = data.feature_at < split
 objective = T.PositionObjective(data, target, token_ids, settings, rows[trained], rows[~trained], T.products_dtype())
+# capacity variants of the plain chain head: two residual blocks, or one twice as wide
+width, blocks = {"blocks2": (settings.width, 2), "width2048": (2048, 1)}.get(variant, (settings.width, settings.blocks))
 cls = FusedHead if variant == "fused" else DraftHead
-head = cls(HeadConfig(H, settings.width, settings.blocks, len(token_ids)), token_ids)
+head = cls(HeadConfig(H, width, blocks, len(token_ids)), token_ids)
 optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0, fused=True)
 began = time.monotonic()
 for step in range(steps):
