@@ -5,6 +5,7 @@ scale: a step's cost does not depend on their values.
 
     python scripts/head_train_step_costs.py
     python scripts/head_train_step_costs.py --repeats 60 --batch 64
+    python scripts/head_train_step_costs.py --width 2048      # a wider head (or --blocks 2: a deeper one)
 
 Run it on a quiet machine: the timings are wall-clock.
 """
@@ -25,10 +26,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def step_flops(settings: TrainSettings, hidden: int) -> float:
-    """Multiply-adds of a step, times two: the block forward and backward (inputs and weights), the output rows
+    """Multiply-adds of a step, times two: the blocks forward and backward (inputs and weights), the output rows
     forward and backward to the state only (they are the target's, frozen)."""
     block = 2 * (2 * hidden) * settings.width + settings.width * hidden
-    per_position = 3 * block + 2 * hidden * settings.vocab
+    per_position = 3 * block * settings.blocks + 2 * hidden * settings.vocab
     return 2.0 * per_position * settings.depth * settings.batch
 
 
@@ -36,10 +37,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1536, help="the target's hidden size (the default target's)")
     parser.add_argument("--batch", type=int, default=TrainSettings.batch)
+    parser.add_argument("--width", type=int, default=TrainSettings.width, help="the head's inner width")
+    parser.add_argument("--blocks", type=int, default=TrainSettings.blocks, help="the head's residual blocks")
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     torch.manual_seed(0)
-    settings = TrainSettings(batch=args.batch)
+    settings = TrainSettings(batch=args.batch, width=args.width, blocks=args.blocks)
     positions, vocab = 100_000, 151_936
     data = TrainingSet(
         tokens=torch.randint(0, 20_000, (positions,)),
@@ -82,7 +85,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - began)
     flops = step_flops(settings, args.hidden)
     threads = torch.get_num_threads()
-    print(f"a step: batch {settings.batch} x depth {settings.depth}, {flops / 1e9:.1f} GFLOP, {threads} threads")
+    shape = f"width {settings.width} x {settings.blocks} block(s), batch {settings.batch} x depth {settings.depth}"
+    print(f"a step: {shape}, {flops / 1e9:.1f} GFLOP, {threads} threads")
     for name, each in times.items():
         median = statistics.median(each)
         print(f"{name:>9}: {median * 1e3:6.1f} ms  ({flops / median / 1e9:.0f} GFLOP/s)")
