@@ -2,7 +2,7 @@
 folds in three layers' features (EAGLE-3's fusion): s_0 = h + W [norm(l0); norm(l1); norm(l2)], W zero at the
 start, so it begins as the chain head. Same data, same steps, same seed, bf16 products; held-out measures.
 Variants: plain, fused, and the plain head with more capacity (blocks2: two residual blocks; width2048).
-    python train_fused.py DATA VARIANT STEPS"""
+    python train_fused.py DATA VARIANT STEPS [SEED]"""
 
 import json
 import sys
@@ -21,6 +21,7 @@ from viasd.models.catalog import DEFAULT_TARGET
 from viasd.training.dataset import DataFolder
 
 path, variant, steps = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # the head's initial weights and its batches
 H = 1536
 
 
@@ -60,7 +61,7 @@ def unroll(head, target, data, ex, batch, depth):
 
 
 T.unroll = unroll
-torch.manual_seed(0)
+torch.manual_seed(seed)
 model = Engine(engine_spec(DEFAULT_TARGET, DEFAULT_TARGET)).target.model
 data = DataFolder(path, json.loads((path / "settings.json").read_text())).load()
 settings = T.TrainSettings()
@@ -91,4 +92,4 @@ for step in range(steps):
     if step % 500 == 0:
         print(f"{variant} step {step} loss {float(loss.detach()):.3f} {time.monotonic() - began:.0f} s", flush=True)
 measured = objective.evaluate(head)
-print(variant, steps, json.dumps(measured), f"{time.monotonic() - began:.0f} s", flush=True)
+print(variant, steps, f"seed {seed}", json.dumps(measured), f"{time.monotonic() - began:.0f} s", flush=True)
