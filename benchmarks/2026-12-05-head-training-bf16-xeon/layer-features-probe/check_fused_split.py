@@ -7,39 +7,12 @@ import torch
 
 import viasd.kernels.fused_layers as fused_layers
 import write_layers_fused
+from write_layers import step as loop_step
 from viasd.cli_options import engine_spec
 from viasd.engine import Engine
 from viasd.models.catalog import DEFAULT_TARGET
-from viasd.passes.features import head_inputs
-from viasd.passes.loop import Segment, Stack, ragged_pass
-from viasd.passes.route import attention_kernel
 from viasd.passes.session import new_cache
 from viasd.views.recipe import QuantRecipe
-from viasd.views.view import applied
-
-LAYERS = write_layers_fused.LAYERS
-
-
-def loop_step(model, view, parts):
-    """write_layers.py's step: the layers one by one, hooks on the layers' inputs."""
-    segments = [Segment(c.cache, torch.tensor(ids), 1) for c, ids in parts]
-    ends = torch.tensor([len(ids) for _, ids in parts]).cumsum(0) - 1
-    seen_layers = {index: [] for index in LAYERS}
-    hooks = [
-        model.model.layers[index].input_layernorm.register_forward_pre_hook(
-            lambda m, args, index=index: seen_layers[index].append(args[0].reshape(-1, args[0].shape[-1])[ends])
-        )
-        for index in LAYERS
-    ]
-    try:
-        with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
-            out = ragged_pass(model, segments, Stack.LOOP, attention_kernel(model))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    features = torch.cat([seen[-1].float()] + [seen_layers[index][-1].float() for index in LAYERS], dim=-1)
-    return torch.stack([rows[-1].float() for rows in out]), features
-
 
 engine = Engine(engine_spec(DEFAULT_TARGET, DEFAULT_TARGET))
 loaded = engine.target

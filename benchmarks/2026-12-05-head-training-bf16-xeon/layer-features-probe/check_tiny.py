@@ -1,5 +1,4 @@
 # Run from the repository root: the hooks of write_layers.py (the first, layer-by-layer writer) against transformers' hidden states, on a tiny model.
-import importlib.util
 import sys
 
 import torch
@@ -7,23 +6,14 @@ import torch
 sys.path.insert(0, "tests")
 from tiny import tiny_chat_tokenizer, tiny_model
 
-spec = importlib.util.spec_from_file_location(
-    "w", "benchmarks/2026-12-05-head-training-bf16-xeon/layer-features-probe/write_layers.py"
-)
-src = (
-    open("benchmarks/2026-12-05-head-training-bf16-xeon/layer-features-probe/write_layers.py")
-    .read()
-    .split("conversations._step = step")[0]
-)
-src = src.replace("out, tokens = Path(sys.argv[1]), int(sys.argv[2])", "").replace(
-    "LAYERS = (2, 14, 25)", "LAYERS = (1, 2, 3)"
-)
-g = {}
-exec(src, g)
+sys.path.insert(0, "benchmarks/2026-12-05-head-training-bf16-xeon/layer-features-probe")
+import write_layers
+
+write_layers.LAYERS = (1, 2, 3)  # the tiny model's layers
 import viasd.training.conversations as conv
 from viasd.training.prompts import Opener
 
-conv._step = g["step"]
+conv._step = write_layers.step
 tok = tiny_chat_tokenizer(320)
 target = tiny_model("qwen2", vocab_size=320, hidden=64, init_scale=0.3)
 print(target.config.num_hidden_layers)

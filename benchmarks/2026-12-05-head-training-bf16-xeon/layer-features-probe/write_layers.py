@@ -21,7 +21,6 @@ from viasd.views.recipe import QuantRecipe
 from viasd.views.view import applied
 
 LAYERS = (2, 14, 25)  # inputs of these = outputs of layers 1, 13, 24 of 28 (SpecForge's choice for 28 layers)
-out, tokens = Path(sys.argv[1]), int(sys.argv[2])
 
 
 def step(model, view, parts):
@@ -44,11 +43,13 @@ def step(model, view, parts):
     return torch.stack([rows[-1].float() for rows in out]), features
 
 
-conversations._step = step
-engine = Engine(engine_spec(DEFAULT_TARGET, DEFAULT_TARGET))
-loaded = engine.target
-view = engine.quantized(loaded, QuantRecipe.parse("gguf"))
-folder = DataFolder(out, {"view": "gguf", "seed": 0, "max_request": 64, "max_answer": 256, "layers": list(LAYERS)})
-began = time.monotonic()
-held = write_data(loaded.model, loaded.tokenizer, view, folder, 10**6, tokens, 32, 0, 64, 256, progress=True)
-print(f"{held} tokens in {time.monotonic() - began:.0f} s", flush=True)
+if __name__ == "__main__":
+    out, tokens = Path(sys.argv[1]), int(sys.argv[2])
+    conversations._step = step
+    engine = Engine(engine_spec(DEFAULT_TARGET, DEFAULT_TARGET))
+    loaded = engine.target
+    view = engine.quantized(loaded, QuantRecipe.parse("gguf"))
+    folder = DataFolder(out, {"view": "gguf", "seed": 0, "max_request": 64, "max_answer": 256, "layers": list(LAYERS)})
+    began = time.monotonic()
+    held = write_data(loaded.model, loaded.tokenizer, view, folder, 10**6, tokens, 32, 0, 64, 256, progress=True)
+    print(f"{held} tokens in {time.monotonic() - began:.0f} s", flush=True)
