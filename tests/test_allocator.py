@@ -30,6 +30,12 @@ print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+# One [1000, 8960] bf16 activation's pages. Kept memory may still grow the heap once in the four layers (seen once in
+# CI: where a small allocation lands decides whether a freed block fits the next tensor), which faults in one
+# activation; without it the four layers fault in about fourteen.
+ACTIVATION_PAGES = 1000 * 8960 * 2 // 4096
+
+
 def _glibc() -> bool:
     try:
         ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018
@@ -51,4 +57,4 @@ def test_a_prompts_activations_reuse_freed_pages() -> None:
         pytest.skip(f"this C library kept the memory by itself ({default} page faults)")
     kept, faults = _faults("keep")
     assert kept == "True"
-    assert faults < 256, f"{faults} page faults with freed memory kept, {default} without"
+    assert faults < ACTIVATION_PAGES + 256, f"{faults} page faults with freed memory kept, {default} without"
