@@ -58,6 +58,36 @@ def test_residual_is_normalised_positive_part():
     assert torch.allclose(residual(q, q, 0), q)
 
 
+def _mass_before(scores: torch.Tensor) -> torch.Tensor:
+    """The top-p definition's numbers, by sorting whole rows in float64: for each token, the mass of the tokens
+    ranked before it (it stays in the nucleus while that is below top_p; the best token always stays)."""
+    ordered, order = torch.sort(scores.double(), dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    before[..., 0] = 0.0
+    return torch.zeros_like(before).scatter(-1, order, before)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.8, 1.5, 50.0])
+def test_top_p_on_a_large_vocabulary_keeps_the_nucleus_that_sorting_defines(temperature):
+    """The nucleus is looked for among a row's best candidates first (sorting 150k scores costs more than a CPU
+    pass); peaked rows end there, flat ones (temperature 50) need the whole row: both give sorting's nucleus, up
+    to a token whose mass-before lies within float32 rounding of top_p, renormalised."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 20_000, generator=gen, dtype=torch.float64).float() * 4
+    logits[0, :5000] = float("-inf")  # a row with banned tokens
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    before = _mass_before(scores)
+    for top_p in (0.5, 0.9, 0.95, 0.999):
+        probs = warp_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
+        kept = before < top_p
+        borderline = (before - top_p).abs() < 1e-5
+        assert not ((probs > 0) != kept)[~borderline].any()
+        law = scores.double().softmax(dim=-1) * (probs > 0)
+        assert torch.allclose(probs.double(), law / law.sum(dim=-1, keepdim=True), rtol=1e-4, atol=1e-9)
+    assert int((warp_probs(logits, SamplingParams(temperature=temperature, top_p=0.5)) > 0).sum()) >= 6
+
+
 def test_top_k_and_top_p_warping():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     top_k = warp_probs(logits, SamplingParams(temperature=1.0, top_k=2))

@@ -63,6 +63,28 @@ def test_draw_follows_the_rows_and_flags_rows_that_are_not_distributions():
         checked_token(BAD_TOKEN)
 
 
+@pytest.mark.parametrize("full_support_row", [False, True], ids=["candidates", "whole-rows"])
+def test_draw_on_a_large_vocabulary_follows_the_rows(full_support_row):
+    """On a CPU the race runs over each row's best candidates where they hold its whole support (top-p rows of a
+    150k vocabulary), else over whole rows (one row of full support sends the batch there): the same law."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(20_000, generator=gen) * 3
+    p = warp_probs(logits[None], SamplingParams(temperature=0.5, top_p=0.9))[0]
+    assert 10 < int((p > 0).sum()) < 256
+    rows = p.expand(2500, -1).clone()
+    if full_support_row:
+        rows[-1] = torch.full((20_000,), 1 / 20_000)
+    counts: dict[int, int] = {}
+    for _ in range(4):
+        for token in draw(rows, gen)[: 2500 - full_support_row].tolist():
+            counts[token] = counts.get(token, 0) + 1
+    n = sum(counts.values())
+    assert all(p[token] > 0 for token in counts)  # a token without mass is never drawn
+    support = torch.nonzero(p)[:, 0].tolist()
+    assert min(float(p[t]) for t in support) * n >= 5  # every cell expected often enough for the test
+    assert chisquare_pvalue([counts.get(t, 0) for t in support], [float(p[t]) * n for t in support]) > ALPHA
+
+
 def test_greedy_outcomes_compare_argmaxes():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0], [float("nan"), 1.0, 0.0]])
     outcomes = block_outcomes(torch.tensor([1, 1, 2]), None, logits, GREEDY, torch.Generator())
