@@ -40,7 +40,7 @@ def test_plain_names_and_variants_parse():
         (
             "sd:cap=4",
             "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, head, head_compute, "
-            "quant, drafter_quant)",
+            "head_vocab, quant, drafter_quant)",
         ),
         ("sd:budget=0.1", "option 'budget' needs drafter=hybrid"),
         ("sd:drafter=hybrid:budget=-1", "budget must be a number >= 0, got -1.0"),

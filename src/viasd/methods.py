@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 DRAFTERS = ("model", "lookup", "hybrid", "head", "lookup+head")
 HEAD_DRAFTERS = ("head", "lookup+head")
 # The options of a method that drafts (sd, via, via-exact), in the order messages list them.
-DRAFTING_OPTIONS = ("stop", "drafter", "match", "copy", "budget", "head", "head_compute")
+DRAFTING_OPTIONS = ("stop", "drafter", "match", "copy", "budget", "head", "head_compute", "head_vocab")
 # sd's draft stop threshold, chosen from counts on the development prompts (BENCHMARKS.md, "Drafts that adapt"):
 # it cuts the drafts that no verifier looks at from 21.5% to 7.3% and is estimated 1.11x faster in decoding.
 DEFAULT_STOP = 0.5
@@ -223,6 +223,11 @@ OPTIONS: dict[str, Option] = {
             "where the CPU multiplies it natively, else float32)",
         ),
         Option(
+            "head_vocab",
+            _choice("context", "own"),
+            "the tokens the draft head scores: context (default: its own and the context's it lacks) or own",
+        ),
+        Option(
             "match",
             _int_in(1, 16),
             f"shortest n-gram match that prompt lookup copies from (lookup: {LOOKUP_MATCH}, hybrid: {HYBRID_MATCH})",
@@ -357,7 +362,8 @@ def _head_drafter(parts: Parts, spec: MethodSpec) -> Drafter | None:
         print(f"{spec.name}: {error}; drafting with the next-best drafter instead", file=sys.stderr)
         return None
     try:
-        return HeadDrafter(found.head, parts.target.model, compute=spec.get("head_compute"))
+        vocabulary = spec.get("head_vocab") or "context"
+        return HeadDrafter(found.head, parts.target.model, compute=spec.get("head_compute"), vocabulary=vocabulary)
     except ValueError as error:  # head_compute=int8 where the head or device cannot take it
         raise ViasdError(f"method {spec.name!r}: option 'head_compute': {error}") from None
 
@@ -663,7 +669,7 @@ def _check_drafter_options(name: str, method: Method, options: Mapping[str, Any]
             raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup, hybrid or lookup+head")
     if "budget" in options and drafter != "hybrid":
         raise ViasdError(f"method {name!r}: option 'budget' needs drafter=hybrid")
-    for key in ("head", "head_compute"):
+    for key in ("head", "head_compute", "head_vocab"):
         if key in options and drafter not in HEAD_DRAFTERS:
             raise ViasdError(f"method {name!r}: option {key!r} needs drafter=head or drafter=lookup+head")
     if "drafter_quant" in options and drafter in HEAD_DRAFTERS:

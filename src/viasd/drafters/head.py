@@ -4,7 +4,8 @@ The head follows the target's KV session (`follow`): the session records the fea
 (passes/features.py), and each proposal starts from the latest feature that the committed tokens still vouch for,
 folds in the tokens after it (normally one: the target's correction or bonus token), and drafts step by step with
 the head (heads/network.py). Exactness is untouched: the head only proposes, and its distributions are proper ones
-over the whole vocabulary (zero outside the head's), as speculative sampling needs.
+over the whole vocabulary (zero outside its vocabulary), as speculative sampling needs. Its vocabulary is its own
+tokens and, by default, the context's tokens it lacks (drafters/context_vocabulary.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from viasd.drafters.base import Proposal, stops_after
+from viasd.drafters.context_vocabulary import ContextVocabulary
 from viasd.heads.attention import AttentionCache, AttentionHead, AttentionHeadConfig
 from viasd.heads.int8 import fits, int8_head, int8_weights
 from viasd.heads.network import DraftHead
@@ -31,6 +33,8 @@ EXTEND_ROWS = 512  # the attention head's entries computed at once (a long promp
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# What a head's proposals score (the `head_vocab` option): its own tokens and the context's it lacks, or its own.
+VOCABULARIES = ("context", "own")
 
 
 def head_compute(device: torch.device, stored: torch.dtype, head: nn.Module, hidden: int) -> str:
@@ -49,10 +53,17 @@ def head_compute(device: torch.device, stored: torch.dtype, head: nn.Module, hid
 class HeadDrafter:
     """A draft head on one target: the target's embeddings are shared, its output head's rows of the head's
     vocabulary gathered once, and the head's own (small) weights held as it computes (`compute`: `int8`, heads/int8.py,
-    or a dtype's name; default: `head_compute`'s choice for the target's device)."""
+    or a dtype's name; default: `head_compute`'s choice for the target's device). `vocabulary`: `context` (the
+    default) also scores the context's tokens that the head's vocabulary lacks (drafters/context_vocabulary.py),
+    `own` its own tokens only."""
 
     def __init__(
-        self, head: DraftHead | AttentionHead, target: nn.Module, name: str = "head", compute: str | None = None
+        self,
+        head: DraftHead | AttentionHead,
+        target: nn.Module,
+        name: str = "head",
+        compute: str | None = None,
+        vocabulary: str = "context",
     ) -> None:
         self.name = name
         rows = target.get_output_embeddings().weight  # type: ignore[operator]
@@ -60,6 +71,8 @@ class HeadDrafter:
         self.compute = compute or head_compute(rows.device, next(head.parameters()).dtype, head, hidden)
         if self.compute not in (*DTYPES, "int8"):
             raise ValueError(f"a head computes in int8 or one of {', '.join(DTYPES)}, not {self.compute!r}")
+        if vocabulary not in VOCABULARIES:
+            raise ValueError(f"a head's vocabulary is one of {', '.join(VOCABULARIES)}, not {vocabulary!r}")
         if self.compute == "int8" and (rows.device.type != "cpu" or not fits(head, hidden)):
             raise ValueError("int8 drafting needs a target on the CPU and a head whose products take groups of 32")
         mine = rows.detach()[head.token_ids.to(rows.device)]  # [vocab, hidden]
@@ -76,6 +89,7 @@ class HeadDrafter:
         self.vocab_size = int(rows.shape[0])
         self.target: KVSession | None = None
         self.cache = AttentionCache(self.head) if isinstance(self.head, AttentionHead) else None
+        self.vocabulary = ContextVocabulary(self.head.token_ids, rows, self.dtype) if vocabulary == "context" else None
         self.forward_passes = 0  # head steps
         self.pass_seconds = 0.0
 
@@ -90,7 +104,8 @@ class HeadDrafter:
             shape = f"attention, {config.heads} heads, MLP {config.width}"
         else:
             shape = f"{config.blocks} x {config.width}"
-        return f"{self.name} (draft head: {shape}, {config.vocab} tokens, {self.compute})"
+        words = f"{config.vocab} tokens" + (" and the context's" if self.vocabulary is not None else "")
+        return f"{self.name} (draft head: {shape}, {words}, {self.compute})"
 
     def follow(self, target: KVSession) -> None:
         """Draft from the features of `target`'s passes (the decoder's session of the target)."""
@@ -101,6 +116,8 @@ class HeadDrafter:
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         if self.cache is not None:
             self.cache.cut(0)
+        if self.vocabulary is not None:
+            self.vocabulary.clear()
 
     def _start(self, context: list[int]) -> torch.Tensor | None:
         """The head's state after the last token of `context` (which predicts the next one), or None."""
@@ -165,21 +182,27 @@ class HeadDrafter:
             state = self._start(context) if k > 0 else None
             if state is None:
                 return Proposal([], source=self.name)
+            ids = self.head.token_ids
+            if self.vocabulary is not None:
+                self.vocabulary.follow(context)
+                ids = self.vocabulary.ids
             tokens: list[int] = []
             probs: list[torch.Tensor] = []
             soft: list[torch.Tensor] = []
             tops: list[float] = []
             chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # the attention head's draft entries
             for i in range(k):
-                scores = self.logits(state)  # [1, vocab]: the head's own tokens only
-                if params.adjusts:  # adjusted over the whole vocabulary, the head's tokens kept
-                    dense = adjusted(self._dense(scores, float("-inf")), params, context, tokens)
-                    scores = dense[:, self.head.token_ids]
-                soft.append(self._dense(soft_probs(scores, params), 0.0))
+                scores = self.logits(state)  # [1, len(ids)]: the tokens of the vocabulary only
+                if self.vocabulary is not None:
+                    scores = self.vocabulary.logits(scores, state)
+                if params.adjusts:  # adjusted over the whole vocabulary, the vocabulary's tokens kept
+                    dense = adjusted(self._dense(scores, float("-inf"), ids), params, context, tokens)
+                    scores = dense[:, ids]
+                soft.append(self._dense(soft_probs(scores, params), 0.0, ids))
                 if params.greedy:
-                    token = int(self.head.token_ids[int(scores.argmax())])
+                    token = int(ids[int(scores.argmax())])
                 else:
-                    probs.append(warp_probs(self._dense(scores, float("-inf")), params))
+                    probs.append(warp_probs(self._dense(scores, float("-inf"), ids), params))
                     token = sample(probs[-1][0], generator)
                 tokens.append(token)
                 tops.append(float(soft[-1].max()))
@@ -190,7 +213,7 @@ class HeadDrafter:
         return Proposal(tokens, torch.cat(probs) if probs else None, torch.cat(soft), self.name, tops)
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
-        """Logits [1, vocab] of the head's tokens: the target's output head, its rows of the head's vocabulary."""
+        """Logits [1, vocab] of the head's own tokens: the target's output head, its rows of the head's vocabulary."""
         if isinstance(self.rows, w8a8.EightBitWeights):
             return w8a8.product(state.reshape(1, -1), self.rows)
         return (self.rows @ state).float()[None]
@@ -199,7 +222,7 @@ class HeadDrafter:
         """The target's embedding of `token`, in the dtype the head computes in."""
         return self.embeddings.weight[token].to(self.dtype)
 
-    def _dense(self, values: torch.Tensor, fill: float) -> torch.Tensor:
-        """Rows over the head's tokens [1, vocab] spread over the whole vocabulary [1, V], `fill` elsewhere."""
+    def _dense(self, values: torch.Tensor, fill: float, ids: torch.Tensor) -> torch.Tensor:
+        """Rows over the tokens `ids` [1, len(ids)] spread over the whole vocabulary [1, V], `fill` elsewhere."""
         full = torch.full((1, self.vocab_size), fill, device=values.device)
-        return full.index_copy_(1, self.head.token_ids, values)
+        return full.index_copy_(1, ids, values)
