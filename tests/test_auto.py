@@ -1,6 +1,8 @@
 """The `auto` method: it times the exact candidates once, keeps the fastest (never one slower than plain in its
 probe), caches the choice, stays exact, and says what it chose; a drafter of another tokenizer is left out."""
 
+import json
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatc
     record = decoder.choice
     rates = record["tokens_per_second"]
     expected = auto.candidates(None, int4a8=auto.int4a8_is_fast(torch.device("cpu")))
-    assert set(rates) == set(expected) and record["chosen"] == max(rates, key=rates.get)
+    assert set(rates) == set(expected) and record["chosen"] == auto.pick(rates)
     assert "plain" in rates  # plain was probed too: the method chosen is never slower than plain in the probe
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     out = first.generate(PROMPT, "auto", config)
@@ -39,6 +41,28 @@ def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatc
     monkeypatch.setattr(auto, "probe", lambda *a, **k: pytest.fail("probed again"))
     again = engine().decoder("auto")
     assert again.choice["chosen"] == record["chosen"] and "cached" in again.choice
+
+
+def test_auto_picks_the_fastest_or_its_lookup_variant_within_the_tie_and_never_one_slower_than_plain():
+    rates = {"plain": 20.0, "lookup": 21.0, "sd:drafter=head": 36.0, "sd:drafter=lookup+head": 35.0}
+    assert auto.pick(rates) == "sd:drafter=lookup+head"  # 2.8% behind: the probe cannot show what lookup gains
+    assert auto.pick({**rates, "sd:drafter=lookup+head": 30.0}) == "sd:drafter=head"  # clearly slower
+    quant = {"plain": 20.0, "sd:drafter_quant=int4a8": 25.0, "sd:drafter=hybrid:drafter_quant=int4a8": 24.5}
+    assert auto.pick(quant) == "sd:drafter=hybrid:drafter_quant=int4a8"
+    assert auto.pick({"plain": 20.0, "sd:drafter=head": 20.5, "sd:drafter=lookup+head": 19.9}) == "sd:drafter=head"
+    assert auto.pick({"plain": 20.0, "lookup": 19.5}) == "plain"  # plain has no lookup variant to defer to
+    assert auto.pick({"plain": 20.0, "lookup": 20.0}) == "plain"  # a tie goes to plain
+
+
+def test_a_cached_choice_is_made_again_from_its_timings(tmp_path):
+    names = ["plain", "sd:drafter=head", "sd:drafter=lookup+head"]
+    rates = {"plain": 20.0, "sd:drafter=head": 36.0, "sd:drafter=lookup+head": 35.0}
+    record = {"chosen": "sd:drafter=head", "candidates": names, "tokens_per_second": rates, "date": "2026-12-05"}
+    (tmp_path / "k.json").write_text(json.dumps(record))
+    probed = lambda *a, **k: pytest.fail("probed again")  # noqa: E731
+    assert auto.choose(probed, names, None, "k", tmp_path)["chosen"] == "sd:drafter=lookup+head"
+    assert auto.why("sd:drafter=lookup+head", rates).startswith("sd:drafter=head with prompt lookup first")
+    assert auto.why("sd:drafter=head", rates) == "fastest exact method in a probe on this machine"
 
 
 def test_auto_leaves_out_a_drafter_of_another_tokenizer():
