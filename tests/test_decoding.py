@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from helpers import Recording
 from tiny import ARCHITECTURES, tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -187,3 +188,32 @@ def test_an_underflowing_temperature_decodes_as_greedy_with_every_method():
     }
     for name, decoder in decoders.items():
         assert decoder.generate(PROMPT, tiny_t).tokens == want, name
+
+
+def test_drafts_after_a_long_prompt_get_the_cache_entries_plain_decoding_writes():
+    """A prompt longer than a short pass runs another route (the model's own forward) than decoding steps (viasd's
+    loop), which round bf16 differently; drafts of the first round are read in a pass of their own, not along with
+    the prompt, so every cache entry equals plain decoding's bit for bit, and so do the tokens."""
+    target, tok = tiny_model("qwen2", dtype=torch.bfloat16), tiny_tokenizer(64)
+    prompt = [3, 4, 5, 9, 12, 7] * 6 + [3, 4, 5]  # 39 tokens: its tail repeats, so lookup drafts at once
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    plain = PlainDecoder(target, tok)
+    expected = plain.generate(prompt, config).tokens
+    recording = Recording(PromptLookupDrafter(3, 2))
+    sd = SpeculativeDecoder(target, tok, recording, gamma=4)
+    passes, extend_to = [], sd.session.extend_to
+
+    def recorded(sequence, keep=1):
+        passes.append((len(sd.session.tokens), len(sequence), keep))
+        return extend_to(sequence, keep)
+
+    sd.session.extend_to = recorded
+    out = sd.generate(prompt, config)
+    assert recording.rounds[0][1] == 4  # the first round drafted
+    assert passes[:2] == [(0, len(prompt), 1), (len(prompt), len(prompt) + 4, 4)]  # the prompt as plain reads it
+    assert out.tokens == expected
+    length = min(plain.session.committed, sd.session.committed)
+    assert length > len(prompt) + 4
+    for mine, theirs in zip(sd.session.cache.layers, plain.session.cache.layers, strict=True):
+        assert torch.equal(mine.keys[..., :length, :], theirs.keys[..., :length, :])
+        assert torch.equal(mine.values[..., :length, :], theirs.values[..., :length, :])

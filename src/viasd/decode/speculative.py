@@ -15,11 +15,24 @@ from viasd.decode.output import OutputSink
 from viasd.decode.round import Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
-from viasd.passes.session import KVSession, upload_ids
+from viasd.passes.session import KVSession, common_prefix_length, upload_ids
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
 from viasd.verify.sampling import SamplingParams, adjusted, checked_token, sample, warp_probs
 from viasd.views.view import View
+
+
+def target_rows(session: KVSession, context: list[int], drafts: list[int]) -> torch.Tensor:
+    """The target's logits [len(drafts) + 1, V] after `context` and after each draft.
+
+    A context the session has not read up to its last token (a prompt) is read first, alone, as plain decoding reads
+    it, and the drafts follow in a pass of their own: a long pass runs another route than short ones (the model's own
+    forward, not the fused stack), which rounds differently, so drafts read along with a prompt would get other cache
+    entries than plain decoding's steps write, and a later greedy argmax could flip."""
+    if drafts and len(context) - common_prefix_length(session.tokens, context) > 1:
+        first = session.extend_to(context, keep=1)
+        return torch.cat([first, session.extend_to(context + drafts, keep=len(drafts))])
+    return session.extend_to(context + drafts, keep=len(drafts) + 1)
 
 
 def verify_with_target(
@@ -32,7 +45,7 @@ def verify_with_target(
     Where the logits live (`SamplingParams.on_device`), the verdict is made there and read with one transfer:
     how many drafts were kept and the token after them.
     """
-    raw = session.extend_to(context + proposal.tokens, keep=len(proposal) + 1)
+    raw = target_rows(session, context, proposal.tokens)
     logits = adjusted(raw, params, context, proposal.tokens)  # row i follows the drafts before it
     if params.on_device(logits.device):
         tokens = upload_ids(proposal.tokens, logits.device)
