@@ -19,16 +19,9 @@ import torch
 
 from viasd.bench.runner import turn_prompt
 from viasd.bench.tasks import load_specbench
-from viasd.cli_options import engine_spec
-from viasd.engine import Engine
-from viasd.heads.find import find_head
-from viasd.models.catalog import DEFAULT_TARGET
-from viasd.passes.features import head_inputs
-from viasd.passes.loop import Segment, ragged_pass
-from viasd.passes.route import short_stack
-from viasd.passes.session import new_cache
-from viasd.views.recipe import QuantRecipe
-from viasd.views.view import applied
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "2026-12-05-head-on-tasks-xeon"))
+from recorded_features import default_target, features_of
 
 run = Path(sys.argv[1])
 DEPTH, CHUNK = 4, 32
@@ -38,27 +31,11 @@ rows = [json.loads(line) for line in (run / "results.jsonl").open()]
 answers = {r["key"]: r["turns"][0] for r in rows if r["method"] == "plain"}
 tasks = {t.key: t for t in load_specbench() if t.key in answers}
 
-engine = Engine(engine_spec(DEFAULT_TARGET, DEFAULT_TARGET))
-loaded = engine.target
-model, tokenizer = loaded.model, loaded.tokenizer
-view = engine.quantized(loaded, QuantRecipe.parse("gguf"))
-head = find_head(model).head.float()
+model, tokenizer, view, head = default_target()
 ids = head.token_ids
 output = model.get_output_embeddings().weight.detach()
 embeddings = model.get_input_embeddings().weight.detach()
 special = set(tokenizer.all_special_ids)
-
-
-def features_of(tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), hidden]: every position's feature, from passes of the view in chunks."""
-    cache, seen_all = new_cache(model), []
-    stack, kernel = short_stack(model, view)
-    for begin in range(0, len(tokens), CHUNK):
-        chunk = torch.tensor(tokens[begin : begin + CHUNK])
-        with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
-            ragged_pass(model, [Segment(cache, chunk, len(chunk))], stack, kernel)
-        seen_all.append(seen[-1].float())
-    return torch.cat(seen_all)
 
 
 @torch.inference_mode()
@@ -85,7 +62,7 @@ for key, answer in answers.items():
     task = tasks[key]
     prompt = turn_prompt(tokenizer, task, [], 0, chat=True)
     tokens = prompt + answer["tokens"]
-    features = features_of(tokens)
+    features = features_of(model, view, tokens, CHUNK)
     p, end = len(prompt), len(tokens)
     for mode in MODES:
         fixed = {"head": ids, "head+prompt": extended(set(prompt))}.get(mode)
@@ -108,10 +85,17 @@ for key, answer in answers.items():
 
 for mode, c in totals.items():
     n = c["positions"]
-    print(f"{mode}: {n} answer positions, mean vocabulary {c['size'] / n:.0f}, top-1 per draft step "
-          + " / ".join(f"{100 * r / n:.1f}%" for r in c["right"])
-          + f", kept per chain of 4 {c['kept4'] / n:.3f}, step 1's label out of reach {100 * c['outside'] / n:.1f}%")
+    print(
+        f"{mode}: {n} answer positions, mean vocabulary {c['size'] / n:.0f}, top-1 per draft step "
+        + " / ".join(f"{100 * r / n:.1f}%" for r in c["right"])
+        + f", kept per chain of 4 {c['kept4'] / n:.3f}, step 1's label out of reach {100 * c['outside'] / n:.1f}%"
+    )
 for category in dict.fromkeys(k[0] for k in by_category):
-    print(f"  {category}: " + "; ".join(
-        f"{m} top-1 {100 * by_category[category, m][1] / by_category[category, m][0]:.1f}% "
-        f"kept {by_category[category, m][2] / by_category[category, m][0]:.3f}" for m in MODES))
+    print(
+        f"  {category}: "
+        + "; ".join(
+            f"{m} top-1 {100 * by_category[category, m][1] / by_category[category, m][0]:.1f}% "
+            f"kept {by_category[category, m][2] / by_category[category, m][0]:.3f}"
+            for m in MODES
+        )
+    )

@@ -17,20 +17,11 @@ import sys
 from pathlib import Path
 
 import torch
+from recorded_features import default_target, features_of
 
 from viasd.bench.runner import turn_prompt
 from viasd.bench.tasks import load_specbench
-from viasd.cli_options import engine_spec
 from viasd.drafters.base import stops_after
-from viasd.engine import Engine
-from viasd.heads.find import find_head
-from viasd.models.catalog import DEFAULT_TARGET
-from viasd.passes.features import head_inputs
-from viasd.passes.loop import Segment, ragged_pass
-from viasd.passes.route import short_stack
-from viasd.passes.session import new_cache
-from viasd.views.recipe import QuantRecipe
-from viasd.views.view import applied
 
 run, method = Path(sys.argv[1]), sys.argv[2]
 GAMMA, STOP, DEPTH, CHUNK = 4, 0.5, 4, 32
@@ -40,26 +31,10 @@ answers = {r["key"]: r["turns"][0] for r in rows if r["method"] == "plain"}
 decoded = {r["key"]: r["turns"][0]["stats"] for r in rows if r["method"] == method}
 tasks = {t.key: t for t in load_specbench() if t.key in answers}
 
-engine = Engine(engine_spec(DEFAULT_TARGET, DEFAULT_TARGET))
-loaded = engine.target
-model, tokenizer = loaded.model, loaded.tokenizer
-view = engine.quantized(loaded, QuantRecipe.parse("gguf"))
-head = find_head(model).head.float()
+model, tokenizer, view, head = default_target()
 ids = head.token_ids
 rows_out = model.get_output_embeddings().weight.detach()[ids].float()
 embeddings = model.get_input_embeddings().weight.detach()
-
-
-def features_of(tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), hidden]: every position's feature, from passes of the view in chunks."""
-    cache, seen_all = new_cache(model), []
-    stack, kernel = short_stack(model, view)
-    for begin in range(0, len(tokens), CHUNK):
-        chunk = torch.tensor(tokens[begin : begin + CHUNK])
-        with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
-            ragged_pass(model, [Segment(cache, chunk, len(chunk))], stack, kernel)
-        seen_all.append(seen[-1].float())
-    return torch.cat(seen_all)
 
 
 @torch.inference_mode()
@@ -85,9 +60,11 @@ for key, answer in answers.items():
     prompt = turn_prompt(tokenizer, task, [], 0, chat=True)
     stats = decoded.get(key)
     if stats is None or stats["prompt_tokens"] != len(prompt):
-        raise SystemExit(f"{key}: the prompt rebuilt has {len(prompt)} tokens, the run's {stats and stats['prompt_tokens']}")
+        raise SystemExit(
+            f"{key}: the prompt rebuilt has {len(prompt)} tokens, the run's {stats and stats['prompt_tokens']}"
+        )
     tokens = prompt + answer["tokens"]
-    features = features_of(tokens)
+    features = features_of(model, view, tokens, CHUNK)
     p, end = len(prompt), len(tokens)
     drafts = {t: chain(features[t], tokens[t + 1]) for t in range(p - 1, end - 2)}
     for t, drafted in drafts.items():  # teacher-forced: drafts of x[t+2 ..] from h_t and x[t+1]
@@ -122,12 +99,22 @@ for key, answer in answers.items():
     print(f"{key}: {p} prompt tokens, {end - p} answer tokens", flush=True)
 
 n = totals["positions"]
-print(f"teacher-forced on {n} answer positions: top-1 per draft step "
-      + " / ".join(f"{100 * r / n:.1f}%" for r in totals["right"]) + f", kept per chain of 4 {totals['kept4'] / n:.3f}")
+print(
+    f"teacher-forced on {n} answer positions: top-1 per draft step "
+    + " / ".join(f"{100 * r / n:.1f}%" for r in totals["right"])
+    + f", kept per chain of 4 {totals['kept4'] / n:.3f}"
+)
 print(f"step 1's label outside the head's {len(vocabulary)} tokens: {100 * totals['outside'] / n:.1f}%")
 for category, (count, right, kept) in by_category.items():
-    print(f"  {category}: {count} positions, top-1 at step 1 {100 * right / count:.1f}%, kept per chain {kept / count:.3f}")
-print(f"replayed decode (gamma {GAMMA}, stop {STOP}): {totals['rounds']} rounds, "
-      f"{totals['drafted'] / totals['rounds']:.2f} drafted and {totals['kept'] / totals['rounds']:.2f} kept per round")
-print(f"the run's {method}: {decode['rounds']} target calls, {decode['drafted'] / decode['rounds']:.2f} drafted and "
-      f"{decode['accepted'] / decode['rounds']:.2f} accepted per call")
+    print(
+        f"  {category}: {count} positions, top-1 at step 1 {100 * right / count:.1f}%, "
+        f"kept per chain {kept / count:.3f}"
+    )
+print(
+    f"replayed decode (gamma {GAMMA}, stop {STOP}): {totals['rounds']} rounds, "
+    f"{totals['drafted'] / totals['rounds']:.2f} drafted and {totals['kept'] / totals['rounds']:.2f} kept per round"
+)
+print(
+    f"the run's {method}: {decode['rounds']} target calls, {decode['drafted'] / decode['rounds']:.2f} drafted and "
+    f"{decode['accepted'] / decode['rounds']:.2f} accepted per call"
+)
