@@ -15,6 +15,7 @@ from viasd.decode.output import OutputSink
 from viasd.decode.round import Round, check_stop, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
+from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, common_prefix_length, upload_ids
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
@@ -23,15 +24,20 @@ from viasd.views.view import View
 
 
 def target_rows(session: KVSession, context: list[int], drafts: list[int]) -> torch.Tensor:
-    """The target's logits [len(drafts) + 1, V] after `context` and after each draft.
+    """The target's logits [len(drafts) + 1, V] after `context` and after each draft: one pass over what the
+    session has not read yet and the drafts.
 
-    A context the session has not read up to its last token (a prompt) is read first, alone, as plain decoding reads
-    it, and the drafts follow in a pass of their own: a long pass runs another route than short ones (the model's own
-    forward, not the fused stack), which rounds differently, so drafts read along with a prompt would get other cache
-    entries than plain decoding's steps write, and a later greedy argmax could flip."""
-    if drafts and len(context) - common_prefix_length(session.tokens, context) > 1:
-        first = session.extend_to(context, keep=1)
-        return torch.cat([first, session.extend_to(context + drafts, keep=len(drafts))])
+    Where that pass would run the model's own forward (a prompt and the drafts of the first round, say), whose
+    products round by the pass's length, the context is read first, alone, as plain decoding reads it, and the
+    drafts follow in a pass of their own: the drafts' cache entries are then those plain decoding's steps write, and
+    greedy output stays the same bit for bit. Passes of viasd's loop (a via catch-up) stay one pass: their kernels
+    give a token the same bits in any block."""
+    unread = len(context) - common_prefix_length(session.tokens, context)
+    if drafts and unread > 1:
+        merged = session.route(unread + len(drafts), session.base_view, len(drafts) + 1)
+        if any(leg.stack is Stack.MODEL or leg.own_weights for leg in merged.legs):
+            first = session.extend_to(context, keep=1)
+            return torch.cat([first, session.extend_to(context + drafts, keep=len(drafts))])
     return session.extend_to(context + drafts, keep=len(drafts) + 1)
 
 
