@@ -192,8 +192,8 @@ class HeadDrafter:
             tops: list[float] = []
             chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # the attention head's draft entries
             for i in range(k):
-                scores = self.logits(state)  # [1, len(ids)]: the tokens of the vocabulary only
-                if self.vocabulary is not None:
+                scores = self.logits(state)  # [1, vocab]: the head's own tokens
+                if self.vocabulary is not None:  # and the context's it lacks: [1, len(ids)]
                     scores = self.vocabulary.logits(scores, state)
                 if params.adjusts:  # adjusted over the whole vocabulary, the vocabulary's tokens kept
                     dense = adjusted(self._dense(scores, float("-inf"), ids), params, context, tokens)
