@@ -92,9 +92,11 @@ def test_smollm2s_q4_1_blocks_run_on_viasds_kernels_as_on_their_torch_reference(
     assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err
     assert made.tokens == read.tokens and len(made.tokens) == 16
     # The same view on its torch references, teacher-forced over those tokens. Activations are quantized per group,
-    # so a last-bit difference can move a code by one step, and 30 layers carry it on: on a Zen 4 EPYC the rows
-    # differ by 1-10% (relative RMS) and free decoding parted at a near-tie (margin 0.08, token 10). Every choice
-    # whose margin exceeds the row's largest difference is the reference's.
+    # so a last-bit difference can move a code by one step, and 30 layers carry it on. Traced layer by layer on a
+    # Zen 4 EPYC: layer 0's MLP input differs by 2e-7 (float sums in another order), its output by 1.5e-4 (a code
+    # moved), and the difference grows layer by layer, to 1.6% at layer 10 and 2.5% at the last (4.6% in the logits);
+    # rows differ by 1-10% (relative RMS) and free decoding parted at a near-tie (margin 0.08, token 10). Every
+    # choice whose margin exceeds the row's largest difference is the reference's.
     sequence = prompt + made.tokens
     kernels = KVSession(loaded.model, made_view).extend_to(sequence, keep=len(made.tokens) + 1).float()
     monkeypatch.setenv("VIASD_KERNELS", "off")
