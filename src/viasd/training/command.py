@@ -12,6 +12,7 @@ import typer
 from viasd.cli_options import TargetOpt, engine_spec
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_TARGET
+from viasd.training.labels import LABELS
 
 MAX_REQUEST, MAX_ANSWER = 64, 256  # tokens of a written request and of its answer
 DESIGNS = ("chain", "attention")
@@ -40,6 +41,13 @@ def train_drafter(
             "attention over the sequence's entries)."
         ),
     ] = "chain",
+    labels: Annotated[
+        str,
+        typer.Option(
+            help="What the chain head learns to predict: tokens (the target's written tokens) or distribution (the "
+            "target's own distribution over the head's vocabulary, where its feature is recorded)."
+        ),
+    ] = "tokens",
     width: Annotated[int, typer.Option(help="The width of the head's residual block.")] = 1024,
     vocab: Annotated[int, typer.Option(help="Tokens the head can draft (the target's most written).")] = 8192,
     depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 4,
@@ -69,6 +77,10 @@ def train_drafter(
             raise ViasdError(f"{name} must be >= 1, got {value}")
     if design not in DESIGNS:
         raise ViasdError(f"--design must be one of {', '.join(DESIGNS)}, got {design!r}")
+    if labels not in LABELS:
+        raise ViasdError(f"--labels must be one of {', '.join(LABELS)}, got {labels!r}")
+    if design == "attention" and labels != "tokens":
+        raise ViasdError("--labels distribution trains the chain head only; the attention head learns the tokens")
     if data_minutes < 0 or train_minutes < 0 or tokens < 0:
         raise ViasdError("--data-minutes, --train-minutes and --tokens must be >= 0")
     spec = engine_spec(target, target, quant=quant)
@@ -137,7 +149,14 @@ def train_drafter(
     # Attention: `batch` counts conversations; a head that starts from a trained chain head moves more gently.
     shape = {"batch": 8, "lr": 2e-4 if start_from else 6e-4} if design == "attention" else {}
     settings = TrainSettings(
-        design=design, width=width, vocab=vocab, depth=depth, seed=seed, seconds=train_minutes * 60, **shape
+        design=design,
+        width=width,
+        vocab=vocab,
+        depth=depth,
+        seed=seed,
+        seconds=train_minutes * 60,
+        labels=labels,
+        **shape,
     )
     stops = {
         int(t)

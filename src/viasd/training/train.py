@@ -6,7 +6,11 @@ agree whenever the drafts are right, which is the case that matters): step d pre
 target wrote there (greedily, in answers). Loss per step: cross-entropy over the head's vocabulary (requests, which
 the target sampled, weigh less than answers), plus a smooth-L1 pull of the head's state towards the target's own
 feature at that position (EAGLE's regression term: a dense signal that small data needs). The head's first steps
-matter most, as every later draft needs them right: step d weighs 0.8^(d-1).
+matter most, as every later draft needs them right: step d weighs 0.8^(d-1). The cross-entropy's label is the
+written token (`labels="tokens"`) or, with `labels="distribution"`, the target's own distribution there over the
+head's vocabulary, read from its recorded feature through the same output rows (EAGLE's classification loss): the
+same top token in greedy answers, plus how the target ranks the others (tokens without a recorded feature keep
+their written token).
 
 The attention head (heads/attention.py) trains on whole conversations instead, each unrolled from every answer
 position at once (training/attention_unroll.py), with the same losses.
@@ -42,6 +46,7 @@ from viasd.training.attention_unroll import (
 )
 from viasd.training.attention_unroll import unroll as unroll_conversations
 from viasd.training.dataset import TrainingSet
+from viasd.training.labels import LABELS
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class TrainSettings:
     seed: int = 0
     seconds: float = 3600.0  # the whole training's budget, over all resumes
     steps: int = 0  # the most optimiser steps, over all resumes (0: as many as the time allows)
+    labels: str = "tokens"  # LABELS: what a step's cross-entropy aims at (chain head only)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,15 +112,35 @@ class Target:
     rows: torch.Tensor  # [vocab, hidden]
 
 
+@dataclass
+class Unrolled:
+    """A batch unrolled `depth` steps: the head's logits [depth, B, vocab], the written labels [depth, B] (-1: none),
+    the regression loss, and (where asked) the target's logits over the vocabulary [depth, B, vocab] with where they
+    are known [depth, B] (the label's position has a recorded feature)."""
+
+    logits: torch.Tensor
+    labels: torch.Tensor
+    regression: torch.Tensor
+    teacher: torch.Tensor | None = None
+    taught: torch.Tensor | None = None
+
+
 def unroll(
-    head: DraftHead, target: Target, data: TrainingSet, ex: Examples, batch: torch.Tensor, depth: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unroll the head from the feature rows `batch`: per step d, its logits [B, vocab], the labels [B] (-1: none),
-    and the loss weights [B]. Returns logits [depth, B, vocab], labels [depth, B], and the regression loss."""
+    head: DraftHead,
+    target: Target,
+    data: TrainingSet,
+    ex: Examples,
+    batch: torch.Tensor,
+    depth: int,
+    teacher: bool = False,
+) -> Unrolled:
+    """Unroll the head from the feature rows `batch`, step d predicting the token after position p + d; `teacher`:
+    also the target's own logits there (its recorded feature times the same output rows)."""
     at = data.feature_at[batch]
     end = ex.end_of[at]
     state = data.features[batch].float()
     logits, labels, regression = [], [], state.new_zeros(())
+    taught, known = [], []
     for d in range(1, depth + 1):
         position = at + d
         inside = position + 1 < end
@@ -123,23 +149,42 @@ def unroll(
         logits.append(state @ target.rows.T)
         label = ex.label_of[data.tokens[(position + 1).clamp(max=len(data.tokens) - 1)]]
         labels.append(torch.where(inside, label, -1))
+        # The feature at p + d is the one the target's head read to choose the token at p + d + 1: the label.
         row = ex.row_of[position.clamp(max=len(data.tokens) - 1)]
         has = inside & (row >= 0)
+        if teacher:
+            with torch.no_grad():
+                taught.append(data.features[row.clamp_min(0)].float() @ target.rows.T)
+            known.append(has)
         if bool(has.any()):
             wanted = data.features[row[has]].float()
             regression = regression + functional.smooth_l1_loss(state[has], wanted) * 0.8 ** (d - 1)
-    return torch.stack(logits), torch.stack(labels), regression
+    if not teacher:
+        return Unrolled(torch.stack(logits), torch.stack(labels), regression)
+    return Unrolled(torch.stack(logits), torch.stack(labels), regression, torch.stack(taught), torch.stack(known))
 
 
 def step_weights(depth: int) -> torch.Tensor:
     return torch.tensor([0.8**d for d in range(depth)])
 
 
-def loss_of(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy per step, weighted by step and by the label's weight (answers 1, requests less)."""
+def loss_of(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher: torch.Tensor | None = None,
+    taught: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy per step, weighted by step and by the label's weight (answers 1, requests less): against the
+    written token, or where `taught`, against the distribution of the `teacher` logits (softmax over the vocabulary).
+    A step's examples without a written label (past their conversation's end) count for nothing either way."""
     depth, b, vocab = logits.shape
     each = functional.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1).clamp_min(0), reduction="none")
-    each = each.reshape(depth, b) * (labels >= 0) * weights
+    each = each.reshape(depth, b)
+    if teacher is not None and taught is not None:
+        soft = -(torch.softmax(teacher.float(), dim=-1) * torch.log_softmax(logits, dim=-1)).sum(-1)
+        each = torch.where(taught, soft, each)
+    each = each * (labels >= 0) * weights
     per_step = each.sum(dim=1) / (labels >= 0).sum(dim=1).clamp_min(1)
     return (per_step * step_weights(depth)).sum() / step_weights(depth).sum()
 
@@ -151,8 +196,9 @@ def evaluate(head: DraftHead, target: Target, data: TrainingSet, ex: Examples, d
     starts = ex.starts[:limit]
     right_runs, hits, counts = [], torch.zeros(depth), torch.zeros(depth)
     for chunk in starts.split(512):
-        logits, labels, _ = unroll(head, target, data, ex, chunk, depth)
-        right = (logits.argmax(-1) == labels) & (labels >= 0)
+        unrolled = unroll(head, target, data, ex, chunk, depth)
+        labels = unrolled.labels
+        right = (unrolled.logits.argmax(-1) == labels) & (labels >= 0)
         hits += right.sum(1).float()
         counts += (labels >= 0).sum(1).float()
         right_runs.append(right.long().cumprod(0).sum(0).float())
@@ -200,12 +246,14 @@ class PositionObjective:
     def loss(self, head: DraftHead) -> torch.Tensor:
         data, depth = self.data, self.settings.depth
         batch = self.train.starts[torch.randint(len(self.train.starts), (self.settings.batch,))]
+        teacher = self.settings.labels == "distribution"
         with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
-            logits, labels, regression = unroll(head, self.computed, data, self.train, batch, depth)
+            unrolled = unroll(head, self.computed, data, self.train, batch, depth, teacher)
         at = data.feature_at[batch]
         last = len(data.tokens) - 1
         weights = torch.stack([self.answer_weight[(at + d + 1).clamp(max=last)] for d in range(1, depth + 1)])
-        return loss_of(logits.float(), labels, weights) + regression
+        logits = unrolled.logits.float()
+        return loss_of(logits, unrolled.labels, weights, unrolled.teacher, unrolled.taught) + unrolled.regression
 
     def evaluate(self, head: DraftHead) -> dict:
         return evaluate(head, self.target, self.data, self.held_out, self.settings.depth)
@@ -300,8 +348,12 @@ def train(
     dtype = dtype or products_dtype()
     torch.manual_seed(settings.seed)
     state = checkpoint.load()
-    if state is not None:
-        state["settings"] = {"design": "chain", **state["settings"]}  # checkpoints from before the attention head
+    if settings.labels not in LABELS:
+        raise ViasdError(f"labels must be one of {', '.join(LABELS)}, got {settings.labels!r}")
+    if settings.design == "attention" and settings.labels != "tokens":
+        raise ViasdError("the attention head trains on the written tokens only (labels=tokens)")
+    if state is not None:  # checkpoints from before the attention head, and before labels could be distributions
+        state["settings"] = {"design": "chain", "labels": "tokens", **state["settings"]}
     if state is not None and state["settings"] != settings.to_dict():
         changed = sorted(k for k, v in settings.to_dict().items() if state["settings"].get(k) != v)
         if set(changed) - {"seconds", "steps"}:  # a budget may grow between runs
