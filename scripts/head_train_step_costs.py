@@ -6,6 +6,7 @@ scale: a step's cost does not depend on their values.
     python scripts/head_train_step_costs.py
     python scripts/head_train_step_costs.py --repeats 60 --batch 64
     python scripts/head_train_step_costs.py --width 2048      # a wider head (or --blocks 2: a deeper one)
+    python scripts/head_train_step_costs.py --labels distribution   # aiming at the target's distribution
 
 Run it on a quiet machine: the timings are wall-clock.
 """
@@ -20,6 +21,7 @@ import torch
 
 from viasd.heads.network import DraftHead, HeadConfig
 from viasd.training.dataset import TrainingSet
+from viasd.training.labels import LABELS
 from viasd.training.train import PositionObjective, Target, TrainSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -27,9 +29,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def step_flops(settings: TrainSettings, hidden: int) -> float:
     """Multiply-adds of a step, times two: the blocks forward and backward (inputs and weights), the output rows
-    forward and backward to the state only (they are the target's, frozen)."""
+    forward and backward to the state only (they are the target's, frozen), and with `labels=distribution` the
+    target's own logits (forward only)."""
     block = 2 * (2 * hidden) * settings.width + settings.width * hidden
-    per_position = 3 * block * settings.blocks + 2 * hidden * settings.vocab
+    teacher = hidden * settings.vocab if settings.labels == "distribution" else 0
+    per_position = 3 * block * settings.blocks + 2 * hidden * settings.vocab + teacher
     return 2.0 * per_position * settings.depth * settings.batch
 
 
@@ -39,10 +43,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=TrainSettings.batch)
     parser.add_argument("--width", type=int, default=TrainSettings.width, help="the head's inner width")
     parser.add_argument("--blocks", type=int, default=TrainSettings.blocks, help="the head's residual blocks")
+    parser.add_argument("--labels", choices=LABELS, default=TrainSettings.labels, help="what the loss aims at")
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     torch.manual_seed(0)
-    settings = TrainSettings(batch=args.batch, width=args.width, blocks=args.blocks)
+    settings = TrainSettings(batch=args.batch, width=args.width, blocks=args.blocks, labels=args.labels)
     positions, vocab = 100_000, 151_936
     data = TrainingSet(
         tokens=torch.randint(0, 20_000, (positions,)),
@@ -85,7 +90,10 @@ def main() -> None:
                 times[name].append(time.perf_counter() - began)
     flops = step_flops(settings, args.hidden)
     threads = torch.get_num_threads()
-    shape = f"width {settings.width} x {settings.blocks} block(s), batch {settings.batch} x depth {settings.depth}"
+    shape = (
+        f"width {settings.width} x {settings.blocks} block(s), batch {settings.batch} x depth {settings.depth}, "
+        f"labels: {settings.labels}"
+    )
     print(f"a step: {shape}, {flops / 1e9:.1f} GFLOP, {threads} threads")
     for name, each in times.items():
         median = statistics.median(each)
