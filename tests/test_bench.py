@@ -598,7 +598,7 @@ def test_bench_command_end_to_end(tmp_path, tiny_pair, monkeypatch):
     assert set(env["setup"]) == {"plain", "sd", "lookup", "sd:gamma=2"}
     assert env["setup"]["sd:gamma=2"]["gamma"] == 2 and env["setup"]["sd"]["drafter"].startswith("model (as loaded)")
     assert env["setup"]["lookup"]["drafter"].startswith("prompt lookup") and env["setup"]["plain"]["exact"]
-    assert set(env["setup"]["plain"]["kernels"]) == {"w4a8", "w6a8", "w8a8", "bf16", "attention", "fused"}
+    assert set(env["setup"]["plain"]["kernels"]) == {"w4a8", "w6a8", "w8a8", "bf16", "bf16native", "attention", "fused"}
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not any(r.get("error") for r in rows)
     assert [len(r["turns"]) for r in rows if r["key"] == "specbench/2"] == [2, 2, 2, 2]

@@ -22,7 +22,7 @@ import torch
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd.errors import ViasdError
-from viasd.kernels import attention, bf16, build, fused_layers, interface, notice, w4a8, w6a8, w8a8
+from viasd.kernels import attention, bf16, bf16_native, build, fused_layers, interface, notice, w4a8, w6a8, w8a8
 from viasd.kernels.build import Build, Library
 from viasd.kernels.cpu import cpu_flags
 from viasd.kernels.state import kernel_states
@@ -195,7 +195,7 @@ def fresh_process() -> Iterator[None]:
     """The kernels as a new process finds them: nothing loaded or checked, nothing said yet (and so again after)."""
 
     def forget() -> None:
-        for cached in (build.library, w4a8.compiled, w6a8.compiled, w8a8.compiled, bf16.compiled,
+        for cached in (build.library, w4a8.compiled, w6a8.compiled, w8a8.compiled, bf16.compiled, bf16_native.compiled,
                        attention.compiled, fused_layers.compiled, notice.warn_once):  # fmt: skip
             cached.cache_clear()
 

@@ -114,10 +114,11 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     from viasd.kernels.cpu import cpu_model
     from viasd.kernels.state import kernel_states
     from viasd.passes import loop
-    from viasd.passes.bf16_linear import CpuBf16Linear
+    from viasd.passes.bf16_linear import CpuBf16Linear, NativeBf16Linear
 
     machine = [platform.machine(), cpu_model(), os.cpu_count(), torch.get_num_threads(), str(device)]
-    machine.append(any(isinstance(module, CpuBf16Linear) for module in target.modules()))  # viasd's bf16 kernel
+    kernels = (CpuBf16Linear, NativeBf16Linear)
+    machine.append(any(isinstance(module, kernels) for module in target.modules()))  # viasd's bf16 kernels
     machine.append(loop.covers(target))  # steps and blocks run viasd's loop: other costs
     if device.type == "cpu":  # which of viasd's kernels run here, and their sources (a changed kernel: probe again)
         machine += [kernel_states(), _kernel_sources()]

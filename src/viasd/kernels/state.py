@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from viasd.kernels import attention, bf16, fused_layers, w4a8, w6a8, w8a8
+from viasd.kernels import attention, bf16, bf16_native, fused_layers, w4a8, w6a8, w8a8
 
 
 def kernel_states() -> dict[str, str]:
@@ -13,6 +13,7 @@ def kernel_states() -> dict[str, str]:
         "w6a8": w6a8.kernel_status(),
         "w8a8": w8a8.kernel_status(),
         "bf16": bf16.kernel_status(),
+        "bf16native": bf16_native.kernel_status(),
         "attention": attention.kernel_status(),
         "fused": fused_layers.kernel_status(),
     }

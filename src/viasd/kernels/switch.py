@@ -10,7 +10,7 @@ import os
 from viasd.errors import ViasdError
 
 SWITCH = "VIASD_KERNELS"
-KERNELS = ("w4a8", "w6a8", "w8a8", "bf16", "attention", "fused")
+KERNELS = ("w4a8", "w6a8", "w8a8", "bf16", "bf16native", "attention", "fused")
 OFF = f"switched off ({SWITCH})"
 
 

@@ -86,6 +86,11 @@ int w8a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const int8_t *
 /* bf16 weights x float32 activations, float32 out, for CPUs without bf16 matrix instructions (bf16.c). */
 int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads);
 
+/* bf16 weights x bf16 activations, float32 out, on CPUs with AVX-512 BF16 (bf16_native.c); call it only where the
+ * CPU reports avx512_bf16. Built by a compiler without AVX-512 BF16, it refuses every shape (VIASD_BAD_SHAPE). */
+int bf16_native_linear(const uint16_t *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out,
+                       int threads);
+
 /* A short pass's attention of one layer in bf16: rotary embedding, cache write, attention over the causal prefix or,
  * where `window` > 0, over the last `window` positions up to each query's own (attention.c). */
 int short_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride, const uint16_t *v,

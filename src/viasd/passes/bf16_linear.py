@@ -1,4 +1,4 @@
-"""bf16 Linear layers on CPUs without bf16 matrix instructions: viasd's kernel for passes of a few tokens.
+"""bf16 Linear layers on a CPU: viasd's kernels for passes of a few tokens (a decoding step, a verification block).
 
 Without AVX-512 BF16 or AMX, torch multiplies a block of M tokens with bf16 weights at about M times the cost of
 one token (9.3x for M = 9 on an AVX2 EPYC), which makes every speculative method slower than plain decoding
@@ -7,7 +7,14 @@ the same weights (no copy), whose passes of up to MAX_ROWS tokens run on kernels
 are read once per block, and each token's output is the same whatever block it came in. Longer passes (a prompt)
 widen the weights to float32 for one float32 product, which is faster than the kernel from about a hundred tokens
 on and than torch's bf16 product at any length there (per [M, 1536] x [1536, 8960] product at M = 512: 146 ms,
-kernel 238, torch's bf16 804). Other devices stay with torch.
+kernel 238, torch's bf16 804).
+
+With AVX-512 BF16 but no AMX (Zen 4 and later), torch's bf16 product of one token streams the weights at about
+half the rate memory allows (17-19 of 26-27 GB/s on a 2-core Zen 4, 28 layers' distinct weights), and a decoding
+step of a dense model is little else. There `NativeBf16Linear` runs passes of up to NATIVE_MAX_ROWS tokens on
+kernels/bf16_native.py's kernel (1.4-2x torch for one token, about torch's cost for 8-16), each token's bits again
+independent of its block; longer passes stay with torch's bf16 product, which its own kernels make fast there. With
+AMX torch stays in charge (its AMX products of a block beat a streaming kernel). Other devices stay with torch.
 """
 
 from __future__ import annotations
@@ -15,29 +22,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from viasd.kernels import bf16
+from viasd.kernels import bf16, bf16_native
 from viasd.kernels.build import Library
 from viasd.kernels.cpu import cpu_flags
 
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # torch's own bf16 products are fast where these are
 MAX_ROWS = 96  # tokens per pass up to which the kernel is used (measured: 65 ms at 128 against 62 widened)
+# And the native kernel: every pass of viasd's loop (verification blocks up to 16 tokens), so that a token's bits
+# never depend on its block; from about 8 tokens on it costs what torch's product does (Zen 4: 0.9-1.1x at 8-16).
+NATIVE_MAX_ROWS = 16
 
 
 def wanted() -> bool:
-    """Whether bf16 Linear layers on this CPU should use the kernel: the CPU lacks bf16 matrix instructions, and
-    the kernel compiled, passed its check and is not switched off (VIASD_KERNELS)."""
+    """Whether bf16 Linear layers on this CPU should use the widening kernel: the CPU lacks bf16 matrix
+    instructions, and the kernel compiled, passed its check and is not switched off (VIASD_KERNELS)."""
     flags = cpu_flags()
     return bool(flags) and not any(flag in flags for flag in NATIVE_BF16) and isinstance(bf16.kernel(), Library)
+
+
+def native_wanted() -> bool:
+    """Whether bf16 Linear layers on this CPU should use the AVX-512 BF16 kernel: the CPU has the instructions but
+    no AMX, and the kernel compiled, passed its check and is not switched off (VIASD_KERNELS)."""
+    return "amx_bf16" not in cpu_flags() and isinstance(bf16_native.kernel(), Library)
+
+
+def _short_bf16_pass(layer: nn.Linear, x: torch.Tensor) -> int | None:
+    """The tokens of a pass that a kernel can take (bf16 weights on the CPU, contiguous, no gradient), else None."""
+    weight = layer.weight
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.device.type != "cpu" or weight.dtype != torch.bfloat16 or rows == 0 or not weight.is_contiguous()
+            or (torch.is_grad_enabled() and weight.requires_grad)):  # fmt: skip
+        return None
+    return rows
 
 
 class CpuBf16Linear(nn.Linear):
     """nn.Linear whose bf16 CPU passes go through viasd's kernel up to MAX_ROWS tokens, through float32 beyond."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
+        rows = _short_bf16_pass(self, x)
         weight = self.weight
-        if (x.device.type != "cpu" or weight.dtype != torch.bfloat16 or rows == 0 or not weight.is_contiguous()
-                or (torch.is_grad_enabled() and weight.requires_grad)):  # fmt: skip
+        if rows is None:
             return super().forward(x)
         if rows > MAX_ROWS:
             bias = None if self.bias is None else self.bias.float()
@@ -48,16 +73,32 @@ class CpuBf16Linear(nn.Linear):
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+class NativeBf16Linear(nn.Linear):
+    """nn.Linear whose bf16 CPU passes of up to NATIVE_MAX_ROWS tokens go through the AVX-512 BF16 kernel, longer
+    ones through torch's bf16 product."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _short_bf16_pass(self, x)
+        if rows is None or rows > NATIVE_MAX_ROWS or x.dtype != torch.bfloat16:
+            return super().forward(x)
+        out = bf16_native.product(x.reshape(rows, -1).contiguous(), self.weight)
+        if self.bias is not None:
+            out = out + self.bias.float()  # in float32, rounded once with the product, as torch's bf16 product does
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 def use_bf16_kernel(model: nn.Module) -> int:
-    """Switch the model's bf16 CPU Linear layers to `CpuBf16Linear` where `wanted()`; how many were switched.
+    """Switch the model's bf16 CPU Linear layers to `NativeBf16Linear` where `native_wanted()`, else to
+    `CpuBf16Linear` where `wanted()`; how many were switched.
 
     The modules keep their identity, parameters and names (only their class changes), so nothing that holds or
     looks up a layer sees a difference."""
-    if not wanted():
+    kind: type[nn.Linear] | None = NativeBf16Linear if native_wanted() else CpuBf16Linear if wanted() else None
+    if kind is None:
         return 0
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu":
-            module.__class__ = CpuBf16Linear
+            module.__class__ = kind
             switched += 1
     return switched
