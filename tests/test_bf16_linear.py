@@ -110,6 +110,10 @@ def test_native_kernel_passes_its_own_check_wherever_the_cpu_has_avx512_bf16():
 
 
 def test_native_kernel_is_not_called_on_a_cpu_without_avx512_bf16(monkeypatch):
+    from viasd.kernels.build import library
+
+    if not isinstance(library(), Library):
+        pytest.skip(f"no kernel library: {library()}")  # then that is the reason every kernel gives
     monkeypatch.setattr(bf16_native, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     reason = bf16_native.compiled.__wrapped__()
     assert reason == "not for this CPU (it lacks avx512f, avx512bw, avx512vl, avx512_bf16)"
