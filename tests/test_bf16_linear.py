@@ -106,7 +106,10 @@ def test_native_kernel_passes_its_own_check_wherever_the_cpu_has_avx512_bf16():
 
     if any(flag not in bf16_native.cpu_flags() for flag in bf16_native.NEEDS) or not isinstance(library(), Library):
         pytest.skip("no AVX-512 BF16 here, or no kernel library")
-    assert isinstance(bf16_native.compiled(), Library), bf16_native.compiled()
+    found = bf16_native.compiled()
+    if isinstance(found, str) and "was not made by this compiler" in found:
+        pytest.skip(found)  # a compiler older than AVX-512 BF16 (GCC < 10): a fact of the machine, said in one line
+    assert isinstance(found, Library), found
 
 
 def test_native_kernel_is_not_called_on_a_cpu_without_avx512_bf16(monkeypatch):
