@@ -5,9 +5,10 @@
  * on a 2-core Zen 4), and a decoding step of a dense bf16 model is nothing but such products. Here each output row
  * of weights is read from memory once for up to BLOCK tokens, 32 weights per instruction (`vdpbf16ps`: pairs of
  * bf16 products, exact in float32, added in float32), so a single token's product runs at the rate memory gives
- * and a block of a few costs about what one does. Each token goes through the same instructions in the same order
- * whatever block it is in (two accumulators over the inputs in steps of 32, a masked tail, one reduction), so its
- * result does not depend on the block: plain decoding and block verification compute the same logits.
+ * and a block of two costs about what one does (larger blocks are bound by the products: 8 tokens cost about 1.5
+ * single ones). Each token goes through the same instructions in the same order whatever block it is in (one
+ * accumulator per row over the inputs in steps of 32, a masked tail, one reduction), so its result does not
+ * depend on the block: plain decoding and block verification compute the same logits.
  *
  * The function is compiled for AVX-512 BF16 whatever the library's build, and Python calls it only on a CPU that
  * reports the instructions (kernels/bf16_native.py); a compiler that cannot make them gets a stub that refuses every
@@ -27,8 +28,8 @@
 #define PREFETCH 8192
 
 /* Output rows j .. j + J - 1 for R tokens: one accumulator per row and token, over the inputs in steps of 32 (the
- * last one masked), then one reduction. Two rows share each load of a token's inputs: a 512-bit load per product
- * would bound a block at one product per cycle. */
+ * last one masked), then one reduction. In blocks of more than two tokens two rows share each load of a token's
+ * inputs (J = 2): a 512-bit load per product would bound a block at one product per cycle. */
 BF16_NATIVE_TARGET static inline __attribute__((always_inline)) void rows_output(
     const uint16_t *w, const uint16_t *x, int64_t k, const int J, const int R, float *out, int64_t n) {
     __m512 acc[2][BLOCK];

@@ -10,11 +10,12 @@ on and than torch's bf16 product at any length there (per [M, 1536] x [1536, 896
 kernel 238, torch's bf16 804).
 
 With AVX-512 BF16 but no AMX (Zen 4 and later), torch's bf16 product of one token streams the weights at about
-half the rate memory allows (17-19 of 26-27 GB/s on a 2-core Zen 4, 28 layers' distinct weights), and a decoding
-step of a dense model is little else. There `NativeBf16Linear` runs passes of up to NATIVE_MAX_ROWS tokens on
-kernels/bf16_native.py's kernel (1.4-2x torch for one token, about torch's cost for 8-16), each token's bits again
-independent of its block; longer passes stay with torch's bf16 product, which its own kernels make fast there. With
-AMX torch stays in charge (its AMX products of a block beat a streaming kernel). Other devices stay with torch.
+half the rate memory allows (14-19 GB/s on a 2-core Zen 4, where the kernel below reads 25-30; 28 layers' distinct
+weights, `scripts/bf16_product_rates.py`), and a decoding step of a dense model is little else. There
+`NativeBf16Linear` runs passes of up to NATIVE_MAX_ROWS tokens on kernels/bf16_native.py's kernel (one token's
+product in 0.67-0.74x torch's time, 4-16 tokens' in 0.8-0.95x), each token's bits again independent of its block;
+longer passes stay with torch's bf16 product, which its own kernels make fast there. With AMX torch stays in charge
+(its AMX products of a block beat a streaming kernel). Other devices stay with torch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from viasd.kernels.cpu import cpu_flags
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # torch's own bf16 products are fast where these are
 MAX_ROWS = 96  # tokens per pass up to which the kernel is used (measured: 65 ms at 128 against 62 widened)
 # And the native kernel: every pass of viasd's loop (verification blocks up to 16 tokens), so that a token's bits
-# never depend on its block; from about 8 tokens on it costs what torch's product does (Zen 4: 0.9-1.1x at 8-16).
+# never depend on its block; up to 16 tokens it costs no more than torch's product (Zen 4: 0.8-0.95x at 4-16).
 NATIVE_MAX_ROWS = 16
 
 
