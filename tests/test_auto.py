@@ -1,5 +1,6 @@
-"""The `auto` method: it times the exact candidates once, keeps the fastest (never one slower than plain in its
-probe), caches the choice, stays exact, and says what it chose; a drafter of another tokenizer is left out."""
+"""The `auto` method: it times the exact candidates once, settles near-ties in a run-off on longer answers, keeps the
+fastest (never one slower than plain in its probe), caches the choice, stays exact, and says what it chose; a
+drafter of another tokenizer is left out."""
 
 import json
 
@@ -25,12 +26,14 @@ def engine(drafter=True):
 def test_auto_probes_once_picks_the_fastest_and_stays_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "models"))
     monkeypatch.setattr(auto, "PROBE_PROMPTS", ("t3 t4 t5", "t9 t8 t7 t6"))
+    monkeypatch.setattr(auto, "RUNOFF_PROMPTS", ("t5 t6 t7 t8", "t2 t3"))
     first = engine()
     decoder = first.decoder("auto")
     record = decoder.choice
     rates = record["tokens_per_second"]
     expected = auto.candidates(None, int4a8=auto.int4a8_is_fast(torch.device("cpu")))
-    assert set(rates) == set(expected) and record["chosen"] == auto.pick(rates)
+    assert set(rates) == set(expected) and record["chosen"] == auto.pick(auto.deciding_rates(record))
+    assert set(record.get("runoff") or ()) == set(auto.contenders(rates))  # near-ties ran again
     assert "plain" in rates  # plain was probed too: the method chosen is never slower than plain in the probe
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     out = first.generate(PROMPT, "auto", config)
@@ -57,12 +60,64 @@ def test_auto_picks_the_fastest_or_its_lookup_variant_within_the_tie_and_never_o
 def test_a_cached_choice_is_made_again_from_its_timings(tmp_path):
     names = ["plain", "sd:drafter=head", "sd:drafter=lookup+head"]
     rates = {"plain": 20.0, "sd:drafter=head": 36.0, "sd:drafter=lookup+head": 35.0}
+    final = {"sd:drafter=head": 30.0, "sd:drafter=lookup+head": 29.0}  # the run-off of the two within 10%
     record = {"chosen": "sd:drafter=head", "candidates": names, "tokens_per_second": rates, "date": "2026-12-05"}
-    (tmp_path / "k.json").write_text(json.dumps(record))
+    (tmp_path / "k.json").write_text(json.dumps({**record, "runoff": final}))
     probed = lambda *a, **k: pytest.fail("probed again")  # noqa: E731
     assert auto.choose(probed, names, None, "k", tmp_path)["chosen"] == "sd:drafter=lookup+head"
-    assert auto.why("sd:drafter=lookup+head", rates).startswith("sd:drafter=head with prompt lookup first")
+    assert auto.why("sd:drafter=lookup+head", final).startswith("sd:drafter=head with prompt lookup first")
     assert auto.why("sd:drafter=head", rates) == "fastest exact method in a probe on this machine"
+
+
+def test_the_runoff_takes_the_methods_within_the_tie_of_the_fastest_and_only_near_ties():
+    rates = {"plain": 20.0, "lookup": 21.0, "sd": 30.0, "sd:drafter=head": 36.0, "sd:drafter=lookup+head": 35.0}
+    assert auto.contenders(rates) == ["sd:drafter=head", "sd:drafter=lookup+head"]  # sd is 17% behind
+    assert auto.contenders({**rates, "sd": 33.0}) == ["sd:drafter=head", "sd:drafter=lookup+head", "sd"]
+    assert auto.contenders({"plain": 20.0, "sd": 30.0}) == []  # one method that close: nothing to settle
+    many = {f"m{i}": 30.0 - 0.1 * i for i in range(6)}
+    assert auto.contenders({**many, "plain": 10.0}) == ["m0", "m1", "m2", "m3"]  # at most RUNOFF_SIZE
+    # Plain runs again only when the probe has it that close; otherwise every contender beat it in the probe.
+    assert auto.contenders({"plain": 20.0, "lookup": 21.0}) == ["lookup", "plain"]
+    assert auto.contenders({"plain": 20.0, "lookup": 20.0}) == ["plain", "lookup"]  # plain first on a tie
+
+
+def test_a_near_tie_is_settled_by_the_runoff_once_and_an_older_cached_probe_gets_only_the_runoff(tmp_path):
+    """The probe's 1% lead of the head is overturned by the run-off (as on the dense target on a Zen 4); the choice
+    is saved with the run-off's timings and read back without timing anything; a cached probe from before run-offs
+    existed is completed by a run-off alone."""
+    names = ["plain", "sd:drafter=head", "sd:drafter=lookup+head", "sd:drafter_quant=int4a8"]
+    first = {"plain": 7.2, "sd:drafter=head": 11.4, "sd:drafter=lookup+head": 11.0, "sd:drafter_quant=int4a8": 11.3}
+    final = {"sd:drafter=head": 8.5, "sd:drafter=lookup+head": 9.7, "sd:drafter_quant=int4a8": 10.8}
+    timed = []
+
+    def probe(decoder_of, methods, tokenizer, log, texts=auto.PROBE_PROMPTS, new_tokens=auto.PROBE_TOKENS, label=""):
+        timed.append((list(methods), new_tokens))
+        return {name: (first if texts == auto.PROBE_PROMPTS else final)[name] for name in methods}
+
+    lines = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto, "probe", probe)
+        record = auto.choose(None, names, None, "k", tmp_path, lines.append)
+        assert record["chosen"] == "sd:drafter_quant=int4a8" and record["runoff"] == final
+        runoff = ["sd:drafter=head", "sd:drafter_quant=int4a8", "sd:drafter=lookup+head"]  # fastest first
+        assert timed == [(names, auto.PROBE_TOKENS), (runoff, auto.RUNOFF_TOKENS)]
+        assert any("3 methods within 10%" in line for line in lines)
+        assert auto.why(record["chosen"], final, True).endswith("run-off of the 3 closest in a probe on this machine")
+        assert auto.choose(None, names, None, "k", tmp_path)["chosen"] == "sd:drafter_quant=int4a8"
+        assert len(timed) == 2  # read back: nothing timed again
+        older = {"chosen": "sd:drafter=head", "candidates": names, "tokens_per_second": first, "date": "2026-12-04"}
+        (tmp_path / "old.json").write_text(json.dumps(older))
+        assert auto.choose(None, names, None, "old", tmp_path)["chosen"] == "sd:drafter_quant=int4a8"
+        assert timed[2:] == [(runoff, auto.RUNOFF_TOKENS)]
+        assert json.loads((tmp_path / "old.json").read_text())["runoff"] == final
+    # A run-off that names methods that are not candidates is a damaged record: one line, probed again.
+    damaged = {**older, "runoff": {"sd:drafter=other": 3.0}}
+    (tmp_path / "bad.json").write_text(json.dumps(damaged))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(auto, "probe", probe)
+        lines.clear()
+        assert auto.choose(None, names, None, "bad", tmp_path, lines.append)["runoff"] == final
+        assert "its run-off is not timings of its candidates" in lines[0]
 
 
 def test_auto_leaves_out_a_drafter_of_another_tokenizer():

@@ -1,9 +1,10 @@
 """The `auto` method: the fastest exact method on this machine for this model pair, chosen by measuring.
 
 At first use a short probe times every candidate (plain decoding among them) on two small prompts, each
-method in turn per prompt, and keeps the fastest (`pick`); plain decoding wins unless another method beats it. The
-choice is cached per machine, torch build, models, dtype and candidates, so later runs start at once. The
-decoder then runs the chosen method, and its statistics say what was chosen and why.
+method in turn per prompt; the few it has close to the fastest run again on longer answers to other prompts (the
+run-off), and the fastest there is kept (`pick`); plain decoding wins unless another method beats it. The choice is
+cached per machine, torch build, models, dtype and candidates, so later runs start at once. The decoder then runs
+the chosen method, and its statistics say what was chosen and why.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ PROBE_TOKENS = 32
 # taken over the drafter alone when the probe has it this close (Zen 4, 16 report tasks: `sd:drafter=lookup+head`
 # 1.11x `sd:drafter=head`, which the probe had 2% ahead; BENCHMARKS.md).
 LOOKUP_TIE = 0.05
+# Two prompts of 32 tokens cannot rank methods they have within a few percent: on the dense target (Zen 4) the probe
+# had the head 1% ahead of the 0.5B drafter's int4a8 view, which then kept 1.8x more tokens per full pass on the
+# report tasks. The methods within RUNOFF_TIE of the fastest (at most RUNOFF_SIZE) run again on
+# longer answers to prompts of other kinds, a summary and a worked sum, and the run-off decides between them (the
+# same machine: the head 13-23% behind there, benchmarks/2026-12-05-auto-runoff-zen4).
+RUNOFF_TIE = 0.10
+RUNOFF_SIZE = 4
+RUNOFF_TOKENS = 96
+RUNOFF_PROMPTS = (
+    "Summarize in three sentences: The city council met on Tuesday to discuss the new bicycle lanes planned for the "
+    "river district. Supporters said the lanes would make the commute safer for the thousands of students who cycle "
+    "to the university each day, and that shops along the route would gain customers. Opponents worried that "
+    "removing two hundred parking spaces would hurt the same shops, and asked for a study of traffic on the bridge "
+    "first. The council agreed to build the lanes in two stages, starting with the section by the university in "
+    "spring, and to count cars and bicycles on the bridge before deciding on the second stage.",
+    "A shop sells pencils at 3 for 45 cents and erasers at 2 for 30 cents. Tom buys 12 pencils and 5 erasers. How "
+    "much does he pay? Think step by step.",
+)
 
 
 def candidates(
@@ -90,12 +109,27 @@ def pick(rates: dict[str, float]) -> str:
     return sibling if close and rates[sibling] > rates.get("plain", 0.0) else fastest
 
 
-def why(chosen: str, rates: dict[str, float]) -> str:
-    """The reason `pick` gives for `chosen`, in words."""
+def contenders(rates: dict[str, float]) -> list[str]:
+    """The methods a run-off decides between, fastest first: those within RUNOFF_TIE of the probe's fastest, at
+    most RUNOFF_SIZE; none where the probe has only one there. Plain is among them only when it is that close, so
+    every method a run-off can choose was faster than plain in the probe."""
+    ranked = sorted(rates, key=lambda name: (-rates[name], name != "plain"))
+    close = [name for name in ranked if rates[name] >= (1 - RUNOFF_TIE) * rates[ranked[0]]][:RUNOFF_SIZE]
+    return close if len(close) > 1 else []
+
+
+def deciding_rates(record: dict[str, Any]) -> dict[str, float]:
+    """The timings `pick` chooses by: the run-off's where the probe had one, else the probe's."""
+    return record.get("runoff") or record["tokens_per_second"]
+
+
+def why(chosen: str, rates: dict[str, float], in_runoff: bool = False) -> str:
+    """The reason `pick` gives for `chosen` from `rates` (a run-off's, if `in_runoff`), in words."""
     fastest = max(rates, key=lambda name: (rates[name], name == "plain"))
+    where = f"a run-off of the {len(rates)} closest in a probe" if in_runoff else "a probe"
     if chosen == fastest:
-        return "fastest exact method in a probe on this machine"
-    return f"{fastest} with prompt lookup first: within {LOOKUP_TIE:.0%} of it in a probe on this machine"
+        return f"fastest exact method in {where} on this machine"
+    return f"{fastest} with prompt lookup first: within {LOOKUP_TIE:.0%} of it in {where} on this machine"
 
 
 def int4a8_is_fast(device: torch.device) -> bool:
@@ -137,11 +171,18 @@ def _kernel_sources() -> str:
 
 
 def probe(
-    decoder_of: Callable[[str], Decoder], names: Sequence[str], tokenizer: Any, log: Callable[[str], None]
+    decoder_of: Callable[[str], Decoder],
+    names: Sequence[str],
+    tokenizer: Any,
+    log: Callable[[str], None],
+    texts: Sequence[str] = PROBE_PROMPTS,
+    new_tokens: int = PROBE_TOKENS,
+    label: str = "auto",
 ) -> dict[str, float]:
-    """Tokens/s of each method over the probe prompts (greedy, prefill included), methods in turn per prompt."""
-    config = GenerationConfig(max_new_tokens=PROBE_TOKENS, ignore_eos=True)
-    prompts = [encode_prompt(tokenizer, text) for text in PROBE_PROMPTS]
+    """Tokens/s of each method over `texts` (greedy, `new_tokens` each, prefill included), methods in turn per
+    prompt."""
+    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    prompts = [encode_prompt(tokenizer, text) for text in texts]
     decoders = {name: decoder_of(name) for name in names}
     for decoder in decoders.values():  # warm-up, untimed
         decoder.generate(prompts[0], GenerationConfig(max_new_tokens=4, ignore_eos=True))
@@ -154,8 +195,16 @@ def probe(
             tokens[name] += stats.new_tokens
             seconds[name] += stats.total_seconds
     rates = {name: tokens[name] / seconds[name] for name in names}
-    log("auto: " + ", ".join(f"{name} {rate:.2f} tok/s" for name, rate in rates.items()))
+    log(f"{label}: " + ", ".join(f"{name} {rate:.2f} tok/s" for name, rate in rates.items()))
     return rates
+
+
+def runoff(
+    decoder_of: Callable[[str], Decoder], names: Sequence[str], tokenizer: Any, log: Callable[[str], None]
+) -> dict[str, float]:
+    """Tokens/s of the probe's `contenders` on the run-off's longer answers."""
+    log(f"auto: {len(names)} methods within {RUNOFF_TIE:.0%} of the fastest; timing them on longer answers")
+    return probe(decoder_of, names, tokenizer, log, RUNOFF_PROMPTS, RUNOFF_TOKENS, "auto run-off")
 
 
 MAX_RECORD_BYTES = 1 << 20  # a probe record is a few hundred bytes
@@ -174,9 +223,16 @@ def _record_problem(record: Any, names: Sequence[str]) -> str | None:
         return "made for other candidates"
     if not isinstance(rates, dict) or set(rates) != set(names):
         return "its timings are not one per candidate"
-    if any(isinstance(rate, bool) or not isinstance(rate, int | float) for rate in rates.values()):
+    if not _numbers(rates.values()):
         return "its timings are not numbers"
+    final = record.get("runoff")
+    if final is not None and not (isinstance(final, dict) and set(final) <= set(names) and _numbers(final.values())):
+        return "its run-off is not timings of its candidates"
     return None if isinstance(record["date"], str) else "its date is not text"
+
+
+def _numbers(values: Any) -> bool:
+    return all(isinstance(value, int | float) and not isinstance(value, bool) for value in values)
 
 
 def _read_record(path: Path, names: Sequence[str]) -> tuple[dict[str, Any] | None, str | None]:
@@ -222,22 +278,39 @@ def choose(
     path = (cache or cache_folder("auto")) / f"{key}.json"
     record, problem = _read_record(path, names)
     if record is not None:  # chosen again from its timings: a rule changed since keeps no stale choice
-        return {**record, "chosen": pick(record["tokens_per_second"]), "cached": str(path)}
+        close = contenders(record["tokens_per_second"])
+        if set(record.get("runoff") or ()) != set(close):  # made before run-offs, or under another tie: run it now
+            record = _decided(record, close, runoff(decoder_of, close, tokenizer, log) if close else None)
+            _save_record(path, record, log)
+        return {**record, "chosen": pick(deciding_rates(record)), "cached": str(path)}
     if problem is not None:
         log(f"auto: the cached choice at {path} cannot be used ({problem}); timing {len(names)} methods again")
     else:
         log(f"auto: timing {len(names)} methods once on this machine to pick the fastest (cached for next time)")
     rates = probe(decoder_of, names, tokenizer, log)
-    chosen = pick(rates)
     record = {
-        "chosen": chosen,
+        "chosen": pick(rates),
         "candidates": list(names),
         "tokens_per_second": rates,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "probe": {"prompts": len(PROBE_PROMPTS), "new_tokens": PROBE_TOKENS, "greedy": True},
     }
+    close = contenders(rates)
+    if close:
+        record = _decided(record, close, runoff(decoder_of, close, tokenizer, log))
     _save_record(path, record, log if problem is None else None)  # one line per fault
     return record
+
+
+def _decided(record: dict[str, Any], close: list[str], final: dict[str, float] | None) -> dict[str, Any]:
+    """`record` with the run-off `final` of the methods `close` (None: there was none) and the choice it makes."""
+    record = {key: value for key, value in record.items() if key != "runoff"}
+    how = record.get("probe")
+    how = {key: value for key, value in how.items() if key != "runoff"} if isinstance(how, dict) else {}
+    if final is not None:
+        record["runoff"] = final
+        how["runoff"] = {"prompts": len(RUNOFF_PROMPTS), "new_tokens": RUNOFF_TOKENS, "within": RUNOFF_TIE}
+    return {**record, "probe": how, "chosen": pick(deciding_rates(record))}
 
 
 class AutoDecoder(Decoder):
@@ -266,8 +339,9 @@ class AutoDecoder(Decoder):
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:
         stats.choice = {
             "method": self.choice["chosen"],
-            "why": why(self.choice["chosen"], self.choice["tokens_per_second"]),
+            "why": why(self.choice["chosen"], deciding_rates(self.choice), "runoff" in self.choice),
             "tokens_per_second": self.choice["tokens_per_second"],
+            "runoff": self.choice.get("runoff"),
             "probed": self.choice["date"],
         }
         self.chosen._decode(prompt, sink, params, stats)
