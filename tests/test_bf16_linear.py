@@ -13,10 +13,20 @@ from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
+from viasd.engine import Engine, EngineSpec
 from viasd.kernels import bf16, bf16_native
 from viasd.kernels.build import Library
+from viasd.models.loading import LoadedModel
 from viasd.passes import bf16_linear
-from viasd.passes.bf16_linear import MAX_ROWS, NATIVE_MAX_ROWS, CpuBf16Linear, NativeBf16Linear, use_bf16_kernel
+from viasd.passes.bf16_linear import (
+    MAX_ROWS,
+    NATIVE_BLOCK,
+    NATIVE_MAX_ROWS,
+    CpuBf16Linear,
+    NativeBf16Linear,
+    use_bf16_kernel,
+)
+from viasd.views.recipe import QuantRecipe
 
 needs_kernel = pytest.mark.skipif(not isinstance(bf16.kernel(), Library), reason=f"no bf16 kernel: {bf16.kernel()}")
 needs_native = pytest.mark.skipif(
@@ -132,7 +142,7 @@ def test_layers_switch_to_the_native_kernel_where_it_runs(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("gamma", [2, 5])
+@pytest.mark.parametrize("gamma", [2, 5, NATIVE_BLOCK - 1])
 def test_greedy_speculative_decoding_equals_plain_on_a_bf16_model_with_the_native_kernel(monkeypatch, gamma):
     monkeypatch.setattr(bf16_linear, "native_wanted", lambda: True)
     target = tiny_model("qwen2", dtype=torch.bfloat16)
@@ -142,3 +152,25 @@ def test_greedy_speculative_decoding_equals_plain_on_a_bf16_model_with_the_nativ
     plain = PlainDecoder(target, tok).generate(PROMPT, config)
     sd = SpeculativeDecoder(target, tok, ModelDrafter(drafter), gamma=gamma).generate(PROMPT, config)
     assert sd.tokens == plain.tokens
+
+
+def test_speculation_over_the_native_kernel_drafts_one_fewer_than_its_block_unless_asked(monkeypatch):
+    """A dense target on the native kernel verifies up to NATIVE_BLOCK tokens for about one step, so its
+    speculative methods draft up to NATIVE_BLOCK - 1 per round; an asked gamma, and a target run as a quantized view
+    (other passes, other costs), keep theirs."""
+    monkeypatch.setattr(bf16_linear, "native_wanted", lambda: True)
+    tok = tiny_tokenizer(64)
+
+    def engine(native: bool, quant: QuantRecipe | str = "none") -> Engine:
+        target = tiny_model("qwen2", dtype=torch.bfloat16)
+        if native:
+            use_bf16_kernel(target)
+        small = LoadedModel(tiny_model("qwen2", layers=2, seed=1, dtype=torch.bfloat16), tok, "d", "d")
+        spec = EngineSpec(target="t", drafter="d", device="cpu", quant=quant)
+        return Engine(spec, target=LoadedModel(target, tok, "t", "t"), drafter=small)
+
+    native = engine(True)
+    assert [native.decoder(name).gamma for name in ("sd", "lookup", "sd:drafter=hybrid")] == [NATIVE_BLOCK - 1] * 3
+    assert native.decoder("sd:gamma=3").gamma == 3
+    assert engine(False).decoder("sd").gamma == 4
+    assert engine(True, QuantRecipe.parse("int8")).decoder("sd").gamma == 4

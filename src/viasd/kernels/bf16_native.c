@@ -5,10 +5,10 @@
  * on a 2-core Zen 4), and a decoding step of a dense bf16 model is nothing but such products. Here each output row
  * of weights is read from memory once for up to BLOCK tokens, 32 weights per instruction (`vdpbf16ps`: pairs of
  * bf16 products, exact in float32, added in float32), so a single token's product runs at the rate memory gives
- * and a block of two costs about what one does (larger blocks are bound by the products: 8 tokens cost about 1.5
- * single ones). Each token goes through the same instructions in the same order whatever block it is in (one
- * accumulator per row over the inputs in steps of 32, a masked tail, one reduction), so its result does not
- * depend on the block: plain decoding and block verification compute the same logits.
+ * and a block of up to 8 costs about 1.2 single ones (bound by the products: 16 tokens cost about 2.3). Each
+ * token goes through the same instructions in the same order whatever block it is in (one accumulator per row
+ * over the inputs in steps of 32, a masked tail, one reduction), so its result does not depend on the block: plain
+ * decoding and block verification compute the same logits.
  *
  * The function is compiled for AVX-512 BF16 whatever the library's build, and Python calls it only on a CPU that
  * reports the instructions (kernels/bf16_native.py); a compiler that cannot make them gets a stub that refuses every
