@@ -45,9 +45,9 @@ PROBE_TOKENS = 32
 LOOKUP_TIE = 0.05
 # Two prompts of 32 tokens cannot rank methods they have within a few percent: on the dense target (Zen 4) the probe
 # had the head 1% ahead of the 0.5B drafter's int4a8 view, which then kept 1.8x more tokens per full pass on the
-# report tasks. The methods within RUNOFF_TIE of the fastest (at most RUNOFF_SIZE) run again on
-# longer answers to prompts of other kinds, a summary and a worked sum, and the run-off decides between them (the
-# same machine: the head 13-23% behind there, benchmarks/2026-12-05-auto-runoff-zen4).
+# report tasks. The methods within RUNOFF_TIE of the fastest (at most RUNOFF_SIZE) run again on longer answers to
+# prompts of other kinds, a summary and a worked sum, and this run-off decides between them (the same machine: the
+# head 13-23% behind there, benchmarks/2026-12-05-auto-runoff-zen4).
 RUNOFF_TIE = 0.10
 RUNOFF_SIZE = 4
 RUNOFF_TOKENS = 96
