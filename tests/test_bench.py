@@ -190,6 +190,28 @@ def test_summary_speedup_is_geometric_mean_of_per_prompt_ratios():
     assert by[("plain", "qa")].peak_rss_bytes == 100
 
 
+def test_summary_splits_time_at_the_first_token():
+    """Decoding speedups are per task, like speedups; rows recorded before the split (no first_token_seconds) give
+    none, and the summary's section is left out rather than filled with zeros."""
+    rows = [  # _row's seconds: 2 tokens / tps; first tokens after half of them
+        _row("a", "plain", 10.0, first_token_seconds=0.1, first_tokens=1),
+        _row("b", "plain", 2.0, first_token_seconds=0.5, first_tokens=1),
+        _row("a", "sd", 10.0, tokens=(1, 2, 3, 4, 5), first_token_seconds=0.3, first_tokens=1),  # 4 in 0.2 s
+        _row("b", "sd", 4.0, tokens=(1, 2, 3, 4), first_token_seconds=0.5, first_tokens=2),  # 2 in 0.5 s
+    ]
+    by = {(s.method, s.category): s for s in metrics.summarize(rows)}
+    sd, plain = by[("sd", metrics.ALL)], by[("plain", metrics.ALL)]
+    assert plain.decode_tokens_per_second == pytest.approx(2 / (0.1 + 0.5))
+    assert sd.decode_tokens_per_second == pytest.approx(6 / 0.7)
+    assert sd.decode_speedup == pytest.approx(math.sqrt((4 / 0.2) / 10 * (2 / 0.5) / 2))
+    assert sd.first_token_seconds == pytest.approx(0.4) and sd.first_token_share == pytest.approx(0.8 / 1.5)
+    section = "## First token and decoding"
+    assert section in markdown(metrics.summarize(rows), {"settings": {}, "models": {}}, rows)
+    old = [_row("a", "plain", 10.0), _row("a", "sd", 20.0)]
+    assert metrics.summarize(old)[0].decode_speedup is None
+    assert section not in markdown(metrics.summarize(old), {"settings": {}, "models": {}}, old)
+
+
 def test_cost_split_per_token():
     rows = [
         _row(

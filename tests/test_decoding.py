@@ -53,6 +53,24 @@ def test_greedy_speculative_equals_plain(arch):
     assert perfect.stats.tokens_per_target_call > 4.5
 
 
+def test_the_first_round_splits_a_generation_into_first_token_and_decoding():
+    """The first push's tokens and time mark where decoding proper starts (bench's decoding tokens/s): plain decoding
+    commits one token there, a drafter the target always agrees with a whole round, a budget cuts it."""
+    target, tok = tiny_model("qwen2"), tiny_tokenizer(64)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    plain = PlainDecoder(target, tok).generate(PROMPT, config).stats
+    perfect = SpeculativeDecoder(target, tok, ModelDrafter(target), gamma=4).generate(PROMPT, config).stats
+    assert (plain.first_tokens, perfect.first_tokens) == (1, 5)  # the first round: 4 drafts and the bonus token
+    for stats in (plain, perfect):
+        assert 0 < stats.first_token_seconds < stats.total_seconds
+        after = stats.total_seconds - stats.first_token_seconds
+        assert stats.decode_tokens_per_second == pytest.approx((16 - stats.first_tokens) / after)
+        assert stats.to_dict()["decode_tokens_per_second"] == stats.decode_tokens_per_second
+    short = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    cut = SpeculativeDecoder(target, tok, ModelDrafter(target), gamma=4).generate(PROMPT, short).stats
+    assert cut.first_tokens == 3 and cut.decode_tokens_per_second is None  # nothing came after the first round
+
+
 def test_repeated_generations_reuse_nothing_stale():
     target, tok = tiny_model("qwen2"), tiny_tokenizer(64)
     decoder = SpeculativeDecoder(target, tok, ModelDrafter(tiny_model("qwen2", layers=2, seed=1)), gamma=3)

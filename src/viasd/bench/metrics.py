@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -221,6 +221,14 @@ class Summary:
     speedup_p10: float | None = None
     speedup_p90: float | None = None
     speedup_gstd: float | None = None
+    # Before the first token (the prompt's read and the first round) and after it (decoding proper): None for rows
+    # recorded before the split was.
+    first_token_seconds: float | None = None  # mean per answer
+    first_token_share: float | None = None  # of all seconds
+    decode_tokens_per_second: float | None = None
+    decode_speedup: float | None = None  # geometric mean over prompts, as speedup
+    decode_speedup_p10: float | None = None
+    decode_speedup_p90: float | None = None
     tokens_per_target_call: float | None = None
     target_calls_per_token: float = 0.0
     rejection_rate: float | None = None
@@ -269,16 +277,51 @@ def row_output(row: Mapping[str, Any]) -> list[str]:
     return [str(t.get("text", "")) for t in row.get("turns", [])]
 
 
-def per_prompt_speedups(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[tuple[str, str], float]:
-    """(method, task key) -> tokens/s of the method over tokens/s of the baseline on the same task."""
-    base = {r["key"]: r["stats"]["tokens_per_second"] for r in rows if r["method"] == baseline}
+def decode_rate(stats: Mapping[str, Any]) -> float | None:
+    """Tokens/s after a task's first token (every turn's), or None: nothing after it, or a row recorded without it."""
+    if "first_token_seconds" not in stats:
+        return None
+    tokens = int(stats["new_tokens"]) - int(stats.get("first_tokens", 0))
+    seconds = float(stats["total_seconds"]) - float(stats["first_token_seconds"])
+    return tokens / seconds if tokens > 0 and seconds > 0 else None
+
+
+def _overall_rate(stats: Mapping[str, Any]) -> float | None:
+    return stats["tokens_per_second"]
+
+
+def per_prompt_speedups(
+    rows: Sequence[Mapping[str, Any]],
+    baseline: str,
+    rate: Callable[[Mapping[str, Any]], float | None] = _overall_rate,
+) -> dict[tuple[str, str], float]:
+    """(method, task key) -> the method's rate over the baseline's on the same task (tokens/s; or `decode_rate`)."""
+    base = {r["key"]: rate(r["stats"]) for r in rows if r["method"] == baseline}
     out: dict[tuple[str, str], float] = {}
     for r in rows:
         b = base.get(r["key"])
-        tps = r["stats"]["tokens_per_second"]
-        if b and b > 0 and tps > 0:
-            out[(r["method"], r["key"])] = tps / b
+        mine = rate(r["stats"])
+        if b and b > 0 and mine and mine > 0:
+            out[(r["method"], r["key"])] = mine / b
     return out
+
+
+def _first_token_split(s: Summary, rows: Sequence[Mapping[str, Any]], decode: Mapping[tuple[str, str], float]) -> None:
+    """Fill in s's split at the first token, from the rows that recorded it."""
+    split = [r for r in rows if "first_token_seconds" in r["stats"]]
+    if not split:
+        return
+    answers = sum(max(len(r.get("turns", [])), 1) for r in split)
+    first = sum(float(r["stats"]["first_token_seconds"]) for r in split)
+    total = sum(float(r["stats"]["total_seconds"]) for r in split)
+    after = sum(int(r["stats"]["new_tokens"]) - int(r["stats"].get("first_tokens", 0)) for r in split)
+    s.first_token_seconds = first / answers
+    s.first_token_share = first / total if total > 0 else None
+    s.decode_tokens_per_second = after / (total - first) if after > 0 and total > first else None
+    ratios = [decode[(s.method, r["key"])] for r in split if (s.method, r["key"]) in decode]
+    if ratios:
+        s.decode_speedup = geometric_mean(ratios)
+        s.decode_speedup_p10, s.decode_speedup_p90 = percentile(ratios, 10), percentile(ratios, 90)
 
 
 def quality_value(metric: str, rows: Sequence[Mapping[str, Any]]) -> tuple[float | None, int]:
@@ -301,8 +344,9 @@ def summarize_group(
     rows: Sequence[Mapping[str, Any]],
     speedups: Mapping[tuple[str, str], float],
     baseline_outputs: Mapping[str, list[str]],
+    decode_speedups: Mapping[tuple[str, str], float] | None = None,
 ) -> Summary:
-    """Summary of one method's rows in one category."""
+    """Summary of one method's rows in one category (decode_speedups: per_prompt_speedups of `decode_rate`)."""
     s = Summary(method=method, category=category, prompts=len(rows))
     stats = [r["stats"] for r in rows]
     s.new_tokens = sum(int(x["new_tokens"]) for x in stats)
@@ -313,6 +357,7 @@ def summarize_group(
         s.speedup = geometric_mean(ratios)
         s.speedup_p10, s.speedup_p90 = percentile(ratios, 10), percentile(ratios, 90)
         s.speedup_gstd = geometric_std(ratios)
+    _first_token_split(s, rows, decode_speedups or {})
     calls = sum(int(x["target_calls"]) for x in stats)
     s.tokens_per_target_call = s.new_tokens / calls if calls else None
     s.target_calls_per_token = calls / s.new_tokens if s.new_tokens else 0.0
@@ -362,15 +407,16 @@ def summarize(rows: Sequence[Mapping[str, Any]], baseline: str = "plain") -> lis
     """
     good = [r for r in rows if not r.get("error")]
     speedups = per_prompt_speedups(good, baseline)
+    decode = per_prompt_speedups(good, baseline, decode_rate)
     baseline_outputs = {r["key"]: row_output(r) for r in good if r["method"] == baseline}
     methods = list(dict.fromkeys(r["method"] for r in good))
     categories = list(dict.fromkeys(r["category"] for r in good))
     out: list[Summary] = []
     for method in methods:
         mine = [r for r in good if r["method"] == method]
-        out.append(summarize_group(method, ALL, mine, speedups, baseline_outputs))
+        out.append(summarize_group(method, ALL, mine, speedups, baseline_outputs, decode))
         for category in categories:
             group = [r for r in mine if r["category"] == category]
             if group:
-                out.append(summarize_group(method, category, group, speedups, baseline_outputs))
+                out.append(summarize_group(method, category, group, speedups, baseline_outputs, decode))
     return out

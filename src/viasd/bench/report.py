@@ -285,6 +285,7 @@ def markdown(
             for s in overall
         ],
     )
+    out += _first_token_section(overall, baseline)
     out += _sources(overall, categories, by)
     metric_of = {
         c: next((by[(m, c)].quality_metric for m in methods if (m, c) in by and by[(m, c)].quality_metric), None)
@@ -314,6 +315,41 @@ def markdown(
         out += ["", "## Errors", "", f"{len(errors)} task(s) could not run:", ""]
         out += [f"- {r['key']} ({r['method']}): {r['error']}" for r in errors[:20]]
     return "\n".join(out) + "\n"
+
+
+def _decode_speedup(s: Summary) -> str:
+    if s.decode_speedup is None:
+        return "-"
+    return f"{s.decode_speedup:.2f}x [{s.decode_speedup_p10:.2f}-{s.decode_speedup_p90:.2f}]"
+
+
+def _first_token_section(overall: Sequence[Summary], baseline: str) -> list[str]:
+    """The split at the first token: reading the prompt (and the first round) against decoding proper."""
+    if all(s.first_token_seconds is None for s in overall):
+        return []  # rows recorded before the split was
+    out = [
+        "",
+        "## First token and decoding",
+        "",
+        "Time to the first token (the prompt's read and the first round), its share of all seconds, and decoding "
+        "after it: tokens after the first round over the seconds after it, and that rate over "
+        f"`{baseline}`'s, task by task. A long prompt costs every method that reads it alike; decoding is what "
+        "speculation speeds up.",
+        "",
+    ]
+    return out + _table(
+        ["method", "first token s", "share of time", "decoding tokens/s", "decoding speedup"],
+        [
+            [
+                s.method,
+                _num(s.first_token_seconds, 3),
+                _pct(s.first_token_share),
+                _num(s.decode_tokens_per_second),
+                _decode_speedup(s),
+            ]
+            for s in overall
+        ],
+    )
 
 
 def _paired_section(rows: Sequence[Mapping[str, Any]], methods: Sequence[str], baseline: str) -> list[str]:

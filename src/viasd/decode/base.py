@@ -180,6 +180,8 @@ class Decoder(ABC):
         stats.new_tokens = len(sink.tokens)
         stats.finish_reason = sink.finish_reason or "length"
         first = None if sink.first_token_time is None else sink.first_token_time - start
+        stats.first_token_seconds = stats.total_seconds if first is None else first
+        stats.first_tokens = sink.first_tokens
         logprobs = None if config.logprobs is None else list(sink.logprobs)
         return GenerationResult(list(sink.tokens), sink.text, stats, first, logprobs, scored)
 

@@ -46,6 +46,7 @@ class OutputSink:
     logprob_top: int | None = None  # None: no log-probabilities recorded (nothing computed)
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
     first_token_time: float | None = None  # time.perf_counter() when the first token (EOS too) came in
+    first_tokens: int = 0  # tokens taken with the first push (a speculative first round may commit several)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when logprob_top is set
     finish_reason: str | None = None
@@ -75,6 +76,9 @@ class OutputSink:
         taken = 0
         if self.first_token_time is None and not self.done:
             self.first_token_time = time.perf_counter()  # pushed by the first round that produced tokens
+            first = True
+        else:
+            first = False
         for token in new_tokens:
             if self.done:
                 break
@@ -91,6 +95,8 @@ class OutputSink:
             taken += 1
             if len(self.tokens) >= self.stop.max_new_tokens:
                 self.finish_reason = "length"
+        if first:
+            self.first_tokens = taken
         if self.logprob_top is not None and taken:
             kept = new_tokens[:taken]  # the tokens taken are always the first ones pushed
             entries = unchecked(kept) if logits is None else token_logprobs(logits, kept, self.logprob_top)

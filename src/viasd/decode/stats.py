@@ -49,6 +49,10 @@ class GenerationStats:
     slim_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
+    # Until the first committed token (the prompt read and the first round), and the tokens that round committed:
+    # what follows is decoding proper (decode_tokens_per_second).
+    first_token_seconds: float = 0.0
+    first_tokens: int = 0
     finish_reason: str = ""
     tiers: dict[str, TierStats] = field(default_factory=dict)
     choice: dict[str, Any] | None = None  # what the `auto` method chose, and why
@@ -75,6 +79,14 @@ class GenerationStats:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens/s after the first committed token (None: nothing came after it): decoding without the prompt's
+        read, which every method pays alike."""
+        seconds = self.total_seconds - self.first_token_seconds
+        tokens = self.new_tokens - self.first_tokens
+        return tokens / seconds if tokens > 0 and seconds > 0 else None
 
     @property
     def slim_calls(self) -> int:
@@ -149,6 +161,7 @@ class GenerationStats:
             tokens_per_target_call=self.tokens_per_target_call if self.target_calls else None,
             target_calls_per_token=self.target_calls_per_token,
             tokens_per_second=self.tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
             slim_calls=self.slim_calls,
         )
         return data
