@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd.bench import metrics
-from viasd.bench.report import environment, markdown, write_report
+from viasd.bench.report import comparison, environment, markdown, write_report
 from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs, rotation, run_benchmark, run_task
 from viasd.bench.sandbox import check_humaneval, run_program
 from viasd.bench.tasks import (
@@ -207,9 +207,11 @@ def test_summary_splits_time_at_the_first_token():
     assert sd.first_token_seconds == pytest.approx(0.4) and sd.first_token_share == pytest.approx(0.8 / 1.5)
     section = "## First token and decoding"
     assert section in markdown(metrics.summarize(rows), {"settings": {}, "models": {}}, rows)
+    assert "\ndecoding after the first token: 2.000x" in comparison(rows, "sd", "plain")  # --compare sd,plain
     old = [_row("a", "plain", 10.0), _row("a", "sd", 20.0)]
     assert metrics.summarize(old)[0].decode_speedup is None
     assert section not in markdown(metrics.summarize(old), {"settings": {}, "models": {}}, old)
+    assert "decoding" not in comparison(old, "sd", "plain")
 
 
 def test_cost_split_per_token():

@@ -614,6 +614,11 @@ def comparison(rows: Sequence[Mapping[str, Any]], method: str, baseline: str) ->
         f"{method} over {baseline}: {s.speedup:.3f}x (geometric mean over {len(ratios)} tasks), "
         f"10th-90th percentile {s.speedup_p10:.2f}-{s.speedup_p90:.2f}x, faster on {faster} of {len(ratios)} tasks"
     )
+    if s.decode_speedup is not None:
+        speed += (
+            f"\ndecoding after the first token: {s.decode_speedup:.3f}x, "
+            f"10th-90th percentile {s.decode_speedup_p10:.2f}-{s.decode_speedup_p90:.2f}x"
+        )
     quality = paired(good, method, baseline)
     if not quality:
         return speed
