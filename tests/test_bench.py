@@ -551,6 +551,26 @@ def test_the_quality_panel_draws_tasks_gained_up_and_lost_down():
     assert "against auto" in ax.get_title()
 
 
+def test_the_decoding_panel_draws_each_method_whole_and_after_its_first_token():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from viasd.bench.report import _overall_and_decoding
+
+    rows = [
+        _row("a", "plain", 10.0, first_token_seconds=0.1, first_tokens=1),
+        _row("a", "sd", 10.0, tokens=(1, 2, 3, 4, 5), first_token_seconds=0.3, first_tokens=1),
+    ]
+    overall = [s for s in metrics.summarize(rows) if s.category == metrics.ALL]
+    fig, ax = plt.subplots()
+    _overall_and_decoding(ax, overall, "plain")
+    heights = [round(bar.get_height(), 6) for bar in ax.patches]
+    plt.close(fig)
+    assert heights == [1.0, 1.0, 1.0, 2.0]  # whole: plain, sd (both 10 tokens/s); decoding: 10 and 20 tokens/s
+
+
 def test_resuming_compares_the_shipped_profile_by_place_and_content():
     from viasd.bench.command import check_resumable
 

@@ -442,8 +442,9 @@ def plot(
     baseline: str = "plain",
     quality: Mapping[str, Sequence[Paired]] | None = None,
 ) -> None:
-    """Speedup and rejection rate per method and category; tier fractions and the cost split per method; and
-    where tasks have a metric, the tasks each method lost and gained against the baseline, per category."""
+    """Speedup and rejection rate per method and category; tier fractions and the cost split per method; where the
+    rows split the time at the first token, the speedup with and without it per method; and where tasks have a
+    metric, the tasks each method lost and gained against the baseline, per category."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -459,9 +460,10 @@ def plot(
         _save(fig, path)
         return
     quality = {m: list(results) for m, results in (quality or {}).items() if results}
-    panels = 5 if quality else 4
+    split = any(s.decode_speedup is not None for s in overall)
+    panels = 4 + bool(split) + bool(quality)
     width_in = max(10, 0.9 * len(categories) * max(1, len(methods)) / 3) + 4  # + the legends, right of the panels
-    fig, axes = plt.subplots(panels, 1, figsize=(width_in, 17 + (4 if quality else 0)))
+    fig, axes = plt.subplots(panels, 1, figsize=(width_in, 17 + 4 * (panels - 4)))
     width = 0.8 / max(1, len(methods))
     xs = range(len(categories))
     for ax, attr, title, ref in (
@@ -511,10 +513,28 @@ def plot(
     ax.set_title("where the time goes: seconds per generated token by component (all tasks)")
     _method_ticks(ax, methods)
     _legend_outside(ax)
+    if split:
+        _overall_and_decoding(axes[4], overall, baseline)
     if quality:
-        _lost_and_gained(axes[4], quality, baseline)
+        _lost_and_gained(axes[-1], quality, baseline)
     fig.tight_layout()
     _save(fig, path)
+
+
+def _overall_and_decoding(ax: Any, overall: Sequence[Summary], baseline: str) -> None:
+    """Per method, the speedup over the baseline with and without the time to the first token: what the prompt's
+    read, paid alike, leaves of what decoding gained."""
+    methods = [s.method for s in overall]
+    xs = range(len(methods))
+    for k, (label, value) in enumerate(
+        (("whole generation", lambda s: s.speedup), ("decoding after the first token", lambda s: s.decode_speedup))
+    ):
+        values = [value(s) or 0.0 for s in overall]
+        ax.bar([x - 0.2 + 0.4 * k for x in xs], values, 0.4, label=label, color=("#4daf4a", "#a6d854")[k])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_title(f"speedup over {baseline}: the whole generation against decoding alone (geometric means over tasks)")
+    _method_ticks(ax, methods)
+    _legend_outside(ax)
 
 
 def _lost_and_gained(ax: Any, quality: Mapping[str, Sequence[Paired]], baseline: str) -> None:
@@ -533,7 +553,9 @@ def _lost_and_gained(ax: Any, quality: Mapping[str, Sequence[Paired]], baseline:
             if p is not None:
                 ax.annotate(f"p {p.p_value:.2f}\nof {p.tasks}", (x, p.gained), ha="center", va="bottom", fontsize=7)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.margins(y=0.25)  # room for the labels above the tallest bar
+    ax.margins(y=0.25)
+    low, high = ax.get_ylim()  # room for the labels above the tallest bar, even where nothing was gained
+    ax.set_ylim(low, high + 0.3 * (high - low) + 0.5)
     ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
     ax.set_ylabel("tasks")
     ax.set_title(f"quality, task by task: tasks gained (up) and lost (down) against {baseline} (exact sign test p)")
