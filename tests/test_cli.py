@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -146,6 +147,12 @@ def test_generate_json_and_streaming_on_a_real_model():
     streamed = viasd("generate", "-", *model, stdin="Say hello.")
     assert streamed.returncode == 0 and streamed.stdout.strip() == json.loads(plain.stdout)["text"].strip()
     assert "tokens in" in streamed.stderr
+    # The prompt's read apart from decoding: "N tokens in Ts (...), ..., first token after Fs, then R tok/s".
+    found = re.search(r"tokens in ([\d.]+)s .*first token after ([\d.]+)s, then ([\d.]+) tok/s", streamed.stderr)
+    assert found and float(found[2]) <= float(found[1]) and float(found[3]) > 0, streamed.stderr
+    stats = data["stats"]
+    assert 0 < stats["first_token_seconds"] <= stats["total_seconds"]
+    assert 1 <= stats["first_tokens"] <= len(data["tokens"])
 
 
 @pytest.mark.real

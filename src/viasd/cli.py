@@ -175,6 +175,8 @@ def generate(
             f"{s.new_tokens} tokens in {s.total_seconds:.2f}s ({s.tokens_per_second:.2f} tok/s), "
             f"{s.target_calls} target calls ({s.tokens_per_target_call:.2f} tokens/call)"
         )
+        if s.decode_tokens_per_second is not None:  # the prompt's read apart from decoding, as llama.cpp shows them
+            line += f", first token after {s.first_token_seconds:.2f}s, then {s.decode_tokens_per_second:.2f} tok/s"
         if s.drafted:
             line += f", rejection rate {s.rejection_rate:.2f}"
         if s.tiers:
