@@ -13,8 +13,9 @@ With AVX-512 BF16 but no AMX (Zen 4 and later), torch's bf16 product of one toke
 half the rate memory allows (14-19 GB/s on a 2-core Zen 4, where the kernel below reads 25-30; 28 layers' distinct
 weights, `scripts/bf16_product_rates.py`), and a decoding step of a dense model is little else. There
 `NativeBf16Linear` runs passes of up to NATIVE_MAX_ROWS tokens on kernels/bf16_native.py's kernel (one token's
-product in 0.6-0.74x torch's time, 4-8 tokens' in 0.54-0.67x, 16 in 0.8x), each token's bits again independent of
-its block; longer passes stay with torch's bf16 product, which its own kernels make fast there. With AMX torch
+product in 0.6-0.74x torch's time, 4-8 tokens' in 0.54-0.67x, 16 in 0.8x, 20-40 in 0.86-0.95x), each token's bits
+again independent of its block; longer passes (a prompt) stay with torch's bf16 product, which its own kernels make
+fast there. With AMX torch
 stays in charge (its AMX products of a block beat a streaming kernel). Other devices stay with torch.
 """
 
@@ -30,8 +31,10 @@ from viasd.kernels.cpu import cpu_flags
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # torch's own bf16 products are fast where these are
 MAX_ROWS = 96  # tokens per pass up to which the kernel is used (measured: 65 ms at 128 against 62 widened)
 # And the native kernel: every pass of viasd's loop (verification blocks up to 16 tokens), so that a token's bits
-# never depend on its block; up to 16 tokens it costs no more than torch's product (Zen 4: 0.54-0.8x at 4-16).
-NATIVE_MAX_ROWS = 16
+# never depend on its block, and longer passes while it costs less than torch's product: a `via` round's catch-up
+# block, a short prompt (Zen 4, 28 layers' products: 0.54-0.8x at 4-16 tokens, 0.86-0.95x at 20-40, even at 48;
+# whole passes of the dense 1.5B target with logits for every row 0.84-0.94x at 20-40).
+NATIVE_MAX_ROWS = 40
 # Tokens the native kernel reads each pair of weight rows for at once (BLOCK in kernels/bf16_native.c): a pass of up
 # to 8 costs about 1.2 single-token steps of the dense 1.5B target (Zen 4, `scripts/verification_costs.py`), so a
 # round that drafts 7 verifies for little more than one that drafts 4.
