@@ -74,11 +74,9 @@ class OutputSink:
         """
         new_tokens = list(new_tokens)
         taken = 0
-        if self.first_token_time is None and not self.done:
+        first = self.first_token_time is None and not self.done
+        if first:
             self.first_token_time = time.perf_counter()  # pushed by the first round that produced tokens
-            first = True
-        else:
-            first = False
         for token in new_tokens:
             if self.done:
                 break
