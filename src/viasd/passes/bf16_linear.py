@@ -15,8 +15,8 @@ weights, `scripts/bf16_product_rates.py`), and a decoding step of a dense model 
 `NativeBf16Linear` runs passes of up to NATIVE_MAX_ROWS tokens on kernels/bf16_native.py's kernel (one token's
 product in 0.6-0.74x torch's time, 4-8 tokens' in 0.54-0.67x, 16 in 0.8x, 20-40 in 0.86-0.95x), each token's bits
 again independent of its block; longer passes (a prompt) stay with torch's bf16 product, which its own kernels make
-fast there. With AMX torch
-stays in charge (its AMX products of a block beat a streaming kernel). Other devices stay with torch.
+fast there. With AMX torch stays in charge (its AMX products of a block beat a streaming kernel). Other devices stay
+with torch.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # torch's own bf16 products are fast 
 MAX_ROWS = 96  # tokens per pass up to which the kernel is used (measured: 65 ms at 128 against 62 widened)
 # And the native kernel: every pass of viasd's loop (verification blocks up to 16 tokens), so that a token's bits
 # never depend on its block, and longer passes while it costs less than torch's product: a `via` round's catch-up
-# block, a short prompt (Zen 4, 28 layers' products: 0.54-0.8x at 4-16 tokens, 0.86-0.95x at 20-40, even at 48;
+# block, a short prompt (Zen 4, 28 layers' products: 0.54-0.8x at 4-16 tokens, 0.86-0.95x at 20-40, level at 48;
 # whole passes of the dense 1.5B target with logits for every row 0.84-0.94x at 20-40).
 NATIVE_MAX_ROWS = 40
 # Tokens the native kernel reads each pair of weight rows for at once (BLOCK in kernels/bf16_native.c): a pass of up
