@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import wraps
 from typing import Annotated, Any, TypeVar
 
@@ -28,6 +30,7 @@ from viasd.cli_options import (
 from viasd.errors import ViasdError
 from viasd.methods import parse_method
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+from viasd.stopping import Stopped, signal_name, stop_signals
 
 app = typer.Typer(
     help="Multi-tier speculative decoding (VIA-SD): drafter, slim verifier, full target.",
@@ -40,20 +43,24 @@ err = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def user_errors(func: F) -> F:
-    """Show ViasdError (and Ctrl-C) as one line on stderr with a non-zero exit, never a traceback."""
+def user_errors(func: F, *, signals: bool = True) -> F:
+    """Show ViasdError (and Ctrl-C) as one line on stderr with a non-zero exit, never a traceback. With `signals`,
+    SIGTERM stops the command as Ctrl-C does (stopping.py), so it saves what Ctrl-C would; the exit status is then
+    128 + the signal's number (130, 143)."""
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            with stop_signals() if signals else nullcontext():
+                return func(*args, **kwargs)
         except ViasdError as exc:
             # The message is text, not markup: a path like "[x]" or a port like ":-1:" must print as written.
             err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            err.print("interrupted")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as exc:
+            signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+            err.print("interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}")
+            raise typer.Exit(128 + signum) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -269,7 +276,8 @@ def methods() -> None:
 
 from viasd.serve.command import serve  # noqa: E402  (light: heavy imports happen inside the command)
 
-app.command("serve")(user_errors(serve))
+# The server handles SIGTERM itself: it drains the requests in flight, then ends by the signal (serve/command.py).
+app.command("serve")(user_errors(serve, signals=False))
 
 
 from viasd.bench.command import bench  # noqa: E402  (light: heavy imports happen inside the command)

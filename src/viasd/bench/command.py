@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import signal
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -357,12 +355,11 @@ def bench(
         + f"; results in {out_dir}",
         highlight=False,
     )
-    interrupted = False
-    try:
-        with _terminate_as_interrupt():
-            rows = _run_with_progress(err, total, tasks, engine, run_settings, results, PeakMemory(models["device"]))
-    except KeyboardInterrupt:
-        interrupted = True
+    interrupted: KeyboardInterrupt | None = None
+    try:  # Ctrl-C or SIGTERM (cli.py handles both alike): the report of what the run has, then the same stop
+        rows = _run_with_progress(err, total, tasks, engine, run_settings, results, PeakMemory(models["device"]))
+    except KeyboardInterrupt as stop:
+        interrupted = stop
         rows = results.load()
     wanted = {t.key for t in tasks}
     rows = [r for r in rows if r["key"] in wanted and r["method"] in method_list]
@@ -376,9 +373,9 @@ def bench(
         paths = write_report(out_dir, rows, env, baseline="plain")
         _print_overview(rows, env)
         err.print(f"summary: {paths['markdown']}\nplot: {paths['plot']}\nresults: {results_path}", highlight=False)
-    if interrupted:
+    if interrupted is not None:
         err.print(f"interrupted: continue with --resume --out {out_dir}")
-        raise KeyboardInterrupt
+        raise interrupted
 
 
 def _sandbox_label(runs_code: bool) -> str | None:
@@ -478,24 +475,6 @@ def _compare(out: Path | None, pair: str, split: Any = "all") -> None:
     if split != "all":
         print(f"{split} split: {len({r['key'] for r in rows})} tasks")
     print(comparison(rows, names[0], names[1]))
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """Treat SIGTERM (a `kill`, a job timeout) like Ctrl-C, so a stopped run still writes its report."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not in the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_with_progress(

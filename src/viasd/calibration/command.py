@@ -246,16 +246,20 @@ def calibrate(
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    profile = calibrate_pair(
-        *pair,
-        settings,
-        storage=out.with_name(out.name + ".search.db"),
-        work_file=work_file,
-        resume=resume,
-        log=log,
-        progress=progress,
-        quantized=quantized,
-    )
+    try:
+        profile = calibrate_pair(
+            *pair,
+            settings,
+            storage=out.with_name(out.name + ".search.db"),
+            work_file=work_file,
+            resume=resume,
+            log=log,
+            progress=progress,
+            quantized=quantized,
+        )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (cli.py handles both alike): what was done is on disk
+        err.print(f"interrupted: {work_file.name} and the search studies keep what was done; --resume goes on")
+        raise
     save_profile(profile, out)
     err.print(f"wrote {out}: {_describe(profile)}", highlight=False, soft_wrap=True)
 
