@@ -1,4 +1,5 @@
-"""File helpers: atomic writes (readers see the old file or the new one, never half of one) and content hashes."""
+"""File helpers: atomic writes (readers see the old file or the new one, never half of one), new files that never
+replace another, locks between processes, and content hashes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import errno
 import hashlib
 import os
 import secrets
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+from viasd.errors import ViasdError
 
 # Flags of the temporary sibling: created here or not at all, never through a link (as tempfile.mkstemp opens it).
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
@@ -27,6 +32,65 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_new(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write a whole new file as `write_atomic` does, but never over another: FileExistsError where `path` exists, so
+    that two writers choosing the same name both keep their file (the second takes another name)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = _new_sibling(target)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(tmp, target)  # atomic, and refused where the name is taken (a rename would replace it)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class LockHeld(Exception):
+    """A lock another process holds; `holder` is what it wrote in the lock file (its process id), or ''."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is held by {holder or 'another process'}")
+        self.holder = holder
+
+
+@contextmanager
+def held_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing) for the block, or LockHeld at once where another process holds
+    it. The file holds the holder's process id; the lock ends with its process (flock), so a killed one leaves none."""
+    import fcntl
+
+    lock = Path(path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LockHeld(lock, os.pread(fd, 32, 0).decode(errors="replace").strip()) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def exclusive(path: str | os.PathLike[str], refusal: Callable[[str], str]) -> Iterator[None]:
+    """`held_lock` on `path` for the block, or a one-line ViasdError before it: `refusal(by)` where another process
+    holds it (`by`: " (process N)", or "" where it wrote no number)."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(held_lock(path))
+        except LockHeld as held:
+            raise ViasdError(refusal(f" (process {held.holder})" if held.holder else "")) from None
+        except OSError as error:
+            raise ViasdError(f"cannot lock {path}: {error.strerror or error}") from None
+        yield
 
 
 def _new_sibling(target: Path) -> tuple[int, Path]:

@@ -1,5 +1,10 @@
 """`viasd train-drafter`: write the target's own training data, then train its draft head, both resumable and
-bounded in time. Registered in cli.py; heavy imports happen inside the command."""
+bounded in time. Registered in cli.py; heavy imports happen inside the command.
+
+The data is the target's, in viasd's cache, written by one run at a time (its folder's lock); the checkpoint is the
+head's: beside --out where the head goes there, else in the cache, trained by one run at a time (its lock). SIGINT
+and SIGTERM alike end the step in progress and save: the finished conversations, the checkpoint, and the head as
+trained so far; the same command then goes on from them."""
 
 from __future__ import annotations
 
@@ -53,7 +58,11 @@ def train_drafter(
     depth: Annotated[int, typer.Option(help="Draft steps unrolled in training.")] = 4,
     seed: Annotated[int, typer.Option(help="Seed of the data and the training.")] = 0,
     out: Annotated[
-        Path | None, typer.Option(help="Where to write the head (default: viasd's cache, found there).")
+        Path | None,
+        typer.Option(
+            help="Where to write the head (default: viasd's cache, found there); its checkpoint goes beside it, "
+            "NAME.checkpoint.pt."
+        ),
     ] = None,
     tasks: Annotated[
         bool,
@@ -93,6 +102,7 @@ def train_drafter(
     from viasd.heads.find import trained_head_path
     from viasd.models.fingerprint import model_fingerprint
     from viasd.models.loading import vocabulary_fingerprint
+    from viasd.stopping import Stopped, deferred_stop
     from viasd.training.dataset import DataFolder, joined
     from viasd.training.prompts import task_openers
     from viasd.training.train import Checkpoint, TrainSettings, train
@@ -118,73 +128,87 @@ def train_drafter(
         home / "data", {"view": view_name, "seed": seed, "max_request": MAX_REQUEST, "max_answer": MAX_ANSWER}
     )
     task_folder = DataFolder(home / "data-tasks", {"view": view_name, "max_answer": MAX_ANSWER}) if tasks else None
-    began = time.monotonic()
-    if task_folder is not None:  # first: they are few, and the data's time budget covers both
-        requests = task_openers()
+    with deferred_stop() as stop:  # the first SIGINT or SIGTERM: save at a whole step, then stop
+        began = time.monotonic()
+        if task_folder is not None:  # first: they are few, and the data's time budget covers both
+            requests = task_openers()
+            held = write_data(
+                loaded.model, loaded.tokenizer, view, task_folder, data_minutes * 60, 1 << 62, rows, seed,
+                MAX_REQUEST, MAX_ANSWER, progress, source=requests, stop=stop,
+            )  # fmt: skip
+            typer.echo(f"calibration tasks: {task_folder.conversations()} of {len(requests)} answered, {held} tokens")
         held = write_data(
-            loaded.model, loaded.tokenizer, view, task_folder, data_minutes * 60, 1 << 62, rows, seed,
-            MAX_REQUEST, MAX_ANSWER, progress, source=requests,
+            loaded.model, loaded.tokenizer, view, folder, max(0.0, data_minutes * 60 - (time.monotonic() - began)),
+            tokens, rows, seed, MAX_REQUEST, MAX_ANSWER, progress, stop=stop,
         )  # fmt: skip
-        typer.echo(f"calibration tasks: {task_folder.conversations()} of {len(requests)} answered, {held} tokens")
-    held = write_data(
-        loaded.model,
-        loaded.tokenizer,
-        view,
-        folder,
-        max(0.0, data_minutes * 60 - (time.monotonic() - began)),
-        tokens,
-        rows,
-        seed,
-        MAX_REQUEST,
-        MAX_ANSWER,
-        progress,
-    )
-    typer.echo(f"training data: {held} tokens in {folder.path}")
-    if train_minutes == 0:
-        return  # data only: a later run trains (and may write more data first)
-    data = folder.load()
-    if task_folder is not None and task_folder.shards():
-        # The target's own conversations last: training holds out the last 5% of conversations, theirs.
-        data = joined([task_folder.load()] * TASK_WEIGHT + [data])
-    # Attention: `batch` counts conversations; a head that starts from a trained chain head moves more gently.
-    shape = {"batch": 8, "lr": 2e-4 if start_from else 6e-4} if design == "attention" else {}
-    settings = TrainSettings(
-        design=design,
-        width=width,
-        vocab=vocab,
-        depth=depth,
-        seed=seed,
-        seconds=train_minutes * 60,
-        labels=labels,
-        **shape,
-    )
-    stops = {
-        int(t)
-        for t in (loaded.tokenizer.eos_token_id, loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        if isinstance(t, int)
-    }
-    model = loaded.model
-    start, checkpoint = None, home / ("checkpoint.pt" if design == "chain" else f"checkpoint-{design}.pt")
-    if start_from is not None:
-        from viasd.heads.find import find_head
-        from viasd.heads.network import DraftHead
+        typer.echo(f"training data: {held} tokens in {folder.path}")
+        if stop:
+            typer.echo(f"stopped by {stop.name}: the finished conversations are kept; the same command goes on")
+            raise Stopped(stop.signum)
+        if train_minutes == 0:
+            return  # data only: a later run trains (and may write more data first)
+        data = folder.load()
+        if task_folder is not None and task_folder.shards():
+            # The target's own conversations last: training holds out the last 5% of conversations, theirs.
+            data = joined([task_folder.load()] * TASK_WEIGHT + [data])
+        # Attention: `batch` counts conversations; a head that starts from a trained chain head moves more gently.
+        shape = {"batch": 8, "lr": 2e-4 if start_from else 6e-4} if design == "attention" else {}
+        settings = TrainSettings(
+            design=design,
+            width=width,
+            vocab=vocab,
+            depth=depth,
+            seed=seed,
+            seconds=train_minutes * 60,
+            labels=labels,
+            **shape,
+        )
+        stops = {
+            int(t)
+            for t in (loaded.tokenizer.eos_token_id, loaded.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            if isinstance(t, int)
+        }
+        model = loaded.model
+        start, started_from = None, None
+        if start_from is not None:
+            from viasd.heads.find import find_head
+            from viasd.heads.network import DraftHead
 
-        found = find_head(model, start_from)
-        if not isinstance(found.head, DraftHead):
-            raise ViasdError(f"--start-from needs a chain head; {start_from} holds an attention head")
-        start, checkpoint = found.head, checkpoint.with_name(f"checkpoint-{design}-from-{found.digest[:12]}.pt")
-    head, measured = train(
-        data,
-        model.get_input_embeddings().weight.detach(),
-        model.get_output_embeddings().weight.detach(),
-        settings,
-        Checkpoint(checkpoint),
-        stops,
-        progress=progress,
-        log=typer.echo,
-        start=start,
-    )
-    path = out or trained_head_path(fingerprint)
-    info = {**settings.to_dict(), **measured, "data_view": view_name}
-    save_head(path, head.to(torch.bfloat16), fingerprint, vocabulary_fingerprint(loaded.tokenizer), info)
-    typer.echo(f"draft head written to {path}: use it with --method sd:drafter=head")
+            found = find_head(model, start_from)
+            if not isinstance(found.head, DraftHead):
+                raise ViasdError(f"--start-from needs a chain head; {start_from} holds an attention head")
+            start, started_from = found.head, found.digest
+        head, measured = train(
+            data,
+            model.get_input_embeddings().weight.detach(),
+            model.get_output_embeddings().weight.detach(),
+            settings,
+            Checkpoint(checkpoint_path(home, out, design, started_from)),
+            stops,
+            progress=progress,
+            log=typer.echo,
+            start=start,
+            stop=stop,
+        )
+        if stop and not measured["steps"]:  # nothing trained: a head written now would replace one for nothing
+            typer.echo(f"stopped by {stop.name} before the first training step: no head written")
+            raise Stopped(stop.signum)
+        path = out or trained_head_path(fingerprint)
+        info = {**settings.to_dict(), **measured, "data_view": view_name}
+        save_head(path, head.to(torch.bfloat16), fingerprint, vocabulary_fingerprint(loaded.tokenizer), info)
+        typer.echo(f"draft head written to {path}: use it with --method sd:drafter=head")
+        if stop:
+            typer.echo(
+                f"stopped by {stop.name}: the checkpoint and the head so far are saved; the same command goes on"
+            )
+            raise Stopped(stop.signum)
+
+
+def checkpoint_path(home: Path, out: Path | None, design: str, started_from: str | None = None) -> Path:
+    """Where a head's training checkpoint goes: beside `out` (NAME.checkpoint.pt) where the head goes there, so that
+    each head has its own, else in the target's folder of the cache; one per design, and for an attention head
+    started from a chain head, one per chain head (`started_from`: its digest)."""
+    name = "checkpoint" if design == "chain" else f"checkpoint-{design}"
+    if started_from is not None:
+        name += f"-from-{started_from[:12]}"
+    return home / f"{name}.pt" if out is None else out.with_name(f"{out.stem}.{name}.pt")

@@ -105,9 +105,11 @@ def write_conversations(
     max_request: int = 160,
     max_answer: int = 320,
     seed: int = 0,
+    until: Callable[[], bool] | None = None,
 ) -> Iterator[Written]:
     """Conversations `first`, `first + 1`, ... written `rows` at a time (openers(i) starts conversation i), yielded
-    as each finishes; the caller stops when it has enough, or the openers run out (None: no conversation i)."""
+    as each finishes; the caller stops when it has enough, or the openers run out (None: no conversation i), or
+    `until()` is true before a pass (the unfinished ones are dropped)."""
     template = Template.of(tokenizer)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + first)
     live: list[Conversation] = []
@@ -116,7 +118,7 @@ def write_conversations(
         if opener is not None:
             live.append(_start(i, opener, template, tokenizer, model))
     following = first + rows
-    while live:
+    while live and not (until is not None and until()):
         parts = [(c, c.waiting[:CHUNK]) for c in live]
         logits, features = _step(model, view, parts)
         greedy = logits.argmax(dim=-1)

@@ -3,12 +3,17 @@
 One folder per target (`<cache>/heads/<fingerprint>/data`): `settings.json` says how the data was written (a resume
 with other settings is refused), and each `shard-NNNNN.safetensors` holds whole conversations, written atomically,
 so an interrupted run loses at most the conversations still being written and continues after the last shard.
+
+One run writes a folder at a time: a writer holds its lock (`writing`) while it adds conversations, and a second is
+refused in one line, since both would write the same conversations from the same count. A shard is never written
+over another (a taken name means the next number), nor the settings over another run's.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from viasd.errors import ViasdError
-from viasd.fileio import write_atomic
+from viasd.fileio import exclusive, write_new
 from viasd.jsonio import parse_json
 from viasd.training.conversations import Written
 
@@ -68,25 +73,34 @@ class DataFolder:
         self.path = path
         self.settings = settings
         manifest = path / "settings.json"
-        if manifest.exists():
+        if not manifest.exists():
             try:
-                found = parse_json(manifest.read_bytes())
-            except (OSError, ValueError) as error:
-                raise ViasdError(
-                    f"cannot read {manifest} ({error}); remove the folder to write the data again"
-                ) from None
-            if found != settings:
-                changed = sorted(k for k in set(found) | set(settings) if found.get(k) != settings.get(k))
-                raise ViasdError(
-                    f"the training data in {path} was written with other settings ({', '.join(changed)}): "
-                    "use the same settings, or another --data folder"
-                )
-        else:
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                write_atomic(manifest, json.dumps(settings, indent=1, sort_keys=True))
+                write_new(manifest, json.dumps(settings, indent=1, sort_keys=True).encode())
+                return
+            except FileExistsError:
+                pass  # another run wrote it first: its settings must be these
             except OSError as error:
                 raise ViasdError(f"cannot write the training data to {path}: {error.strerror or error}") from None
+        try:
+            found = parse_json(manifest.read_bytes())
+        except (OSError, ValueError) as error:
+            raise ViasdError(f"cannot read {manifest} ({error}); remove the folder to write the data again") from None
+        if found != settings:
+            changed = sorted(k for k in set(found) | set(settings) if found.get(k) != settings.get(k))
+            raise ViasdError(
+                f"the training data in {path} was written with other settings ({', '.join(changed)}): "
+                "use the same settings, or another --data folder"
+            )
+
+    def writing(self) -> AbstractContextManager[None]:
+        """The folder's writer lock, held for a block; a one-line ViasdError where another process holds it."""
+        return exclusive(
+            self.path / ".writer.lock",
+            lambda by: (
+                f"another viasd train-drafter{by} is writing the training data in {self.path}: wait for it to "
+                "end, then run again (it goes on from that run's data)"
+            ),
+        )
 
     def shards(self) -> list[Path]:
         return sorted(self.path.glob("shard-*.safetensors"))
@@ -115,12 +129,16 @@ class DataFolder:
             "feature_at": torch.tensor(feature_at, dtype=torch.int64),
             "features": torch.cat(features).to(torch.bfloat16).contiguous(),
         }
-        path = self.path / f"shard-{len(self.shards()):05d}.safetensors"
-        try:
-            write_atomic(path, save(tensors))
-        except OSError as error:
-            raise ViasdError(f"cannot write {path}: {error.strerror or error}") from None
-        return path
+        data, number = save(tensors), len(self.shards())
+        while True:
+            path = self.path / f"shard-{number:05d}.safetensors"
+            try:
+                write_new(path, data)
+                return path
+            except FileExistsError:
+                number += 1  # taken since the count: never written over
+            except OSError as error:
+                raise ViasdError(f"cannot write {path}: {error.strerror or error}") from None
 
     def load(self) -> TrainingSet:
         """All shards as one training set."""

@@ -17,6 +17,8 @@ position at once (training/attention_unroll.py), with the same losses.
 
 A run is resumable at any point: the checkpoint (head, optimiser, step, seconds spent, random state) is written
 atomically every `every` seconds and at the end; a run started again continues from it, with the same settings.
+A run holds the checkpoint's lock (a second run on it is refused in one line), and a stop asked by a signal
+(stopping.py) ends it after the step in progress, with the checkpoint written.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import io
 import json
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,10 +37,11 @@ from torch.nn import functional
 from tqdm import tqdm
 
 from viasd.errors import ViasdError
-from viasd.fileio import write_atomic
+from viasd.fileio import exclusive, write_atomic
 from viasd.heads.attention import AttentionHead, AttentionHeadConfig
 from viasd.heads.network import DraftHead, HeadConfig
 from viasd.kernels.cpu import native_bf16
+from viasd.stopping import StopRequest
 from viasd.training.attention_unroll import (
     conversation_bounds,
     held_out_measures,
@@ -303,10 +307,20 @@ def products_dtype() -> torch.dtype:
 
 
 class Checkpoint:
-    """The training state in one file, written atomically."""
+    """The training state in one file, written atomically, by one run at a time (`held`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+
+    def held(self) -> AbstractContextManager[None]:
+        """The checkpoint's lock, held for a block; a one-line ViasdError where another process holds it."""
+        return exclusive(
+            self.path.with_name(self.path.name + ".lock"),
+            lambda by: (
+                f"the training checkpoint {self.path} is in use by another viasd train-drafter{by}: wait for "
+                "it to end, or give this run another --out"
+            ),
+        )
 
     def save(self, state: dict[str, Any]) -> None:
         buffer = io.BytesIO()
@@ -340,11 +354,32 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] = print,
     dtype: torch.dtype | None = None,
+    stop: StopRequest | None = None,
 ) -> tuple[DraftHead | AttentionHead, dict[str, Any]]:
-    """Train (or go on training) a head until the budget is spent; the head and what the training measured.
+    """Train (or go on training) a head until the budget is spent or `stop` is asked; the head and what the training
+    measured (after a stop, no held-out measures: it ends at once, with `stopped_by`).
 
     `start`: a trained chain head a new attention head begins as (its block and vocabulary). `dtype`: what the
     products run in (default: `products_dtype()`); a resume may change it."""
+    with checkpoint.held():
+        return _train(data, target_embeddings, target_head, settings, checkpoint, always, every, start, progress, log,
+                      dtype, stop)  # fmt: skip
+
+
+def _train(
+    data: TrainingSet,
+    target_embeddings: torch.Tensor,
+    target_head: torch.Tensor,
+    settings: TrainSettings,
+    checkpoint: Checkpoint,
+    always: set[int],
+    every: float,
+    start: DraftHead | None,
+    progress: bool,
+    log: Callable[[str], None],
+    dtype: torch.dtype | None,
+    stop: StopRequest | None,
+) -> tuple[DraftHead | AttentionHead, dict[str, Any]]:
     dtype = dtype or products_dtype()
     torch.manual_seed(settings.seed)
     state = checkpoint.load()
@@ -425,7 +460,7 @@ def train(
     )
     began, saved = time.monotonic(), time.monotonic()
     try:
-        while spent < settings.seconds and not 0 < settings.steps <= step:
+        while spent < settings.seconds and not 0 < settings.steps <= step and not stop:
             t0 = time.monotonic()
             fraction = max(spent / settings.seconds, step / settings.steps if settings.steps else 0.0)
             for group in optimizer.param_groups:
@@ -446,7 +481,7 @@ def train(
     finally:
         bar.close()
         save()
-    measured = objective.evaluate(head)
+    measured: dict[str, Any] = {"stopped_by": stop.name} if stop else objective.evaluate(head)
     measured.update(
         {
             "steps": step,
@@ -459,5 +494,5 @@ def train(
             "this_run_seconds": round(time.monotonic() - began),
         }
     )
-    log("held-out: " + json.dumps(measured))
+    log(("stopped: " if stop else "held-out: ") + json.dumps(measured))
     return head, measured

@@ -1,4 +1,5 @@
-"""Writing a target's training data with a time budget: conversations in shards, resumed after the last shard."""
+"""Writing a target's training data with a time budget: conversations in shards, resumed after the last shard, one
+writer per folder at a time (its lock), stopped by a signal at a whole conversation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from viasd.stopping import StopRequest
 from viasd.training.conversations import Written, write_conversations
 from viasd.training.dataset import DataFolder
 from viasd.training.prompts import Opener, openers, stdlib_functions
@@ -30,12 +32,34 @@ def write_data(
     max_answer: int = 256,
     progress: bool = True,
     source: Sequence[Opener] | None = None,
+    stop: StopRequest | None = None,
 ) -> int:
-    """Add conversations to `folder` until it holds `tokens` tokens or `seconds` have passed; the tokens it holds.
-    The requests are the target's own (training/prompts.py `openers`), or `source`'s, each once, in order (a resume
-    goes on from the number of conversations held: as they finish out of order, it may repeat or skip a few)."""
+    """Add conversations to `folder` until it holds `tokens` tokens, `seconds` have passed or `stop` is asked; the
+    tokens it holds. The requests are the target's own (training/prompts.py `openers`), or `source`'s, each once, in
+    order (a resume goes on from the number of conversations held: as they finish out of order, it may repeat or
+    skip a few). It holds the folder's writer lock throughout; a stop keeps every finished conversation."""
+    with folder.writing():
+        return _write(model, tokenizer, view, folder, seconds, tokens, rows, seed, max_request, max_answer, progress,
+                      source, stop)  # fmt: skip
+
+
+def _write(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    view: View | None,
+    folder: DataFolder,
+    seconds: float,
+    tokens: int,
+    rows: int,
+    seed: int,
+    max_request: int,
+    max_answer: int,
+    progress: bool,
+    source: Sequence[Opener] | None,
+    stop: StopRequest | None,
+) -> int:
     held = folder.tokens()
-    if held >= tokens or seconds <= 0:
+    if held >= tokens or seconds <= 0 or stop:
         return held
     first = folder.conversations()
     opener: Callable[[int], Opener | None]
@@ -51,8 +75,9 @@ def write_data(
     pending: list[Written] = []
     try:
         conversations = write_conversations(
-            model, tokenizer, view, opener, first, rows=rows, max_request=max_request, max_answer=max_answer, seed=seed
-        )
+            model, tokenizer, view, opener, first, rows=rows, max_request=max_request, max_answer=max_answer,
+            seed=seed, until=None if stop is None else stop.__bool__,
+        )  # fmt: skip
         for written in conversations:
             pending.append(written)
             bar.update(len(written.tokens) if source is None else 1)
@@ -62,7 +87,7 @@ def write_data(
                 pending = []
                 if held >= tokens or time.monotonic() >= end:
                     break
-        else:  # the requests ran out: the last shard holds fewer
+        else:  # the requests ran out, or a stop was asked: the last shard holds fewer
             if pending:
                 folder.save(pending)
                 held += sum(len(w.tokens) for w in pending)
