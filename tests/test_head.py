@@ -123,6 +123,68 @@ def test_head_files_round_trip_and_refuse_damage_and_other_targets(tmp_path):
         load_head(tmp_path / "missing.safetensors")
 
 
+def with_metadata(path, out, **fields) -> None:
+    """`path`'s head file with some metadata fields replaced (the digest covers the tensors, not the metadata)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(path, "pt") as opened:
+        metadata = {**(opened.metadata() or {}), **fields}
+        tensors = {name: opened.get_tensor(name) for name in opened.keys()}  # noqa: SIM118
+    save_file(tensors, out, metadata=metadata)
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        ("null", "its config is null, not a JSON object"),
+        ("[1, 2]", "its config is a list, not a JSON object"),
+        ('"chain"', "its config is a string, not a JSON object"),
+        ("{not json", "its config is not JSON"),
+        ('{"hidden": 64, "width": 32, "vocab": 64, "design": "tree"}', "unknown design 'tree'"),
+        ('{"width": 32, "vocab": 64}', "does not give the head's hidden size"),
+        ('{"hidden": "64", "width": 32, "vocab": 64}', 'hidden is "64", not a positive integer'),
+        ('{"hidden": 64, "width": -1, "vocab": 64}', "width is -1, not a positive integer"),
+        ('{"hidden": 64, "width": true, "vocab": 64}', "width is true, not a positive integer"),
+        ('{"hidden": 64, "width": 32, "vocab": 64, "depth": 3}', "fields no chain head has (depth)"),
+        ('{"hidden": 64, "width": 1099511627776, "vocab": 64}', "its config does not fit its tensors"),
+        ('{"hidden": 64, "heads": 3, "kv_heads": 2, "design": "attention"}', "not a multiple of its kv_heads"),
+    ],
+)
+def test_a_head_file_whose_config_is_not_a_heads_is_refused_in_one_line(tmp_path, capsys, monkeypatch, config, why):
+    """The metadata is not under the digest: a damaged or hand-edited config gave a traceback. It is one line, and a
+    method that drafts with the head drafts with the next-best drafter instead."""
+    from test_auto import engine
+
+    path, edited = tmp_path / "head.safetensors", tmp_path / "edited.safetensors"
+    built = engine()
+    save_head(path, random_head(64, 64, dtype=torch.float32), model_fingerprint(built.target.model), "v", {})
+    with_metadata(path, edited, config=config)
+    with pytest.raises(ViasdError) as refused:
+        load_head(edited)
+    message = str(refused.value)
+    assert why in message and "\n" not in message and message.endswith("train it again"), message
+    decoder = built.decoder(f"sd:drafter=head:head={edited}")
+    assert decoder.drafter.name == "model"  # the next-best drafter
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0] and "next-best drafter" in lines[0], lines
+
+
+def test_a_head_file_s_other_fields_and_a_folder_named_as_a_head(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "head.safetensors"
+    save_head(path, random_head(64, 64, dtype=torch.float32), "t", "v", {"steps": 3})
+    for training in ("null", "[1]", "{broken"):  # how the head was trained only informs: left out, never a failure
+        with_metadata(path, tmp_path / "edited.safetensors", training=training)
+        assert load_head(tmp_path / "edited.safetensors").training == {}
+    with pytest.raises(ViasdError, match=r"is a folder, not a draft head: name the head's \.safetensors file$"):
+        load_head(tmp_path)
+    save_file({"token_ids": torch.arange(4)}, tmp_path / "bare.safetensors")
+    with pytest.raises(ViasdError, match="is not a viasd draft head"):
+        load_head(tmp_path / "bare.safetensors")
+
+
 def test_a_method_without_a_head_drafts_with_the_next_best_drafter_and_says_so(capsys, monkeypatch, tmp_path):
     from test_auto import engine
 
