@@ -65,8 +65,14 @@ class Engine:
         return self.target.tokenizer
 
     def quantized(self, model: LoadedModel, recipe: QuantRecipe | None) -> View | None:
-        """`model`'s quantized view by `recipe` (None: none), made once (cached on disk) and shared."""
+        """`model`'s quantized view by `recipe` (None: none, the model as loaded, whose dense weights a model stored in
+        its file's blocks then gets, once, with one line), made once (cached on disk) and shared."""
         if recipe is None:
+            from viasd.models.stored import densify
+
+            start = time.perf_counter()
+            if densify(model.model, f"{model.name} runs as loaded"):
+                self.setup_seconds[f"dense copy of {model.name}"] = time.perf_counter() - start
             return None
         key = (id(model.model), recipe)
         if key not in self._views:

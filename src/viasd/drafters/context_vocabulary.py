@@ -10,7 +10,12 @@ head's vocabulary, 4.9% outside this one). Proposals stay proper distributions, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from viasd.models.stored import OutputRows
 
 MOST_ADDED = 4096  # the most context tokens a vocabulary adds (a long context's rarest stay out of reach)
 
@@ -20,9 +25,9 @@ class ContextVocabulary:
     date as the context grows. Invariant: `ids` is the head's ids followed by the tokens of `scanned` (the context
     seen so far, in first-seen order) that the head lacks, at most MOST_ADDED of them; `rows` holds their rows."""
 
-    def __init__(self, own: torch.Tensor, output: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, own: torch.Tensor, output: torch.Tensor | OutputRows, dtype: torch.dtype) -> None:
         self.own = own
-        self.output = output  # [V, hidden]: the target's output head (shared, not copied)
+        self.output = output  # [V, hidden]: the target's output head (shared, not copied; a stored one's rows read)
         self.dtype = dtype
         self._own = set(own.tolist())
         self.clear()
@@ -32,7 +37,7 @@ class ContextVocabulary:
         self.added: list[int] = []
         self._added: set[int] = set()
         self.ids = self.own
-        self.rows = self.output.new_empty((0, self.output.shape[1]), dtype=self.dtype)
+        self.rows = torch.empty((0, self.output.shape[1]), dtype=self.dtype, device=self.output.device)
 
     def follow(self, context: list[int]) -> None:
         """Take in the tokens of `context` not seen yet; another context (not a continuation) starts over."""
@@ -51,7 +56,7 @@ class ContextVocabulary:
         if new:
             self.added += new
             ids = torch.tensor(new, dtype=torch.long, device=self.own.device)
-            self.rows = torch.cat([self.rows, self.output.detach()[ids].to(self.dtype)])
+            self.rows = torch.cat([self.rows, self.output[ids].detach().to(self.dtype)])
             self.ids = torch.cat([self.own, torch.tensor(self.added, dtype=torch.long, device=self.own.device)])
 
     def logits(self, own: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

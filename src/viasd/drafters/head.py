@@ -24,6 +24,7 @@ from viasd.heads.network import DraftHead
 from viasd.kernels import w8a8
 from viasd.kernels.build import Library
 from viasd.kernels.cpu import native_bf16
+from viasd.models.stored import OutputRows, embedding_rows
 from viasd.passes.features import FeatureStore
 from viasd.passes.session import KVSession, common_prefix_length
 from viasd.verify.sampling import SamplingParams, adjusted, sample, soft_probs, warp_probs
@@ -66,7 +67,7 @@ class HeadDrafter:
         vocabulary: str = "context",
     ) -> None:
         self.name = name
-        rows = target.get_output_embeddings().weight  # type: ignore[operator]
+        rows = OutputRows(target)  # the rows it needs, read from a stored head's blocks (no dense copy)
         hidden = int(rows.shape[1])
         self.compute = compute or head_compute(rows.device, next(head.parameters()).dtype, head, hidden)
         if self.compute not in (*DTYPES, "int8"):
@@ -75,7 +76,7 @@ class HeadDrafter:
             raise ValueError(f"a head's vocabulary is one of {', '.join(VOCABULARIES)}, not {vocabulary!r}")
         if self.compute == "int8" and (rows.device.type != "cpu" or not fits(head, hidden)):
             raise ValueError("int8 drafting needs a target on the CPU and a head whose products take groups of 32")
-        mine = rows.detach()[head.token_ids.to(rows.device)]  # [vocab, hidden]
+        mine = rows[head.token_ids]  # [vocab, hidden]
         self.dtype = torch.float32 if self.compute == "int8" else DTYPES[self.compute]
         self.head: DraftHead | AttentionHead
         if self.compute == "int8":
@@ -86,6 +87,7 @@ class HeadDrafter:
             self.rows = mine.to(self.dtype).contiguous()
         self.hidden = hidden
         self.embeddings = target.get_input_embeddings()  # type: ignore[operator]
+        self.rows_device = rows.device
         self.vocab_size = int(rows.shape[0])
         self.target: KVSession | None = None
         self.cache = AttentionCache(self.head) if isinstance(self.head, AttentionHead) else None
@@ -158,7 +160,7 @@ class HeadDrafter:
             if bool(flags.any()):
                 assert store.rows is not None
                 rows[flags] = store.rows[begin:end][flags].to(self.dtype)
-            embedded = self.embeddings.weight[context[begin + 1 : end + 1]].to(self.dtype)
+            embedded = self._embedded(context[begin + 1 : end + 1])
             cache.extend(rows, flags, embedded, context[begin + 1 : end + 1])
             self.forward_passes += 1
         assert cache.last_state is not None
@@ -220,7 +222,13 @@ class HeadDrafter:
 
     def embed(self, token: int) -> torch.Tensor:
         """The target's embedding of `token`, in the dtype the head computes in."""
-        return self.embeddings.weight[token].to(self.dtype)
+        return self._embedded([token])[0]
+
+    def _embedded(self, tokens: list[int]) -> torch.Tensor:
+        """The target's embeddings of `tokens` [len, hidden] in the head's dtype (a stored embedding's rows read from
+        its blocks, as a pass reads them)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.rows_device)
+        return embedding_rows(self.embeddings, ids).to(self.dtype)
 
     def _dense(self, values: torch.Tensor, fill: float, ids: torch.Tensor) -> torch.Tensor:
         """Rows over the tokens `ids` [1, len(ids)] spread over the whole vocabulary [1, V], `fill` elsewhere."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -24,10 +25,33 @@ def model_fingerprint(model: nn.Module) -> str:
     ):
         config.pop(volatile, None)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, param in model.named_parameters():
-        flat = param.detach().reshape(-1)
-        # Sample in fp32 so the fingerprint does not depend on the dtype the model was loaded in.
-        sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+    for name, sample in _samples(model):
         digest.update(name.encode())
         digest.update(torch.round(sample * 1024).to(torch.int64).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def _samples(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight's name and sample, in `named_parameters`' order: every (numel // 64)-th value, the first 64, in
+    fp32 (so that the fingerprint does not depend on the dtype the model was loaded in). A weight still in its GGUF
+    file's blocks (models/stored.py) is sampled from them as the dense copy would hold it, so that a model gets one
+    fingerprint however it is loaded; a matrix shared by two modules (a tied head) counts once."""
+    from viasd.models.stored import STORED
+
+    seen: set[object] = set()
+    for prefix, module in model.named_modules():
+        entries: list[tuple[str, object]] = []
+        if isinstance(module, STORED) and module.__dict__["_dense"] is None:
+            entries.append(("weight", module.file_tensor))
+        entries += [(key, value) for key, value in module._parameters.items() if value is not None]
+        for key, value in entries:
+            identity = id(value) if isinstance(value, torch.Tensor) else (value.source.file.path, value.name)  # type: ignore[attr-defined]
+            if identity in seen:
+                continue
+            seen.add(identity)
+            name = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, torch.Tensor):
+                flat = value.detach().reshape(-1)
+                yield name, flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+            else:
+                yield name, value.sample()  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Norm, Product, SequenceCache
 from viasd.kernels.interface import EIGHT_BIT, FOUR_BIT, GELU_TANH, NORM_GEMMA, NORM_LLAMA, SILU, SIX_BIT
 from viasd.kernels.notice import warn_once
+from viasd.models.stored import model_dtype
 from viasd.passes import layer_loop, sliding_store
 from viasd.passes.cache_layer import growing_cache
 from viasd.passes.layer_loop import attention_kernel
@@ -214,7 +215,7 @@ def fits(model: nn.Module, view: View | None) -> bool:
     if view is None or view.linears is None or (view.mask is not None and not view.mask.is_full):
         return False
     config = model.config  # type: ignore[union-attr]
-    dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
+    dtype = model_dtype(model)
     copies = view.linears.modules
     linears = FUSED_LINEARS if getattr(config, "model_type", None) == "phi3" else LINEARS
     names = _names(config.num_hidden_layers, linears)

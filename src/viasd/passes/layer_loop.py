@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from viasd.kernels import attention
 from viasd.kernels.build import Library
+from viasd.models.stored import model_dtype
 from viasd.passes import window_attention
 from viasd.passes.cache_layer import GrowingLayer
 
@@ -28,7 +29,7 @@ from viasd.passes.cache_layer import GrowingLayer
 def attention_kernel(model: nn.Module) -> bool:
     """Whether the layers attend by viasd's C kernel: it is there and takes the model's shapes and dtype."""
     config = model.config  # type: ignore[union-attr]
-    dtype = model.model.embed_tokens.weight.dtype  # type: ignore[union-attr]
+    dtype = model_dtype(model)
     head_dim = model.model.layers[0].self_attn.head_dim  # type: ignore[union-attr, index]
     takes = attention.takes(dtype, config.num_attention_heads, config.num_key_value_heads, head_dim)
     return takes and isinstance(attention.kernel(), Library)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from viasd.models.stored import has_dense_weights
 from viasd.passes import fused, loop
 from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.cache_argument import cache_argument
@@ -187,7 +188,9 @@ class KVSession:
         linears = view.linears if view is not None and not skips else None
         # A long pass of a quantized view (a prompt) may read the positions that need no logits with the model's own
         # weights, which are faster there (`QuantRecipe.own_weights_from`).
-        own_from = linears.recipe.own_weights_from(self.device.type) if linears is not None else None
+        # A model whose weights stay in its file's blocks has no dense copy to read them with (models/stored.py).
+        own = linears is not None and has_dense_weights(self.model)
+        own_from = linears.recipe.own_weights_from(self.device.type) if own else None  # type: ignore[union-attr]
         chunk, own_chunk = (None, None) if batcher is None else (batcher.chunk, batcher.own_chunk)
         if not runs:
             return Facts(False, chunk=chunk, own_chunk=own_chunk, skips=skips, own_weights_from=own_from)

@@ -176,6 +176,13 @@ _CONVERTERS = {
 OwnWeights = w4a8.FourBitWeights | w6a8.SixBitWeights | w8a8.EightBitWeights
 
 
+def converted(kind: str, blocks: np.ndarray, rows: int, columns: int) -> OwnWeights | None:
+    """A tensor's raw blocks of GGML type `kind` [rows, bytes] in the format of the kernel that takes them; None where
+    no kernel takes the type (or a Q4_0 block's minimum leaves fp16)."""
+    convert = _CONVERTERS.get(kind)
+    return None if convert is None else convert(blocks, rows, columns)
+
+
 class GgufWeights:
     """The tensors of a GGUF file in block types viasd's kernels take (KERNEL_TYPES), by the Hugging Face module
     names of the model converted from it."""

@@ -19,6 +19,7 @@ from torch import nn
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.kernels.cpu import cpu_flags
+from viasd.models.stored import weight_device
 from viasd.views.torch_kernels import (
     int4_weight_only,
     int4_weights,
@@ -299,7 +300,7 @@ class Int4Int8Linear(nn.Module):
         if linear.in_features % w4a8.GROUP:
             raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
         found = weights if weights is not None else w4a8.pack(linear.weight)
-        device = linear.weight.device
+        device = weight_device(linear)
         moved = w4a8.FourBitWeights(*(t.to(device) for t in found.tensors()), found.n)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         w4a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
@@ -335,7 +336,7 @@ class Int6Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weights: w6a8.SixBitWeights) -> Int6Int8Linear:
-        device = linear.weight.device
+        device = weight_device(linear)
         moved = w6a8.SixBitWeights(*(t.to(device) for t in weights.tensors()), weights.n)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         w6a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
@@ -364,7 +365,7 @@ class Int8Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weights: w8a8.EightBitWeights) -> Int8Int8Linear:
-        device = linear.weight.device
+        device = weight_device(linear)
         moved = w8a8.EightBitWeights(*(t.to(device) for t in weights.tensors()), weights.n)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         w8a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass

@@ -18,6 +18,7 @@ from torch import nn
 
 from viasd.errors import ViasdError
 from viasd.kernels import w4a8, w6a8, w8a8
+from viasd.models.stored import FileLinear, dense_copy, densify, file_of
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
@@ -127,7 +128,10 @@ def quantize(
     """Quantized copies of the model's Linear layers by `recipe` (`sequences`: token ids for smoothing). A `gguf`
     recipe takes the blocks of `gguf`, the file the model was converted from, where it stores them in a type one of
     viasd's kernels takes (views/gguf.py), and makes the other layers int8 weight-only."""
-    if recipe.gguf and gguf is None:
+    stored = any(isinstance(module, FileLinear) for module in quantizable(model).values())
+    if stored and not recipe.gguf:
+        densify(model, f"quantization {recipe.name} is made from the dense weights")
+    if recipe.gguf and gguf is None and not stored:
         raise ViasdError("quantization gguf takes the blocks of the GGUF file the model came from: it has none")
     names = [name for name in quantizable(model) if not recipe.keeps(name)]
     if not names:
@@ -148,6 +152,9 @@ def quantize(
                 out.modules[name] = Int8DynamicLinear.from_linear(linear, smooth)
             elif kind == "int8wo":
                 out.modules[name] = Int8WeightOnlyLinear.from_linear(linear)
+            elif kind == "int4a8" and recipe.gguf and isinstance(linear, FileLinear):
+                out.modules[name] = _from_blocks(linear)
+                out.from_file += not isinstance(out.modules[name], Int8WeightOnlyLinear)
             elif kind == "int4a8" and gguf is not None and recipe.gguf:
                 weight = linear.weight
                 out.modules[name] = _from_file(linear, gguf.own(name, weight))
@@ -157,7 +164,20 @@ def quantize(
             else:
                 out.modules[name] = Int4WeightOnlyLinear.from_linear(linear, recipe.group_size)
     join_siblings(out.modules)
+    file = file_of(model)
+    if file is not None:
+        file.release()  # its blocks are in the view's layout now
     return out
+
+
+def _from_blocks(linear: FileLinear) -> nn.Module:
+    """A stored layer's copy from its own blocks (models/stored.py), as `_from_file` takes them; int8 weight-only, from
+    a dense copy made for the moment, where no kernel takes its type."""
+    from viasd.views.gguf import converted
+
+    rows, columns = linear.file_tensor.shape
+    own = converted(linear.file_tensor.kind, linear.file_tensor.blocks(), rows, columns)
+    return _from_file(linear, own) if own is not None else Int8WeightOnlyLinear.from_linear(dense_copy(linear))
 
 
 def _from_file(

@@ -45,6 +45,7 @@ from viasd.cache import cache_folder
 from viasd.fileio import write_atomic
 from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.models.fingerprint import model_fingerprint
+from viasd.models.stored import has_dense_weights, weight_dtype
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
@@ -56,7 +57,7 @@ from viasd.views.linears import (
 )
 from viasd.views.quantize import QuantizedLinears, quantizable, quantize
 from viasd.views.recipe import QuantRecipe
-from viasd.views.tensor_file import to_bytes
+from viasd.views.tensor_file import read_tensors, to_bytes
 from viasd.views.torch_kernels import aligned
 
 if TYPE_CHECKING:
@@ -144,13 +145,13 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     """Rebuild the modules from a file's tensors, checking everything a damaged or foreign file would break."""
     with safe_open(str(path), framework="pt") as file:
         metadata = file.metadata() or {}
-        if metadata.get("format") != FORMAT:
-            raise DamagedCache(f"not a viasd quantization file of this version (format {metadata.get('format')!r})")
-        if metadata.get("fingerprint") != model_fingerprint(model) or metadata.get("recipe") != recipe.name:
-            raise DamagedCache("it was made for another model or recipe")
-        if metadata.get("dtype") != _dtype_name(model):
-            raise DamagedCache(f"it was made for the model in {metadata.get('dtype')}, not {_dtype_name(model)}")
-        tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118 (safe_open is no dict)
+    if metadata.get("format") != FORMAT:
+        raise DamagedCache(f"not a viasd quantization file of this version (format {metadata.get('format')!r})")
+    if metadata.get("fingerprint") != model_fingerprint(model) or metadata.get("recipe") != recipe.name:
+        raise DamagedCache("it was made for another model or recipe")
+    if metadata.get("dtype") != _dtype_name(model):
+        raise DamagedCache(f"it was made for the model in {metadata.get('dtype')}, not {_dtype_name(model)}")
+    tensors = read_tensors(path)[1]  # read, not mapped: see `read_tensors`
     _check_digests(tensors, metadata.get("digests"))
     names = [name for name in quantizable(model) if not recipe.keeps(name)]
     layers = quantizable(model)
@@ -180,7 +181,7 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
 def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
     """An empty module of `kind` with the shapes and dtypes `linear`'s copy by `recipe` has."""
     meta = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-    meta = meta.to(linear.weight.dtype)
+    meta = meta.to(weight_dtype(linear))
     smooth = torch.ones(linear.in_features, device="meta") if recipe.smooth else None
     if kind == "int8":
         module = Int8DynamicLinear.from_linear(meta, smooth)
@@ -287,6 +288,8 @@ def cached_quantize(
             module.to(device)
         join_siblings(out.modules)
         return out
-    out = quantize(model, recipe, sequences() if recipe.smooth else (), gguf() if recipe.gguf else None)
+    # A stored model's layers carry their blocks (models/stored.py): no second reading of its file.
+    taken = recipe.gguf and has_dense_weights(model)
+    out = quantize(model, recipe, sequences() if recipe.smooth else (), gguf() if taken else None)
     _store(path, lambda: _to_bytes(out, model), log)
     return out

@@ -1,0 +1,165 @@
+"""A model as its GGUF file stores it (models/stored.py): the same model as the dense one transformers would make from
+the file, without its dense weights, until a method asks for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from helpers import random_blocks
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.decode.plain import PlainDecoder
+from viasd.errors import ViasdError
+from viasd.models.fingerprint import model_fingerprint
+from viasd.models.gguf_file import GgufFile
+from viasd.models.stored import BlockEmbedding, FileLinear, build, densify, has_dense_weights, is_stored, output_rows
+from viasd.views.gguf import GgufWeights
+from viasd.views.quantize import quantize
+from viasd.views.recipe import QuantRecipe
+from viasd.views.view import View
+
+ARCHES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}
+PROMPT = [3, 17, 5, 42, 9, 30, 11, 7]
+
+
+def kind_of(name: str, columns: int) -> str:
+    """A Q4_K_M-like mix: Q4_K where rows are whole super-blocks, Q6_K for the value projections, Q8_0 for the
+    embedding (the tiny models' rows are 256 wide: no smaller type is needed)."""
+    if name.endswith("embed_tokens.weight"):
+        return "Q8_0"
+    if name.endswith("v_proj.weight") or name == "lm_head.weight":
+        return "Q6_K"
+    return "Q4_K" if columns % 256 == 0 else "Q8_0"
+
+
+def write_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
+    """Write every tensor of `model` into a GGUF file, matrices as blocks of `kind_of`'s types, and set the model's
+    weights to what those blocks hold, so that the dense model is what transformers would read from the file.
+    Llama's query and key rows are interleaved per head, as its conversion to GGUF does."""
+    layers = model.config.num_hidden_layers
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_head_count(model.config.num_attention_heads)
+    writer.add_head_count_kv(model.config.num_key_value_heads)
+    names = gguf.get_tensor_name_map(ARCHES[arch], layers)
+    heads = {"q_proj": model.config.num_attention_heads, "k_proj": model.config.num_key_value_heads}
+    with torch.no_grad():
+        for seed, (name, parameter) in enumerate(model.named_parameters()):
+            module, _, key = name.rpartition(".")
+            stored = f"{names.get_name(module)}.{key}"
+            if parameter.dim() != 2:
+                writer.add_tensor(stored, parameter.float().numpy())
+                continue
+            rows, columns = parameter.shape
+            kind = gguf.GGMLQuantizationType[kind_of(name, columns)]
+            raw = random_blocks(kind.name, rows, columns, seed)
+            parameter.copy_(torch.from_numpy(gguf_dequantize(raw, kind).astype(np.float32)))
+            part = module.rsplit(".", 1)[-1]
+            if arch == "llama" and part in heads:  # GGUF row 2j + h of a head: the model's row j + h * dim / 2
+                raw = raw.reshape(heads[part], 2, rows // heads[part] // 2, -1).swapaxes(1, 2).reshape(raw.shape)
+            writer.add_tensor(stored, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def pair(tmp_path: Path, arch: str, dtype: torch.dtype = torch.float32, tied: bool = False):
+    """A dense tiny model whose weights are a GGUF file's blocks, and the model built from that file."""
+    dense = tiny_model(arch, hidden=256, layers=2, vocab_size=96, dtype=dtype)
+    if tied:
+        dense.config.tie_word_embeddings = True
+        dense.tie_weights()
+    write_gguf(dense, tmp_path / "model.gguf", arch)
+    return dense, build(GgufFile(tmp_path / "model.gguf"), dense.config, dtype)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen2", False), ("qwen2", True), ("llama", False)])
+def test_a_stored_model_is_the_dense_model_without_its_weights(tmp_path: Path, arch: str, tied: bool):
+    dense, stored = pair(tmp_path, arch, tied=tied)
+    assert is_stored(stored) and not has_dense_weights(stored)
+    assert model_fingerprint(stored) == model_fingerprint(dense)  # profiles and heads made for one fit the other
+    ids = torch.tensor([PROMPT])
+    assert torch.equal(stored.get_input_embeddings()(ids), dense.get_input_embeddings()(ids))
+    rows = torch.tensor([0, 5, 95])
+    assert torch.equal(output_rows(stored, rows), dense.get_output_embeddings().weight[rows])
+    assert is_stored(stored)  # looking rows up made no dense copy
+    # Its own weights, where a pass asks for them, are the dense model's (query and key rows in the model's order).
+    with torch.inference_mode():
+        assert torch.equal(stored(ids).logits, dense(ids).logits)
+
+
+def test_the_gguf_view_of_a_stored_model_takes_its_blocks_and_decodes_as_the_dense_models_view(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    dense, stored = pair(tmp_path, "qwen2")
+    recipe = QuantRecipe.parse("gguf")
+    from_stored = quantize(stored, recipe)
+    from_dense = quantize(dense, recipe, gguf=GgufWeights(tmp_path / "model.gguf"))
+    assert from_stored.from_file == from_dense.from_file == len(from_stored.modules)
+    config = GenerationConfig(max_new_tokens=24)
+    tok = tiny_tokenizer(96)
+    got = PlainDecoder(stored, tok, View(linears=from_stored)).generate(PROMPT, config).tokens
+    want = PlainDecoder(dense, tok, View(linears=from_dense)).generate(PROMPT, config).tokens
+    assert got == want
+    assert is_stored(stored) and "dense" not in capsys.readouterr().err  # no dense copy was made, nor said
+
+
+def test_densify_gives_a_stored_model_the_dense_weights_once_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    dense, stored = pair(tmp_path, "qwen2", dtype=torch.bfloat16, tied=True)
+    assert densify(stored, "quant none asks for it")
+    assert "making its dense bf16 copy from the file (quant none asks for it)" in capsys.readouterr().err
+    assert not any(isinstance(module, (FileLinear, BlockEmbedding)) for module in stored.modules())
+    assert has_dense_weights(stored) and not densify(stored, "again")
+    assert stored.get_output_embeddings().weight is stored.get_input_embeddings().weight  # tied, as transformers ties
+    assert model_fingerprint(stored) == model_fingerprint(dense)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        assert torch.equal(stored(ids).logits, dense(ids).logits)
+
+
+def test_a_file_that_does_not_hold_the_configs_model_is_refused_in_one_line(tmp_path: Path):
+    dense, _ = pair(tmp_path, "qwen2")
+    other = tiny_model("qwen2", hidden=256, layers=2, vocab_size=128)  # a vocabulary the file does not have
+    with pytest.raises(ViasdError, match="token_embd.weight is 96 x 256") as caught:
+        build(GgufFile(tmp_path / "model.gguf"), other.config, torch.float32)
+    assert "\n" not in str(caught.value)
+    deeper = tiny_model("qwen2", hidden=256, layers=3, vocab_size=96)
+    with pytest.raises(ViasdError, match="no tensor for model.layers.2"):
+        build(GgufFile(tmp_path / "model.gguf"), deeper.config, torch.float32)
+
+
+@pytest.mark.parametrize("cut", [3, 100, 5000, -1000])
+def test_a_truncated_or_foreign_file_is_refused_in_one_line(tmp_path: Path, cut: int):
+    pair(tmp_path, "qwen2")
+    data = (tmp_path / "model.gguf").read_bytes()
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(data[:cut] if cut > 0 else data[:cut])
+    with pytest.raises(ViasdError) as caught:
+        GgufFile(damaged)
+    assert "\n" not in str(caught.value) and "damaged.gguf" in str(caught.value)
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(ViasdError, match="is not a GGUF file"):
+        GgufFile(tmp_path / "text.gguf")
+
+
+def test_the_index_reads_what_the_gguf_package_reads(tmp_path: Path):
+    pair(tmp_path, "llama")
+    mine, theirs = GgufFile(tmp_path / "model.gguf"), gguf.GGUFReader(tmp_path / "model.gguf")
+    assert mine.architecture == "llama" and mine.number("block_count") == 2
+    assert set(mine.tensors) == {tensor.name for tensor in theirs.tensors}
+    for tensor in theirs.tensors:
+        data = np.ascontiguousarray(tensor.data)
+        assert np.array_equal(np.asarray(mine.blocks(tensor.name)).reshape(-1), data.reshape(-1).view(np.uint8))
+        if data.ndim == 2:
+            index = np.array([0, data.shape[0] - 1, 1])
+            assert np.array_equal(mine.rows(tensor.name, index), data[index].view(np.uint8))
+            assert np.array_equal(mine.rows(tensor.name, np.arange(2, 5)), data[2:5].view(np.uint8))
