@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from collections.abc import Iterator
 
 import jsonschema_rs
@@ -18,6 +20,7 @@ from llguidance import LLMatcher
 from helpers import Recording
 from laws import ALPHA, pooled_pvalue
 from test_head import random_head
+from test_serve import metric
 from tiny import tiny_chat_tokenizer, tiny_model
 from viasd.decode.base import GenerationConfig, eos_token_ids
 from viasd.decode.hf_assisted import HFAssistedDecoder
@@ -351,3 +354,78 @@ def test_bad_structured_output_requests_are_400_naming_the_parameter(chat_app, b
     assert words in error["message"] and "\n" not in error["message"], error
     if param is not None:
         assert error["param"] == param
+
+
+ENDLESS = [
+    {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},  # only itself: no text at all
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # {"a": {"a": ... for ever
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},  # [[[[ ... for ever
+]
+
+
+@pytest.mark.parametrize("schema", ENDLESS, ids=["self-reference", "required-itself", "items-itself"])
+def test_a_schema_that_cannot_terminate_is_a_400_naming_the_parameter_before_any_output(chat_app, schema):
+    """Such a schema compiled, then failed the request with an internal message ("a decoder skipped the grammar's
+    mask", param null), counted as a failed generation; streamed, a 200 and then an error event."""
+    before = chat_app.get("/metrics").text
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for body in (_body(fmt), {**_body(fmt), "stream": True}):
+        with chat_app.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.read()
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "response_format" and error["code"] == "invalid_schema", error
+        assert "response_format's JSON schema cannot terminate" in error["message"], error
+        assert "grammar's mask" not in error["message"] and "\n" not in error["message"]
+    refused = ask(chat_app, guided_json=schema).json()["error"]
+    assert refused["param"] == "guided_json" and "cannot terminate" in refused["message"]
+    after = chat_app.get("/metrics").text
+    for method in ("lookup", "plain"):
+        failed = "viasd_generations_failed_total"
+        assert metric(after, failed, method=method) == metric(before, failed, method=method)
+
+
+def test_schemas_that_end_are_still_compiled():
+    """Recursion with a way out (an optional property, an empty list, a null) is no endless schema."""
+    target, tok = tiny_model("llama", vocab_size=VOCAB), tiny_chat_tokenizer(VOCAB)
+    node = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
+    for schema in (
+        {"type": "object", "properties": {"a": {"$ref": "#"}}},
+        {**node, "required": ["children"]},
+        {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["next"]},
+    ):
+        schema_grammar(target, tok, schema)
+
+
+def slow_compiles(monkeypatch, seconds: float) -> None:
+    """Every schema takes `seconds` more to compile."""
+    compile_schema = Grammar.json_schema.__func__
+
+    def slow(cls, *args, **kwargs):
+        time.sleep(seconds)
+        return compile_schema(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Grammar, "json_schema", classmethod(slow))
+
+
+def test_a_slow_schema_holds_up_no_tokenizing_and_is_refused_after_its_time(chat_app, monkeypatch):
+    """Schemas compiled on the tokenizer's one worker: a slow one stalled /tokenize and every prompt's encoding."""
+    import viasd.serve.structured as structured
+
+    slow_compiles(monkeypatch, 1.5)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(ask(chat_app, response_format=fmt, max_tokens=4)))
+    asking.start()
+    time.sleep(0.3)  # its schema is compiling
+    began = time.monotonic()
+    tokens = chat_app.post("/tokenize", json={"prompt": "hello"})
+    waited = time.monotonic() - began
+    asking.join(timeout=60)
+    assert tokens.status_code == 200 and waited < 1.0, waited
+    assert answers and answers[0].status_code == 200, answers
+    monkeypatch.setattr(structured, "COMPILE_SECONDS", 0.5)
+    refused = ask(chat_app, response_format=fmt)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "response_format" and "was not compiled within 0.5 s" in error["message"], error

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import viasd.serve.structured as structured
 import viasd.serve.tokenization as tokenization
 from viasd import __version__
 from viasd.decode.base import GenerationConfig, GenerationResult
@@ -67,6 +68,7 @@ from viasd.serve.structured import GrammarTokenizer, request_grammar, requested_
 from viasd.serve.tools import ToolUse, text_answer, tool_answer, tool_use
 from viasd.toolcalls.formats import template_format
 from viasd.toolcalls.streaming import ToolCallStream
+from viasd.verify.grammar import Grammar
 
 log = logging.getLogger("viasd.serve")
 
@@ -184,6 +186,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     # When --shutdown-timeout is over, the requests still running are told so and their generations stopped.
     drain = Drain(settings.shutdown_timeout, on_end=lambda: service.close(wait=False))
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-tokenize")
+    grammar_pool = ThreadPoolExecutor(max_workers=structured.COMPILE_WORKERS, thread_name_prefix="viasd-grammar")
     watchers: set[asyncio.Task[None]] = set()
     created = int(time.time())
     vocab_size = len(engine.tokenizer)
@@ -205,6 +208,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
             # Uvicorn has drained the in-flight requests (or given up after its timeout): stop the rest.
             await asyncio.to_thread(service.close, True)
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="viasd",
@@ -295,8 +299,17 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         return chosen
 
     async def generation_config(req: ChatCompletionRequest | CompletionRequest, method: str) -> GenerationConfig:
-        grammar = await off_loop(request_grammar, req, grammar_tokenizer) if requested_schema(req) else None
+        asked = requested_schema(req)
+        grammar = await compile_grammar(req, asked[0]) if asked else None
         return request_generation_config(req, settings, method, vocab_size, grammar)
+
+    async def compile_grammar(req: ChatCompletionRequest | CompletionRequest, name: str) -> Grammar | None:
+        """The request's grammar, compiled on the grammar workers within COMPILE_SECONDS, else a 400 naming `name`."""
+        compiling = asyncio.get_running_loop().run_in_executor(grammar_pool, request_grammar, req, grammar_tokenizer)
+        try:
+            return await asyncio.wait_for(compiling, structured.COMPILE_SECONDS)
+        except TimeoutError:
+            raise structured.compile_too_slow(name) from None
 
     async def encode(messages: Sequence[Message], chat: bool, template: ChatTemplate = PLAIN_TEMPLATE) -> list[int]:
         loop = asyncio.get_running_loop()

@@ -1,5 +1,7 @@
 """Structured output on the server: a request's response_format (or vLLM's guided_json / structured_outputs.json)
-as a compiled grammar, refused with a 400 naming the parameter when it cannot be compiled."""
+as a compiled grammar, refused with a 400 naming the parameter when it cannot be compiled, cannot terminate, or is
+not compiled within COMPILE_SECONDS. Grammars compile on workers of their own (app.py), never the tokenizer's: a slow
+schema holds up no /tokenize and no prompt's encoding."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
 
 # The response_format types the server honours; "text" asks for nothing.
 FORMAT_TYPES = ("text", "json_object", "json_schema")
+COMPILE_SECONDS = 10.0  # the most a request's schema may take to be compiled, its wait for a worker included
+COMPILE_WORKERS = 2  # grammars compiled at once (the library lets go of the GIL while it compiles)
 
 
 class GrammarTokenizer:
@@ -84,12 +88,28 @@ def request_grammar(req: ChatCompletionRequest | CompletionRequest, tokenizer: G
     if asked is None:
         return None
     name, schema = asked
-    # A forced call's schema is made of the tools' parameters: where it cannot be compiled, they are at fault.
-    what, param = ("the tools' parameters", "tools") if name == "tool_choice" else (f"{name}'s JSON schema", name)
+    what, param = schema_source(name)
     try:
         return Grammar.json_schema(tokenizer.get(), schema, what=what)
     except ViasdError as error:
         raise APIError(400, str(error), code="invalid_schema", param=param) from error
+
+
+def schema_source(name: str) -> tuple[str, str]:
+    """What a refusal calls the schema the parameter `name` asks for, and the parameter it names."""
+    # A forced call's schema is made of the tools' parameters: where it cannot be compiled, they are at fault.
+    return ("the tools' parameters", "tools") if name == "tool_choice" else (f"{name}'s JSON schema", name)
+
+
+def compile_too_slow(name: str) -> APIError:
+    """The 400 of a schema not compiled within COMPILE_SECONDS (its compilation goes on, bounded by the library)."""
+    what, param = schema_source(name)
+    return APIError(
+        400,
+        f"{what} was not compiled within {COMPILE_SECONDS:g} s: give a simpler schema",
+        code="invalid_schema",
+        param=param,
+    )
 
 
 def _schema_value(value: Any, name: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from viasd.errors import ViasdError
+from viasd.verify.schema_ends import endless_reference
 
 if TYPE_CHECKING:  # llguidance is imported where a grammar is built: generations without one never load it
     from llguidance import LLTokenizer
@@ -53,7 +54,9 @@ def grammar_tokenizer(
 class Grammar:
     """A compiled grammar over a tokenizer; `bound` gives the matcher one generation follows.
 
-    Compiling checks the grammar: a schema the library cannot compile is refused in one line (ViasdError).
+    Compiling checks the grammar: a schema the library cannot compile, one whose output could never end
+    (verify/schema_ends.py), and a grammar that allows no first token are refused in one line (ViasdError), so a
+    generation under it never meets a dead end.
     """
 
     def __init__(self, tokenizer: LLTokenizer, source: str, what: str = "the grammar") -> None:
@@ -62,6 +65,8 @@ class Grammar:
         initial = LLMatcher(tokenizer, source, log_level=_SILENT)
         if initial.is_error():
             raise ViasdError(f"{what} cannot be compiled: {_first_line(initial.get_error())}")
+        if not initial.is_accepting() and not _writable(initial, tokenizer):
+            raise ViasdError(f"{what} allows no output: no token can begin it")
         self.tokenizer = tokenizer
         self.what = what
         self._initial = initial
@@ -77,9 +82,18 @@ class Grammar:
 
         try:
             text = json.dumps({"type": "object"} if schema is None else schema)
+            endless = endless_reference(schema)
             source = LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
         except (ValueError, TypeError) as error:
             raise ViasdError(f"{what} cannot be compiled: {_first_line(str(error))}") from error
+        except RecursionError:
+            raise ViasdError(f"{what} cannot be compiled: it is nested too deeply") from None
+        if endless is not None:
+            where = "the schema" if endless == "#" else endless
+            raise ViasdError(
+                f"{what} cannot terminate: {where} leads back to itself without end, so no finite JSON value "
+                "satisfies it and the output could never end"
+            )
         return cls(tokenizer, source, what)
 
     def bound(self, prompt_length: int, ends: frozenset[int]) -> Grammar:
@@ -177,6 +191,8 @@ class Grammar:
         ends = [t for t in self._ends if t < width]
         if ends:
             allowed[ends] = self._matcher.is_accepting()
+        if not allowed.any():  # a dead end the checks at compile time could not see: said so, never sampled past
+            raise ViasdError(f"{self.what} allows no token after the output so far, and no end there")
         return allowed
 
 
@@ -190,6 +206,15 @@ def constrained(
     tokens = drafts.reshape(-1).tolist() if isinstance(drafts, torch.Tensor) else list(drafts)
     allowed = grammar.masks(context, tokens, logits.shape[0], logits.shape[1]).to(logits.device)
     return logits.float().masked_fill(~allowed, float("-inf"))
+
+
+def _writable(matcher: Any, tokenizer: LLTokenizer) -> bool:
+    """Whether the matcher's state allows a token other than an end token (in its state before any output: whether
+    the grammar's language holds any text at all)."""
+    words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    allowed = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1).bool()
+    allowed[[t for t in tokenizer.eos_tokens if t < len(allowed)]] = False
+    return bool(allowed.any())
 
 
 def _first_line(message: str) -> str:
