@@ -4,6 +4,7 @@ generation's tokens starts from their kept KV, and gets what it gets without the
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from typing import Any
 
@@ -197,6 +198,27 @@ def test_the_memory_bound_holds_and_the_least_recently_used_entry_goes_first():
     off = PrefixCache(0)
     cached(decoder, off, "plain", prompts[0], config)
     assert off.counts() == type(off.counts())()
+
+
+def test_an_entry_larger_than_the_cache_is_counted_in_the_metrics_and_said_once(caplog):
+    """Such an entry was never kept and nothing said so: a cache too small for the prompts served did nothing."""
+    from viasd.serve.metrics import prefix_cache_text
+
+    model = tiny_model()
+    decoder = PlainDecoder(model, tiny_tokenizer(64))
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    prompt = [10] * 6 + [3, 4, 5, 6]
+    small = PrefixCache(session_bytes(model, prompt + [0] * 3) - 1)
+    with caplog.at_level(logging.WARNING, logger="viasd"):
+        for _ in range(3):
+            cached(decoder, small, "plain", prompt, config)
+    assert small.counts().refused == 3 and small.counts().entries == 0
+    said = [r.getMessage() for r in caplog.records if "prefix cache" in r.getMessage()]
+    assert len(said) == 1 and "exceed the whole cache" in said[0] and "--prefix-cache-mb" in said[0], said
+    assert metric(prefix_cache_text(small.counts()), "viasd_prefix_cache_refused_total") == 3
+    roomy = PrefixCache(1 << 20)
+    cached(decoder, roomy, "plain", prompt, config)
+    assert roomy.counts().refused == 0 and roomy.counts().entries == 1
 
 
 # ---------------------------------------------------------------------------------------------- the server

@@ -3,7 +3,8 @@ later prompt that starts the same way (a chat client resends the whole conversat
 
 Entries hold copies: `keep` copies a decoder's sessions' committed entries out, `resume` copies an entry's leading
 positions into fresh caches. No request ever holds an entry's tensors, so none can change them (copy on use), and an
-entry's memory is exactly its tensors' bytes, which the cache bounds, evicting the least recently used entries.
+entry's memory is exactly its tensors' bytes, which the cache bounds, evicting the least recently used entries. An
+entry larger than the whole bound is not kept: /metrics counts these refusals, and the first is logged in one line.
 
 What a resumed session holds (each of a decoder's sessions: the target's, a drafter's) is what `KVSession` promises
 of its committed tokens: positions [0, L) hold the entries a pass of its base view over those tokens writes (their
@@ -21,6 +22,7 @@ positions an earlier generation decoded hold the view's entries instead.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +36,7 @@ from viasd.passes.session import KVSession, common_prefix_length, new_cache
 from viasd.views.view import View
 
 REREAD = 2  # prompt tokens at the end that are always read again (see the module docstring)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class PrefixCacheCounts:
     misses: int = 0
     reused_tokens: int = 0
     evictions: int = 0
+    refused: int = 0  # finished generations not kept: their entries alone exceed the capacity
     entries: int = 0
     bytes: int = 0
     capacity_bytes: int = 0
@@ -172,7 +176,7 @@ class PrefixCache:
         self._next = 0
         self._lock = threading.Lock()
         self._bytes = 0
-        self._hits = self._misses = self._reused = self._evictions = 0
+        self._hits = self._misses = self._reused = self._evictions = self._refused = 0
 
     def resume(self, key: str, sessions: Sequence[KVSession], prompt: Sequence[int]) -> int:
         """Start `sessions` (a decoder's, built for `key`, just reset) from the kept entry of `key` that shares the
@@ -215,6 +219,7 @@ class PrefixCache:
             return
         entry = _Entry(key, copies, sum(copy.nbytes for copy in copies if copy is not None))
         if entry.nbytes > self.capacity_bytes:
+            self._refuse(entry, len(copies[0].tokens))
             return
         with self._lock:
             for number, old in list(self._entries.items()):
@@ -227,6 +232,19 @@ class PrefixCache:
             self._next += 1
             self._bytes += entry.nbytes
 
+    def _refuse(self, entry: _Entry, tokens: int) -> None:
+        """Count an entry too large to keep; the first one is said in the log."""
+        with self._lock:
+            self._refused += 1
+            first = self._refused == 1
+        if first:
+            log.warning(
+                "prefix cache: a finished generation's KV entries (%d tokens, %.1f MiB) exceed the whole cache "
+                "(%.1f MiB): not kept, so prompts that start the same way are read in full (a larger "
+                "--prefix-cache-mb keeps them; viasd_prefix_cache_refused_total counts them)",
+                tokens, entry.nbytes / 2**20, self.capacity_bytes / 2**20,
+            )  # fmt: skip
+
     def _drop(self, number: int) -> None:
         self._bytes -= self._entries.pop(number).nbytes
 
@@ -237,6 +255,7 @@ class PrefixCache:
                 self._misses,
                 self._reused,
                 self._evictions,
+                self._refused,
                 len(self._entries),
                 self._bytes,
                 self.capacity_bytes,

@@ -309,6 +309,12 @@ def prefix_cache_text(counts: PrefixCacheCounts) -> str:
             "Entries dropped, least recently used, to stay within the bound.",
             counts.evictions,
         ),
+        (
+            "refused_total",
+            "counter",
+            "Finished generations not kept: their entries alone exceed the bound (--prefix-cache-mb).",
+            counts.refused,
+        ),
         ("entries", "gauge", "Entries kept now.", counts.entries),
         ("bytes", "gauge", "Bytes of KV entries kept now.", counts.bytes),
         ("capacity_bytes", "gauge", "Most bytes the cache keeps (--prefix-cache-mb).", counts.capacity_bytes),
