@@ -193,7 +193,13 @@ def bench(
     drafter_quant: DrafterQuantOpt = None,
     out: Annotated[Path | None, typer.Option(help="Output directory (default: runs/bench-<timestamp>).")] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out, skipping finished rows.")] = False,
-    warmup: Annotated[bool, typer.Option(help="One untimed generation per method first.")] = True,
+    warmup: Annotated[
+        bool,
+        typer.Option(
+            help="Warm up before timing anything: every kernel built and checked, and untimed generations of every "
+            "method on its longest and shortest prompts."
+        ),
+    ] = True,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template.")] = True,
     humaneval_timeout: Annotated[float, typer.Option(help="Seconds a HumanEval test may run.")] = 10.0,
     report_only: Annotated[
@@ -221,7 +227,15 @@ def bench(
 
     from viasd.auto import int4a8_is_fast
     from viasd.bench.memory import PeakMemory
-    from viasd.bench.report import ENV_JSON, RESULTS_JSONL, environment, load_average, write_atomic, write_report
+    from viasd.bench.report import (
+        ENV_JSON,
+        RESULTS_JSONL,
+        environment,
+        load_average,
+        warmup_line,
+        write_atomic,
+        write_report,
+    )
     from viasd.bench.runner import ResultsFile, RunSettings, pending_pairs
     from viasd.bench.sandbox import require_sandbox
     from viasd.bench.splits import parse_split
@@ -356,8 +370,16 @@ def bench(
         highlight=False,
     )
     interrupted: KeyboardInterrupt | None = None
+    if not warmup:
+        env["warmup"] = None  # said in the summary: each method's first task carries its start-up
+
+    def warmed(done: Any) -> None:
+        env["warmup"] = done.to_dict()
+        err.print(warmup_line(done.to_dict()), highlight=False, soft_wrap=True)
+
     try:  # Ctrl-C or SIGTERM (cli.py handles both alike): the report of what the run has, then the same stop
-        rows = _run_with_progress(err, total, tasks, engine, run_settings, results, PeakMemory(models["device"]))
+        memory = PeakMemory(models["device"])
+        rows = _run_with_progress(err, total, tasks, engine, run_settings, results, memory, warmed)
     except KeyboardInterrupt as stop:
         interrupted = stop
         rows = results.load()
@@ -478,7 +500,14 @@ def _compare(out: Path | None, pair: str, split: Any = "all") -> None:
 
 
 def _run_with_progress(
-    err: Console, total: int, tasks: Sequence[Any], engine: Any, settings: Any, results: Any, memory: Any
+    err: Console,
+    total: int,
+    tasks: Sequence[Any],
+    engine: Any,
+    settings: Any,
+    results: Any,
+    memory: Any,
+    on_warmup: Callable[[Any], None],
 ) -> list[dict[str, Any]]:
     """run_benchmark under a rich progress bar on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -499,7 +528,9 @@ def _run_with_progress(
             )
             err.print(f"[{finished}/{total}] {row['key']} {row['method']}: {what}", highlight=False, soft_wrap=True)
 
-        return run_benchmark(tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_row=log_row)
+        return run_benchmark(
+            tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_row=log_row, on_warmup=on_warmup
+        )
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -519,7 +550,7 @@ def _run_with_progress(
             progress.update(bar, advance=1, last=last)
 
         return run_benchmark(
-            tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_start=on_start, on_row=on_row
+            tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_start, on_row, on_warmup
         )
 
 

@@ -182,6 +182,20 @@ def _profile_label(path: str | None, sha256: str | None) -> str:
     return label + (f", sha256 {sha256[:12]}" if sha256 else "")
 
 
+def warmup_line(warmup: Mapping[str, Any] | None) -> str:
+    """What ran before the first timed generation (a run's `warmup` record; None: --no-warmup), in one line."""
+    if not warmup:
+        return "no warm-up (--no-warmup): each method's first task carries its start-up"
+    kernels = warmup.get("kernels") or {}
+    compiled = sum(str(state).startswith("compiled") for state in kernels.values())
+    lengths = [n for each in (warmup.get("prompts") or {}).values() for n in each]
+    prompts = f"{max(lengths)} and {min(lengths)} tokens" if lengths else "no prompt fit the context"
+    return (
+        f"warmed up before timing anything ({warmup.get('seconds', 0):.1f} s): kernels built and checked ({compiled} "
+        f"of {len(kernels)} compiled here), each method's first passes on its longest and shortest prompts ({prompts})"
+    )
+
+
 def markdown(
     summaries: Sequence[Summary], env: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], baseline: str = "plain"
 ) -> str:
@@ -208,6 +222,7 @@ def markdown(
         + ", "
         f"temperature: {settings.get('temperature', 0)}, gamma: {settings.get('gamma') or 'default'}",
         _machine_line(env),
+        *([f"- {warmup_line(env['warmup'])}"] if "warmup" in env else []),
         "",
         f"Speedup: geometric mean over tasks of (tokens/s of the method) / (tokens/s of `{baseline}` on the same "
         "task), with the 10th-90th percentile of the per-task ratios in brackets. Rejection rate: drafted tokens "

@@ -3,6 +3,10 @@
 For each task every method runs in turn, the order rotated from one task to the next, so a machine that
 speeds up or slows down during the run affects every method alike. Each finished (task, method) pair is
 appended to the results file and flushed at once; a resumed run skips the pairs already there.
+
+Nothing is timed before the run has warmed up (`warm_up_run`): every kernel built and checked, and every method's
+first passes run on the longest and the shortest of its pending prompts, so that one-time costs (a kernel's build
+and check, the first pass of each length's route) land on no task, the first one least of all.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -274,14 +279,59 @@ def warm_up(decoder: Decoder, ids: Sequence[int], settings: RunSettings) -> None
     decoder.generate(ids, GenerationConfig(max_new_tokens=tokens, sampling=settings.sampling))
 
 
-def warmup_prompt(prompts: Iterable[tuple[Task, list[int]]], limit: int | None) -> tuple[Task, list[int]] | None:
-    """The shortest of the (task, first prompt ids) pairs, if it fits in a context of `limit` tokens.
+def warmup_prompts(prompts: Iterable[tuple[Task, list[int]]], limit: int | None) -> list[tuple[Task, list[int]]]:
+    """The longest and the shortest in tokens of the (task, first prompt ids) pairs that fit in a context of `limit`
+    tokens (one where they are as long): the longest runs the passes of long prompts (their routes, chunks and
+    kernels), the shortest those of short ones, so no timed generation is the first of its kind.
 
     None when no prompt fits: nothing can be timed then, and each such task becomes an error row of its own
     instead of stopping the run (a resumed run would stop at the same warm-up again, for ever).
     """
-    task, ids = min(prompts, key=lambda pair: len(pair[1]))
-    return (task, ids) if limit is None or len(ids) < limit else None
+    fitting = sorted((pair for pair in prompts if limit is None or len(pair[1]) < limit), key=lambda p: len(p[1]))
+    if not fitting:
+        return []
+    longest, shortest = fitting[-1], fitting[0]
+    return [longest] if len(longest[1]) == len(shortest[1]) else [longest, shortest]
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """What ran before the first timed generation, for the run's record: its seconds, every kernel's state as built
+    and checked then, and per method the lengths of the prompts it warmed up on."""
+
+    seconds: float
+    kernels: dict[str, str]
+    prompts: dict[str, list[int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def warm_up_run(
+    decoders: Mapping[str, Decoder],
+    todo: Sequence[tuple[int, Task, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    settings: RunSettings,
+    on_start: Callable[[Task, str], None] | None = None,
+) -> Warmup:
+    """Before anything is timed: every kernel built and checked (its build, once per machine, and its check, once per
+    process, take seconds), then per method an untimed generation on each of its warm-up prompts."""
+    from viasd.kernels.state import kernel_states
+
+    began = time.perf_counter()
+    kernels = kernel_states()
+    first = {task.key: (task, turn_prompt(tokenizer, task, [], 0, settings.chat)) for _, task, _ in todo}
+    lengths: dict[str, list[int]] = {}
+    for method, decoder in decoders.items():
+        chosen = warmup_prompts(
+            (first[t.key] for _, t, m in todo if m == method), getattr(decoder, "context_limit", None)
+        )
+        for task, ids in chosen:
+            if on_start is not None:
+                on_start(task, f"{method} (warm-up)")
+            warm_up(decoder, ids, settings)
+        lengths[method] = [len(ids) for _, ids in chosen]
+    return Warmup(round(time.perf_counter() - began, 3), kernels, lengths)
 
 
 def pending_pairs(
@@ -306,11 +356,13 @@ def run_benchmark(
     memory: PeakMemory | None = None,
     on_start: Callable[[Task, str], None] | None = None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    on_warmup: Callable[[Warmup], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every pending (task, method) pair, appending each row to `results`; returns all rows of the file.
 
-    Every method's decoder is built (and warmed up) before the first timed generation, so a method that
-    cannot run here (a missing profile, a drafter that does not fit) fails before any time is spent.
+    Every method's decoder is built (and, with `settings.warmup`, the run warmed up: `warm_up_run`, told to
+    `on_warmup`) before the first timed generation, so a method that cannot run here (a missing profile, a drafter
+    that does not fit) fails before any time is spent.
     """
     rows = results.load()
     todo = pending_pairs(tasks, settings.methods, ((r["key"], r["method"]) for r in rows))
@@ -319,15 +371,9 @@ def run_benchmark(
     needed = list(dict.fromkeys(method for _, _, method in todo))
     decoders = {method: decoder_for(method) for method in needed}
     if settings.warmup:
-        first = {task.key: (task, turn_prompt(tokenizer, task, [], 0, settings.chat)) for _, task, _ in todo}
-        for method in needed:
-            limit = getattr(decoders[method], "context_limit", None)
-            chosen = warmup_prompt((first[task.key] for _, task, m in todo if m == method), limit)
-            if chosen is None:
-                continue
-            if on_start is not None:
-                on_start(chosen[0], f"{method} (warm-up)")
-            warm_up(decoders[method], chosen[1], settings)
+        warmed = warm_up_run(decoders, todo, tokenizer, settings, on_start)
+        if on_warmup is not None:
+            on_warmup(warmed)
     for index, task, method in todo:
         if on_start is not None:
             on_start(task, method)
