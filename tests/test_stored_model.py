@@ -132,6 +132,8 @@ def test_a_file_that_does_not_hold_the_configs_model_is_refused_in_one_line(tmp_
     with pytest.raises(ViasdError, match=r"token_embd\.weight is 96 x 256") as caught:
         build(GgufFile(tmp_path / "model.gguf"), other.config, torch.float32)
     assert "\n" not in str(caught.value)
+    padded = tiny_model("qwen2", hidden=256, layers=2, vocab_size=80)  # fewer tokens than the file has rows (Qwen's)
+    assert build(GgufFile(tmp_path / "model.gguf"), padded.config, torch.float32).config.vocab_size == 96
     deeper = tiny_model("qwen2", hidden=256, layers=3, vocab_size=96)
     with pytest.raises(ViasdError, match=r"no tensor for model\.layers\.2"):
         build(GgufFile(tmp_path / "model.gguf"), deeper.config, torch.float32)
@@ -163,3 +165,18 @@ def test_the_index_reads_what_the_gguf_package_reads(tmp_path: Path):
             index = np.array([0, data.shape[0] - 1, 1])
             assert np.array_equal(mine.rows(tensor.name, index), data[index].view(np.uint8))
             assert np.array_equal(mine.rows(tensor.name, np.arange(2, 5)), data[2:5].view(np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_blocks_converted_a_chunk_of_rows_at_a_time_are_the_whole_tensors_conversion(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+):
+    from viasd.views import gguf as view_gguf
+
+    raw = random_blocks(kind, 72, 512, seed=3)  # 72 rows: chunks of 32, 32 and 8 (a padded tile)
+    whole = view_gguf.converted(kind, raw, 72, 512)
+    monkeypatch.setattr(view_gguf, "_CHUNK_ROWS", 32)
+    parted = view_gguf.converted(kind, raw, 72, 512)
+    assert whole is not None and parted is not None and parted.n == whole.n == 72
+    for got, want in zip(parted.tensors(), whole.tensors(), strict=True):
+        assert torch.equal(got, want)

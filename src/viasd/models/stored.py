@@ -275,6 +275,11 @@ def build(file: GgufFile, config: PretrainedConfig, dtype: torch.dtype, device: 
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    embedding = file.tensors.get("token_embd.weight")
+    if embedding is not None and len(embedding.shape) == 2 and embedding.shape[0] > config.vocab_size:
+        # transformers counts the tokenizer's tokens; a file's embedding may have more rows (Qwen pads its heads to a
+        # multiple of 256): the model's logits are the file's rows, as llama.cpp computes them.
+        config.vocab_size = int(embedding.shape[0])
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(file.architecture)

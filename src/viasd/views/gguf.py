@@ -176,11 +176,28 @@ _CONVERTERS = {
 OwnWeights = w4a8.FourBitWeights | w6a8.SixBitWeights | w8a8.EightBitWeights
 
 
+# Rows converted at a time (whole tiles): the conversions' temporaries are several bytes per weight, which for an 8B
+# model's output head (545M weights) would be gigabytes at once.
+_CHUNK_ROWS = 4096
+
+
 def converted(kind: str, blocks: np.ndarray, rows: int, columns: int) -> OwnWeights | None:
-    """A tensor's raw blocks of GGML type `kind` [rows, bytes] in the format of the kernel that takes them; None where
-    no kernel takes the type (or a Q4_0 block's minimum leaves fp16)."""
+    """A tensor's raw blocks of GGML type `kind` [rows, bytes] in the format of the kernel that takes them, converted
+    a chunk of rows at a time; None where no kernel takes the type (or a Q4_0 block's minimum leaves fp16)."""
     convert = _CONVERTERS.get(kind)
-    return None if convert is None else convert(blocks, rows, columns)
+    if convert is None:
+        return None
+    if rows <= _CHUNK_ROWS:
+        return convert(blocks, rows, columns)
+    parts = []
+    for begin in range(0, rows, _CHUNK_ROWS):
+        count = min(_CHUNK_ROWS, rows - begin)
+        part = convert(np.asarray(blocks[begin : begin + count]), count, columns)
+        if part is None:
+            return None
+        parts.append(part)
+    joined = [torch.cat(tensors) for tensors in zip(*(part.tensors() for part in parts), strict=True)]
+    return type(parts[0])(*joined, rows)  # type: ignore[arg-type]
 
 
 class GgufWeights:
