@@ -284,8 +284,8 @@ def warmup_prompts(prompts: Iterable[tuple[Task, list[int]]], limit: int | None)
     tokens (one where they are as long): the longest runs the passes of long prompts (their routes, chunks and
     kernels), the shortest those of short ones, so no timed generation is the first of its kind.
 
-    None when no prompt fits: nothing can be timed then, and each such task becomes an error row of its own
-    instead of stopping the run (a resumed run would stop at the same warm-up again, for ever).
+    None (an empty list) when no prompt fits: nothing can be timed then, and each such task becomes an error row of
+    its own instead of stopping the run (a resumed run would stop at the same warm-up again, for ever).
     """
     fitting = sorted((pair for pair in prompts if limit is None or len(pair[1]) < limit), key=lambda p: len(p[1]))
     if not fitting:
