@@ -7,25 +7,33 @@ import errno
 import hashlib
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from viasd.errors import ViasdError
+
+Buffer = Any  # bytes, a memoryview, a numpy array: what a binary file's write takes
 
 # Flags of the temporary sibling: created here or not at all, never through a link (as tempfile.mkstemp opens it).
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
 
 
-def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+def write_atomic(path: str | os.PathLike[str], data: str | bytes | Iterable[Buffer]) -> None:
     """Write a whole file through a temporary sibling and a rename; the result is world-readable (0644 less the
-    umask), as profiles and reports are meant to be shared."""
+    umask), as profiles and reports are meant to be shared. `data` may come in pieces (an iterable of buffers), so
+    that a file of several GB is never whole in memory."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _new_sibling(target)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if isinstance(data, str | bytes | bytearray | memoryview):
+                handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+            else:
+                for piece in data:
+                    handle.write(piece)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)

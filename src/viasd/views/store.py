@@ -32,9 +32,9 @@ import functools
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -57,7 +57,7 @@ from viasd.views.linears import (
 )
 from viasd.views.quantize import QuantizedLinears, quantizable, quantize
 from viasd.views.recipe import QuantRecipe
-from viasd.views.tensor_file import read_tensors, to_bytes
+from viasd.views.tensor_file import pieces, read_tensors
 from viasd.views.torch_kernels import aligned
 
 if TYPE_CHECKING:
@@ -111,9 +111,9 @@ def _digest(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_128(data.numpy()).hexdigest()
 
 
-def _to_bytes(linears: QuantizedLinears, model: nn.Module) -> bytes:
-    """The copies as a safetensors file, whose metadata says what they were made from and records each tensor's
-    digest."""
+def _to_pieces(linears: QuantizedLinears, model: nn.Module) -> Iterator[Any]:
+    """The copies as a safetensors file in pieces (views/tensor_file.py), whose metadata says what they were made
+    from and records each tensor's digest."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in linears.modules.items():
         for key, tensor in module.named_buffers():
@@ -125,7 +125,7 @@ def _to_bytes(linears: QuantizedLinears, model: nn.Module) -> bytes:
         "recipe": linears.recipe.name,
         "digests": json.dumps({key: _digest(tensor) for key, tensor in tensors.items()}, sort_keys=True),
     }
-    return to_bytes(tensors, metadata)
+    return pieces(tensors, metadata)
 
 
 def _check_digests(tensors: dict[str, torch.Tensor], recorded: str | None) -> None:
@@ -253,7 +253,7 @@ def _read_cached(
         return None
 
 
-def _store(path: Path, data: Callable[[], bytes], log: Callable[[str], None]) -> None:
+def _store(path: Path, data: Callable[[], Iterable[Any]], log: Callable[[str], None]) -> None:
     """Write a cache file; where the folder cannot take it, say so once per folder and go on without the cache.
     A file of the layout before the dtype was part of the key is removed once its successor is written."""
     folder = path.parents[2]
@@ -291,5 +291,5 @@ def cached_quantize(
     # A stored model's layers carry their blocks (models/stored.py): no second reading of its file.
     taken = recipe.gguf and has_dense_weights(model)
     out = quantize(model, recipe, sequences() if recipe.smooth else (), gguf() if taken else None)
-    _store(path, lambda: _to_bytes(out, model), log)
+    _store(path, lambda: _to_pieces(out, model), log)
     return out
