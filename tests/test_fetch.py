@@ -94,7 +94,7 @@ class FakeConverter:
         if self.fail:
             raise RuntimeError("conversion exploded")
         (out_dir / "config.json").write_text("{}")
-        (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / "tokenizer.json").write_bytes(b"tokens!")
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_final_directory_appears_only_by_rename(registry: FakeRegistry, tmp_path
         seen_final.append(final.exists())
         assert out_dir.parent.parent == cache  # a temp dir inside the cache: same filesystem, atomic rename
         (out_dir / "config.json").write_text("{}")
-        (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / "tokenizer.json").write_bytes(b"tokens!")
 
     _ensure(registry, cache, converter)
     assert seen_final == [False]
@@ -311,22 +311,22 @@ def test_entries_record_every_file_and_a_truncated_one_is_fetched_again(registry
     cache = tmp_path / "cache"
     path = _ensure(registry, cache, FakeConverter())
     files = _manifest(path)
-    assert sorted(files) == ["config.json", "model.safetensors", fetch.SOURCE_FILE]
-    weights = path / "model.safetensors"
-    assert files["model.safetensors"] == {
+    assert sorted(files) == ["config.json", "tokenizer.json", fetch.SOURCE_FILE]
+    tokens = path / "tokenizer.json"
+    assert files["tokenizer.json"] == {
         "size": 7,
-        "sha256": hashlib.sha256(b"weights").hexdigest(),
-        "xxh3_128": xxhash.xxh3_128(b"weights").hexdigest(),
+        "sha256": hashlib.sha256(b"tokens!").hexdigest(),
+        "xxh3_128": xxhash.xxh3_128(b"tokens!").hexdigest(),
     }
-    weights.write_bytes(b"wei")  # truncated
+    tokens.write_bytes(b"tok")  # truncated
     (status,) = list_default_models(cache, catalog=[registry.entry])
     assert (status.state, status.cached) == ("damaged", False)
-    assert status.problem == "model.safetensors has 3 bytes, expected 7"
+    assert status.problem == "tokenizer.json has 3 bytes, expected 7"
     downloads = registry.downloads
     converter = FakeConverter()
     assert _ensure(registry, cache, converter) == path  # the next use fetches it again
     assert registry.downloads > downloads and len(converter.seen) == 1
-    assert weights.read_bytes() == b"weights" and list_default_models(cache, catalog=[registry.entry])[0].state == "ok"
+    assert tokens.read_bytes() == b"tokens!" and list_default_models(cache, catalog=[registry.entry])[0].state == "ok"
     (path / "config.json").unlink()  # a missing file: not a usable entry either
     assert _ensure(registry, cache, FakeConverter()) == path and (path / "config.json").is_file()
 
@@ -334,18 +334,18 @@ def test_entries_record_every_file_and_a_truncated_one_is_fetched_again(registry
 def test_same_size_damage_is_found_by_verify_and_repaired_by_force(registry: FakeRegistry, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     path = _ensure(registry, cache, FakeConverter())
-    (path / "model.safetensors").write_bytes(b"WEIGHTS")  # same size, other bytes
+    (path / "tokenizer.json").write_bytes(b"TOKENS!")  # same size, other bytes
     assert list_default_models(cache, catalog=[registry.entry])[0].state == "ok"  # sizes only
     (verified,) = list_default_models(cache, catalog=[registry.entry], verify=True)
-    assert verified.state == "damaged" and "model.safetensors has other contents" in (verified.problem or "")
+    assert verified.state == "damaged" and "tokenizer.json has other contents" in (verified.problem or "")
     downloads = registry.downloads
     with pytest.raises(ViasdError, match="repair it: viasd models --fetch fake-model --force") as caught:
         _ensure(registry, cache, FakeConverter(fail=True))  # found at load by its digest: refused, nothing fetched
-    assert "model.safetensors has other contents" in str(caught.value) and "\n" not in str(caught.value)
+    assert "tokenizer.json has other contents" in str(caught.value) and "\n" not in str(caught.value)
     assert registry.downloads == downloads
     converter = FakeConverter()
     _ensure(registry, cache, converter, force=True)
-    assert len(converter.seen) == 1 and (path / "model.safetensors").read_bytes() == b"weights"
+    assert len(converter.seen) == 1 and (path / "tokenizer.json").read_bytes() == b"tokens!"
     assert list_default_models(cache, catalog=[registry.entry], verify=True)[0].state == "ok"
     (path / "viasd-manifest.json").write_text("{ torn")
     assert list_default_models(cache, catalog=[registry.entry])[0].state == "damaged"
@@ -363,11 +363,11 @@ def _downloader_failing_at(registry: FakeRegistry, index: int) -> Callable[[Whee
 
 
 def _config_only(gguf_path: Path, out_dir: Path, progress: bool) -> None:
-    """A converter that 'succeeds' without writing any weights."""
+    """A converter that 'succeeds' without writing a tokenizer."""
     (out_dir / "config.json").write_text("{}")
 
 
-@pytest.mark.parametrize("fault", ["download", "corrupt part", "conversion", "no weights", "swap"])
+@pytest.mark.parametrize("fault", ["download", "corrupt part", "conversion", "no tokenizer", "swap"])
 def test_a_failed_forced_refetch_keeps_the_cached_entry(
     registry: FakeRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
@@ -383,7 +383,7 @@ def test_a_failed_forced_refetch_keeps_the_cached_entry(
         registry.write_wheel(registry.parts[2], b"x" * len(registry.payloads[2]))
     elif fault == "conversion":
         converter = FakeConverter(fail=True)
-    elif fault == "no weights":
+    elif fault == "no tokenizer":
         converter = _config_only  # type: ignore[assignment]
     else:
         real_rename = Path.rename
@@ -449,10 +449,10 @@ def test_a_manifest_without_fast_digests_is_checked_by_sha256_once(registry: Fak
     assert _ensure(registry, cache, FakeConverter(fail=True)) == path
     assert all(record["xxh3_128"] for record in _manifest(path).values())
     manifest.write_text(json.dumps({"version": 1, "files": files}))
-    (path / "model.safetensors").write_bytes(b"weighs!")  # same size
+    (path / "tokenizer.json").write_bytes(b"tokenz!")  # same size
     with pytest.raises(ViasdError, match=r"SHA-256 differs.*repair it: viasd models --fetch fake-model --force"):
         _ensure(registry, cache, FakeConverter(fail=True))
-    assert "xxh3_128" not in json.loads(manifest.read_text())["files"]["model.safetensors"]
+    assert "xxh3_128" not in json.loads(manifest.read_text())["files"]["tokenizer.json"]
 
 
 def test_entries_from_before_manifests_still_load_as_unverified(registry: FakeRegistry, tmp_path: Path) -> None:

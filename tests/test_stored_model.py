@@ -149,7 +149,7 @@ def test_a_truncated_or_foreign_file_is_refused_in_one_line(tmp_path: Path, cut:
         GgufFile(damaged)
     assert "\n" not in str(caught.value) and "damaged.gguf" in str(caught.value)
     (tmp_path / "text.gguf").write_text("not a model")
-    with pytest.raises(ViasdError, match="is not a GGUF file"):
+    with pytest.raises(ViasdError, match="not a GGUF file"):
         GgufFile(tmp_path / "text.gguf")
 
 

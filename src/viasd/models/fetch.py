@@ -179,6 +179,8 @@ def _check_built(built: Path, entry: DefaultModel) -> None:
     state, problem = cache_state(built, entry)
     if state != "ok":
         raise ViasdError(f"converting {entry.name} gave an unusable entry ({problem or state}); the cached one is kept")
+    if not any((built / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ViasdError(f"converting {entry.name} wrote no tokenizer; the cached one is kept")
 
 
 def _content_problems(final: Path) -> list[str]:

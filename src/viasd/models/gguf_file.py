@@ -48,6 +48,14 @@ class TensorInfo:
         return self.shape[-1]
 
 
+class GgufError(ViasdError):
+    """A file that is no GGUF file viasd reads; `reason` says why, without the file's name."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.reason = reason
+
+
 class _Cursor:
     """Reads little-endian values from a buffer, refusing to run past its end (a truncated file)."""
 
@@ -57,7 +65,7 @@ class _Cursor:
     def take(self, fmt: str) -> int | float | bool:
         size = struct.calcsize(fmt)
         if self.at + size > len(self.buffer):
-            raise ViasdError(f"{self.path} is not a whole GGUF file: its header ends early")
+            raise GgufError(self.path, "not a whole GGUF file: its header ends early")
         (value,) = struct.unpack_from(fmt, self.buffer, self.at)
         self.at += size
         return value
@@ -65,7 +73,7 @@ class _Cursor:
     def text(self) -> str:
         length = int(self.take("<Q"))
         if self.at + length > len(self.buffer):
-            raise ViasdError(f"{self.path} is not a whole GGUF file: its header ends early")
+            raise GgufError(self.path, "not a whole GGUF file: its header ends early")
         raw = bytes(self.buffer[self.at : self.at + length])
         self.at += length
         return raw.decode("utf-8", errors="replace")
@@ -75,7 +83,7 @@ class _Cursor:
             length = int(self.take("<Q"))
             self.at += length
         if self.at > len(self.buffer):
-            raise ViasdError(f"{self.path} is not a whole GGUF file: its header ends early")
+            raise GgufError(self.path, "not a whole GGUF file: its header ends early")
 
     def value(self, kind: int) -> object:
         if kind in _SCALARS:
@@ -88,13 +96,13 @@ class _Cursor:
                 self.skip_strings(count)
                 return None
             if item not in _SCALARS:
-                raise ViasdError(f"{self.path}: a metadata array of unknown type {item}")
+                raise GgufError(self.path, f"a metadata array of unknown type {item}")
             size = struct.calcsize(_SCALARS[item])
             if count <= _SHORT_ARRAY:
                 return [self.take(_SCALARS[item]) for _ in range(count)]
             self.at += size * count
             return None
-        raise ViasdError(f"{self.path}: a metadata value of unknown type {kind}")
+        raise GgufError(self.path, f"a metadata value of unknown type {kind}")
 
 
 class GgufFile:
@@ -107,14 +115,14 @@ class GgufFile:
         try:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as error:
-            raise ViasdError(f"cannot read {self.path}: {error}") from error
+            raise GgufError(self.path, f"cannot be read ({error})") from error
         cursor = _Cursor(memoryview(self._map), self.path)  # type: ignore[arg-type]
         if bytes(self._map[:4]) != _MAGIC:
-            raise ViasdError(f"{self.path} is not a GGUF file (it does not start with 'GGUF')")
+            raise GgufError(self.path, "not a GGUF file (it does not start with 'GGUF')")
         cursor.at = 4
         version = int(cursor.take("<I"))
         if version not in (2, 3):
-            raise ViasdError(f"{self.path}: GGUF version {version} is not one viasd reads (2 or 3)")
+            raise GgufError(self.path, f"GGUF version {version}, which viasd does not read (2 or 3)")
         count, keys = int(cursor.take("<Q")), int(cursor.take("<Q"))
         self.metadata: dict[str, object] = {}
         for _ in range(keys):
@@ -133,17 +141,16 @@ class GgufFile:
             try:
                 qtype = gguf.GGMLQuantizationType(kind)
             except ValueError:
-                raise ViasdError(f"{self.path}: tensor {name} has a type viasd does not know ({kind})") from None
+                raise GgufError(self.path, f"tensor {name} has a type viasd does not know ({kind})") from None
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             shape = tuple(reversed(dims))  # GGUF lists the fastest-moving dimension first
             if shape[-1] % block:
-                raise ViasdError(f"{self.path}: tensor {name}'s rows are no whole number of {qtype.name} blocks")
+                raise GgufError(self.path, f"tensor {name}'s rows are no whole number of {qtype.name} blocks")
             nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // block) * size
             info = TensorInfo(name, qtype.name, shape, start + offset, nbytes)
             if info.offset + nbytes > len(self._map):
-                raise ViasdError(
-                    f"{self.path} is not a whole GGUF file: tensor {name} runs past its end "
-                    f"({len(self._map):,} bytes; truncated or damaged)"
+                raise GgufError(
+                    self.path, f"not a whole GGUF file: tensor {name} runs past its end ({len(self._map):,} bytes)"
                 )
             self.tensors[name] = info
 

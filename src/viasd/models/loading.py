@@ -134,10 +134,13 @@ def _stored(
     it must load as its dense copy instead: another device, a device map, or a family not built from blocks."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from viasd.models.gguf_file import GgufFile
+    from viasd.models.gguf_file import GgufError, GgufFile
     from viasd.models.stored import build, why_not_stored
 
-    file = GgufFile(path)
+    try:
+        file = GgufFile(path)
+    except GgufError as error:
+        raise ViasdError(f"cannot load model from {path}: {error.reason}") from error
     why = "a device map spreads it over devices" if device_map is not None else why_not_stored(file, device)
     if why is not None:
         print(f"{path.name}: loading its dense copy ({why})", file=sys.stderr)
