@@ -15,6 +15,7 @@ fit the stored one.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -233,6 +234,11 @@ def densify(model: nn.Module, why: str) -> bool:
     )
     if tied:  # one matrix, as transformers ties it: the head shares the embedding's dense copy
         head.__dict__["_dense"] = embedding.weight
+    missing = [module for _, module in stored if module.__dict__["_dense"] is None]
+    # Dequantizing is numpy's work on large arrays, which releases the GIL: one layer per core at a time.
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for module, dense in zip(missing, pool.map(lambda m: m.file_tensor.dense(), missing), strict=True):
+            module.__dict__["_dense"] = nn.Parameter(dense.to(module.file_device), requires_grad=False)
     owners = dict(model.named_modules())
     for name, module in stored:
         parent, _, child = name.rpartition(".")
