@@ -175,9 +175,12 @@ def _from_blocks(linear: FileLinear) -> nn.Module:
     a dense copy made for the moment, where no kernel takes its type."""
     from viasd.views.gguf import converted
 
-    rows, columns = linear.file_tensor.shape
-    own = converted(linear.file_tensor.kind, linear.file_tensor.blocks(), rows, columns)
-    return _from_file(linear, own) if own is not None else Int8WeightOnlyLinear.from_linear(dense_copy(linear))
+    tensor = linear.file_tensor
+    rows, columns = tensor.shape
+    own = converted(tensor.kind, tensor.blocks(), rows, columns)
+    made = _from_file(linear, own) if own is not None else Int8WeightOnlyLinear.from_linear(dense_copy(linear))
+    tensor.source.file.release(tensor.name)  # its pages are in the copy's layout now
+    return made
 
 
 def _from_file(
