@@ -26,10 +26,10 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
-    from viasd.models.fetch import ensure_default_model
+    from viasd.models.fetch import ensure_dense_directory
     from viasd.prompting import encode_prompt
 
-    target = str(ensure_default_model("qwen2.5-coder-1.5b", progress=False))
+    target = str(ensure_dense_directory("qwen2.5-coder-1.5b", progress=False))  # vLLM reads no GGUF blocks
     proposers = {"hybrid": "viasd.vllm.proposer.HybridProposer", "cascade": "viasd.vllm.cascade.CascadeProposer"}
     speculative = None
     if spec in proposers:

@@ -200,7 +200,7 @@ def generate(
 @app.command()
 @user_errors
 def models(
-    fetch: Annotated[list[str] | None, typer.Option(help="Fetch and convert a default model (repeatable).")] = None,
+    fetch: Annotated[list[str] | None, typer.Option(help="Fetch a default model (repeatable).")] = None,
     fetch_all: Annotated[bool, typer.Option("--all", help="Fetch every default model.")] = False,
     force: Annotated[
         bool, typer.Option(help="With --fetch or --all: fetch again even when cached (repairs a damaged copy).")
@@ -208,17 +208,25 @@ def models(
     verify: Annotated[
         bool, typer.Option(help="Check every cached file's SHA-256 against the manifest written with it.")
     ] = False,
+    dense: Annotated[
+        bool,
+        typer.Option(help="With --fetch or --all: also write a dense bf16 copy, for runtimes that read no GGUF: vLLM."),
+    ] = False,
 ) -> None:
     """List the embedded default models and fetch them into the local cache."""
     from viasd.models.catalog import default_model_names
-    from viasd.models.fetch import ensure_default_model, list_default_models, repair_command
+    from viasd.models.fetch import ensure_default_model, ensure_dense_directory, list_default_models, repair_command
 
     names = default_model_names() if fetch_all else list(fetch or [])
     if force and not names:
         raise ViasdError("--force fetches again what --fetch NAME or --all names; name a model")
+    if dense and not names:
+        raise ViasdError("--dense writes a dense copy of what --fetch NAME or --all names; name a model")
     for name in names:
         path = ensure_default_model(name, force=force)
         err.print(f"{name}: ready at {path}")
+        if dense:
+            err.print(f"{name}: its dense bf16 copy is at {ensure_dense_directory(name)}")
     table = Table(title="default models")
     for column in ("name", "role", "size", "cached", "description"):
         table.add_column(column)
