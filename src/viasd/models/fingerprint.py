@@ -32,8 +32,9 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def _samples(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each weight's name and sample, in `named_parameters`' order: every (numel // 64)-th value, the first 64, in
-    fp32 (so that the fingerprint does not depend on the dtype the model was loaded in). A weight still in its GGUF
+    """Each weight's name and sample, in `named_parameters`' order: every (numel // 64)-th value, the first 64,
+    rounded to bf16 (so that the fingerprint does not depend on the dtype the model was loaded in: a model of bf16
+    weights and its float32 load, or a GGUF file's float32 dequantization, have one). A weight still in its GGUF
     file's blocks (models/stored.py) is sampled from them as the dense copy would hold it, so that a model gets one
     fingerprint however it is loaded; a matrix shared by two modules (a tied head) counts once."""
     from viasd.models.stored import STORED
@@ -52,6 +53,6 @@ def _samples(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             name = f"{prefix}.{key}" if prefix else key
             if isinstance(value, torch.Tensor):
                 flat = value.detach().reshape(-1)
-                yield name, flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+                yield name, flat[:: max(1, flat.numel() // 64)][:64].to(torch.bfloat16).float().cpu()
             else:
                 yield name, value.sample()  # type: ignore[attr-defined]

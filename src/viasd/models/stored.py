@@ -97,12 +97,12 @@ class FileTensor:
         return out
 
     def sample(self, count: int = 64) -> torch.Tensor:
-        """The fingerprint's sample (models/fingerprint.py): every (numel // count)-th weight, the first `count`, as
-        the dense copy holds them (rounded to the dtype), in float32."""
+        """The fingerprint's sample (models/fingerprint.py): every (numel // count)-th weight, the first `count`,
+        rounded to bf16 as the fingerprint rounds every weight."""
         rows, columns = self.shape
         flat = np.arange(0, rows * columns, max(1, rows * columns // count))[:count]
         wanted, where = np.unique(flat // columns, return_inverse=True)
-        values = self.rows(wanted).to(self.source.dtype).float()
+        values = self.rows(wanted).to(torch.bfloat16).float()
         return values[torch.from_numpy(where), torch.from_numpy(flat % columns)]
 
 
