@@ -89,10 +89,19 @@ def tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> int:
-    """Copy the tokenizer's and chat template's fields of `source` into `writer`; the vocabulary's size."""
+def copy_tokenizer(source: Path, writer: gguf.GGUFWriter, rows: int | None = None) -> int:
+    """Copy the tokenizer's and chat template's fields of `source` into `writer`; the vocabulary's size. `rows`: pad
+    the token list to this many with unused tokens, as llama.cpp's converter pads Qwen's (its embedding has 152,064
+    rows for 151,936 tokens: llama.cpp wants a token per row)."""
     reader = gguf.GGUFReader(source)
     size = 0
+    count = len(reader.fields["tokenizer.ggml.tokens"].data)
+    extra = max(0, (rows or count) - count)
+    pads = {
+        "tokenizer.ggml.tokens": [f"[PAD{count + i}]" for i in range(extra)],
+        "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * extra,
+        "tokenizer.ggml.scores": [0.0] * extra,
+    }
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
@@ -104,6 +113,7 @@ def copy_tokenizer(source: Path, writer: gguf.GGUFWriter) -> int:
                 values = [bytes(value).decode("utf-8", errors="replace") for value in values]
             else:
                 values = [value.tolist()[0] for value in values]
+            values += pads.get(key, [])
             if key == "tokenizer.ggml.tokens":
                 size = len(values)
             writer.add_array(key, values)
@@ -127,8 +137,9 @@ def write(shape: Shape, name: str, source: Path, out: Path, seed: int = 0) -> No
     writer.add_rope_freq_base(shape.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    vocab = copy_tokenizer(source, writer)
-    vocab = -(-vocab // 256) * 256 if shape.arch == "qwen2" else vocab  # Qwen pads its heads (152,064 rows)
+    tokens = len(gguf.GGUFReader(source).fields["tokenizer.ggml.tokens"].data)
+    rows = -(-tokens // 256) * 256 if shape.arch == "qwen2" else tokens  # Qwen pads its heads (152,064 rows)
+    vocab = copy_tokenizer(source, writer, rows)
     planned = tensors(shape, vocab)
     for tensor_name, dims, kind in planned:
         if kind == "F32":

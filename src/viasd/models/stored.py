@@ -45,6 +45,7 @@ class Source:
     file: GgufFile
     dtype: torch.dtype
     said: bool = field(default=False)
+    fingerprint: str | None = None  # models/fingerprint.py, once computed (the weights never change)
 
     def say_dense(self, why: str) -> None:
         if not self.said:
@@ -196,6 +197,13 @@ class _Scaled(nn.Module):
 
 STORED = (FileLinear, BlockEmbedding)
 _TAG = "viasd_stored"  # in a stored model's __dict__ until `densify` gives it its dense weights
+_SOURCE = "viasd_source"  # in a stored model's __dict__ for good
+
+
+def stored_source(model: nn.Module) -> Source | None:
+    """The `Source` of a model built from its file's blocks (kept after `densify`: the weights are the same), else
+    None."""
+    return model.__dict__.get(_SOURCE)
 
 
 def has_dense_weights(model: nn.Module) -> bool:
@@ -321,6 +329,7 @@ def build(file: GgufFile, config: PretrainedConfig, dtype: torch.dtype, device: 
         owners[parent]._modules[child] = replacement
     model.eval()
     model.__dict__[_TAG] = True
+    model.__dict__[_SOURCE] = source
     return model
 
 
