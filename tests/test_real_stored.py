@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from viasd.models.fetch import ensure_dense_directory
+from viasd.models.export import ensure_dense_directory
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.loading import load_model
 from viasd.models.stored import densify, is_stored

@@ -26,7 +26,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
-    from viasd.models.fetch import ensure_dense_directory
+    from viasd.models.export import ensure_dense_directory
     from viasd.prompting import encode_prompt
 
     target = str(ensure_dense_directory("qwen2.5-coder-1.5b", progress=False))  # vLLM reads no GGUF blocks

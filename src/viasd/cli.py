@@ -215,7 +215,8 @@ def models(
 ) -> None:
     """List the embedded default models and fetch them into the local cache."""
     from viasd.models.catalog import default_model_names
-    from viasd.models.fetch import ensure_default_model, ensure_dense_directory, list_default_models, repair_command
+    from viasd.models.export import ensure_dense_directory
+    from viasd.models.fetch import ensure_default_model, list_default_models, repair_command
 
     names = default_model_names() if fetch_all else list(fetch or [])
     if force and not names:
