@@ -24,7 +24,7 @@ from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View
 
-ARCHES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA}
+ARCHES = {"qwen2": gguf.MODEL_ARCH.QWEN2, "llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3}
 PROMPT = [3, 17, 5, 42, 9, 30, 11, 7]
 
 
@@ -80,7 +80,7 @@ def pair(tmp_path: Path, arch: str, dtype: torch.dtype = torch.float32, tied: bo
     return dense, build(GgufFile(tmp_path / "model.gguf"), dense.config, dtype)
 
 
-@pytest.mark.parametrize(("arch", "tied"), [("qwen2", False), ("qwen2", True), ("llama", False)])
+@pytest.mark.parametrize(("arch", "tied"), [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", False)])
 def test_a_stored_model_is_the_dense_model_without_its_weights(tmp_path: Path, arch: str, tied: bool):
     dense, stored = pair(tmp_path, arch, tied=tied)
     assert is_stored(stored) and not has_dense_weights(stored)
