@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -75,7 +74,7 @@ class FileTensor:
     def blocks(self) -> np.ndarray:
         """The raw blocks [rows, bytes per row] in the model's row order (a view of the mapping where no rows move)."""
         raw = self.source.file.blocks(self.name)
-        return raw if self.heads is None else _unpermuted(raw, self.heads)
+        return raw if self.heads is None else unpermuted(raw, self.heads)
 
     def rows(self, ids: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Rows `ids` dequantized, float32 [len(ids), columns]; only their blocks are read."""
@@ -83,7 +82,7 @@ class FileTensor:
 
         index = np.asarray(ids, dtype=np.int64).reshape(-1)
         if self.heads is not None:
-            index = _unpermuted(np.arange(self.shape[0])[:, None], self.heads)[index, 0]
+            index = unpermuted(np.arange(self.shape[0])[:, None], self.heads)[index, 0]
         raw = self.source.file.rows(self.name, index)
         values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[self.kind])
         return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(len(index), self.shape[1]))
@@ -107,7 +106,7 @@ class FileTensor:
         return values[torch.from_numpy(where), torch.from_numpy(flat % columns)]
 
 
-def _unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
+def unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
     """Rows of a query or key projection in the model's order, where the conversion to GGUF interleaved each head's
     halves of rotary dimensions: GGUF row 2j + h of a head is the model's row j + h * dim / 2."""
     per_head = rows.shape[0] // heads
@@ -265,11 +264,6 @@ def output_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return head.weight.detach()[ids.to(head.weight.device)]
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device a model computes on (its first parameter's; a stored model's norms are there too)."""
-    return next(model.parameters()).device
-
-
 # ---------------------------------------------------------------------------------------------------- building
 
 
@@ -364,11 +358,6 @@ def _small(file: GgufFile, name: str, shape: torch.Size, dtype: torch.dtype, dev
         wanted = tuple(shape)
         raise ViasdError(f"{file.path.name}: tensor {name} has {found.numel()} values, where its config wants {wanted}")
     return found.reshape(shape).to(dtype).to(device)
-
-
-def load_stored(path: Path, config: PretrainedConfig, dtype: torch.dtype, device: str = "cpu") -> PreTrainedModel:
-    """`build` from the file at `path`."""
-    return build(GgufFile(path), config, dtype, device)
 
 
 def weight_device(linear: nn.Module) -> torch.device:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from viasd.kernels import w4a8, w6a8, w8a8
+from viasd.models.stored import unpermuted as _unpermuted
 from viasd.views.recipe import QuantRecipe
 
 _SUPER = 256  # weights per Q4_K, Q5_K or Q6_K block
@@ -271,14 +272,6 @@ class GgufWeights:
     def int6a8(self, module: str, weight: torch.Tensor) -> w6a8.SixBitWeights | None:
         """Module `module`'s 6-bit weights from the file's Q6_K blocks, or None (as `own`)."""
         return self.own(module, weight, ("Q6_K",))  # type: ignore[return-value]
-
-
-def _unpermuted(rows: np.ndarray, heads: int) -> np.ndarray:
-    """A query or key projection's rows (any per-row data: whole rows of blocks) in the order of the model converted
-    from the file, where the conversion to GGUF interleaved each head's two halves of rotary dimensions (as it does
-    for Llama-family files): GGUF row 2j + h of a head is the model's row j + h * dim / 2."""
-    per_head = rows.shape[0] // heads
-    return rows.reshape(heads, per_head // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
 def _dequantize(weights: OwnWeights) -> torch.Tensor:
