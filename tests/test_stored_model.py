@@ -180,3 +180,44 @@ def test_blocks_converted_a_chunk_of_rows_at_a_time_are_the_whole_tensors_conver
     assert whole is not None and parted is not None and parted.n == whole.n == 72
     for got, want in zip(parted.tensors(), whole.tensors(), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [16, 72, 1])
+def test_the_c_repacker_lays_out_blocks_as_the_numpy_conversion_does(kind: str, rows: int):
+    from viasd.views import gguf as view_gguf
+
+    library = view_gguf.repacker()
+    if isinstance(library, str):
+        pytest.skip(library)
+    raw = random_blocks(kind, rows, 768, seed=rows)  # three super-blocks a row; 72 rows end in a partial tile
+    want = view_gguf._CONVERTERS[kind](raw, rows, 768)
+    got = view_gguf._REPACKED[kind](library, raw, rows, 768)
+    assert want is not None and got.n == want.n == rows
+    for mine, theirs in zip(got.tensors(), want.tensors(), strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
+def test_a_stored_models_gguf_view_is_made_from_its_file_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from viasd.views import gguf as view_gguf
+    from viasd.views.store import cache_path, cached_quantize
+
+    if not view_gguf.fast_repacking():
+        pytest.skip(str(view_gguf.repacker()))
+    model = tiny_model("qwen2", hidden=256, layers=2, vocab_size=96, dtype=torch.float32)
+    # Q4_K and Q6_K only: every layer is one the repacker takes (256-wide rows, no Q8_0 but the embedding).
+    write_gguf(model, tmp_path / "model.gguf", "qwen2")
+    stored = build(GgufFile(tmp_path / "model.gguf"), model.config, torch.float32)
+    recipe = QuantRecipe.parse("gguf")
+    stale = cache_path(stored, recipe, tmp_path / "cache")
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"a copy an earlier viasd cached")
+    made = cached_quantize(stored, recipe, lambda: [], root=tmp_path / "cache")
+    assert made.from_file == len(made.modules) and not stale.exists()  # the file is the cache
+    # Without the repacker the view is cached, as before (numpy's conversion takes seconds a gigabyte).
+    monkeypatch.setattr(view_gguf, "fast_repacking", lambda: False)
+    again = cached_quantize(stored, recipe, lambda: [], root=tmp_path / "cache")
+    assert stale.is_file() and again.from_file == made.from_file
+    for name, module in made.modules.items():
+        for (key, mine), theirs in zip(module.named_buffers(), again.modules[name].buffers(), strict=True):
+            assert torch.equal(mine, theirs), f"{name}/{key}"

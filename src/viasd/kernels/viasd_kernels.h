@@ -83,6 +83,13 @@ int w6a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t 
 int w8a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const int8_t *codes, const float *scale,
                 const float *low, int64_t n, const float *bias, void *out, int threads);
 
+/* A GGUF tensor's Q4_K blocks [rows][columns / 256 * 144 bytes] as w4a8's tiles (packed, scale, low), and its Q6_K
+ * blocks [rows][columns / 256 * 210 bytes] as w6a8's (low, high, sub, d): the same numbers, rearranged (repack.c). */
+int q4k_repack(const uint8_t *blocks, int64_t rows, int64_t columns, uint8_t *packed, uint16_t *scale, uint16_t *low,
+               int threads);
+int q6k_repack(const uint8_t *blocks, int64_t rows, int64_t columns, uint8_t *low, uint8_t *high, int8_t *sub,
+               uint16_t *d, int threads);
+
 /* bf16 weights x float32 activations, float32 out, for CPUs without bf16 matrix instructions (bf16.c). */
 int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads);
 

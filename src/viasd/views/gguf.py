@@ -28,12 +28,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from viasd.kernels import w4a8, w6a8, w8a8
+from viasd.kernels.build import Library, address, checked, ffi
+from viasd.kernels.interface import OK
 from viasd.models.stored import unpermuted as _unpermuted
 from viasd.views.recipe import QuantRecipe
 
@@ -183,11 +186,14 @@ _CHUNK_ROWS = 4096
 
 
 def converted(kind: str, blocks: np.ndarray, rows: int, columns: int) -> OwnWeights | None:
-    """A tensor's raw blocks of GGML type `kind` [rows, bytes] in the format of the kernel that takes them, converted
-    a chunk of rows at a time; None where no kernel takes the type (or a Q4_0 block's minimum leaves fp16)."""
+    """A tensor's raw blocks of GGML type `kind` [rows, bytes] in the format of the kernel that takes them: Q4_K and
+    Q6_K by the C repacker where it is built, else converted a chunk of rows at a time; None where no kernel takes
+    the type (or a Q4_0 block's minimum leaves fp16)."""
     convert = _CONVERTERS.get(kind)
     if convert is None:
         return None
+    if kind in _REPACKED and fast_repacking():
+        return _REPACKED[kind](repacker(), blocks, rows, columns)  # type: ignore[arg-type]
     if rows <= _CHUNK_ROWS:
         return convert(blocks, rows, columns)
     parts = []
@@ -199,6 +205,74 @@ def converted(kind: str, blocks: np.ndarray, rows: int, columns: int) -> OwnWeig
         parts.append(part)
     joined = [torch.cat(tensors) for tensors in zip(*(part.tensors() for part in parts), strict=True)]
     return type(parts[0])(*joined, rows)  # type: ignore[arg-type]
+
+
+def _repack_q4k(library: Library, blocks: np.ndarray, rows: int, columns: int) -> w4a8.FourBitWeights:
+    """`q4k_to_int4a8` by the C repacker (kernels/repack.c)."""
+    tiles = -(-rows // w4a8.TILE)
+    packed = torch.empty(tiles, columns // 8, 4 * w4a8.TILE, dtype=torch.uint8)
+    scale, low = (torch.empty(tiles, columns // w4a8.GROUP, w4a8.TILE, dtype=torch.float16) for _ in range(2))
+    _call(library.lib.q4k_repack, blocks, rows, columns, packed, scale, low)
+    return w4a8.FourBitWeights(packed, scale, low, rows)
+
+
+def _repack_q6k(library: Library, blocks: np.ndarray, rows: int, columns: int) -> w6a8.SixBitWeights:
+    """`q6k_to_int6a8` by the C repacker (kernels/repack.c)."""
+    tiles = -(-rows // w6a8.TILE)
+    low = torch.empty(tiles, columns // 8, 4 * w6a8.TILE, dtype=torch.uint8)
+    high = torch.empty(tiles, columns // w6a8.SUB, 4 * w6a8.TILE, dtype=torch.uint8)
+    sub = torch.empty(tiles, columns // w6a8.SUB, w6a8.TILE, dtype=torch.int8)
+    d = torch.empty(tiles, columns // w6a8.SUPER, w6a8.TILE, dtype=torch.float16)
+    _call(library.lib.q6k_repack, blocks, rows, columns, low, high, sub, d)
+    return w6a8.SixBitWeights(low, high, sub, d, rows)
+
+
+def _call(function: Callable[..., int], blocks: np.ndarray, rows: int, columns: int, *out: torch.Tensor) -> None:
+    source = np.ascontiguousarray(blocks, dtype=np.uint8)
+    pointer = ffi().cast("const uint8_t *", source.ctypes.data)
+    threads = max(1, torch.get_num_threads())
+    if function(pointer, rows, columns, *(address(tensor) for tensor in out), threads) != OK:
+        raise ValueError(f"the repacker does not take a tensor of {columns} columns")
+
+
+_REPACKED: dict[str, Callable[[Library, np.ndarray, int, int], OwnWeights]] = {
+    "Q4_K": _repack_q4k,
+    "Q6_K": _repack_q6k,
+}
+REPACKED_TYPES = frozenset(_REPACKED)  # the block types the C repacker rearranges
+
+
+def _repack_check(library: Library) -> str | None:
+    """Why the C repacker's tiles are not the numpy converters' on random blocks (finite scales), or None."""
+    generator = np.random.default_rng(0)
+    rows, columns = 40, 512  # a partial last tile, two blocks a row
+    for kind, size in (("Q4_K", _BYTES), ("Q6_K", _BYTES6)):
+        raw = generator.integers(0, 256, (rows, columns // _SUPER * size), dtype=np.uint8)
+        scales = generator.uniform(1e-4, 1e-2, (rows, columns // _SUPER, 2)).astype(np.float16).view(np.uint8)
+        blocks = raw.reshape(rows, columns // _SUPER, size)
+        if kind == "Q4_K":
+            blocks[:, :, 0:4] = scales.reshape(rows, columns // _SUPER, 4)
+        else:
+            blocks[:, :, 208:210] = scales.reshape(rows, columns // _SUPER, 4)[:, :, :2]
+        expected = _CONVERTERS[kind](raw, rows, columns)
+        found = _REPACKED[kind](library, raw, rows, columns)
+        if expected is None or not all(
+            torch.equal(a, b) for a, b in zip(expected.tensors(), found.tensors(), strict=True)
+        ):
+            return f"rearranges {kind} blocks otherwise than the numpy conversion"
+    return None
+
+
+@functools.cache
+def repacker() -> Library | str:
+    """The C repacker, checked once per process, or why it is not used (one line)."""
+    return checked("GGUF repacking", _repack_check)
+
+
+def fast_repacking() -> bool:
+    """Whether Q4_K and Q6_K blocks are rearranged by the C repacker (a 1.5B model's view in well under a second,
+    against some 12 s of numpy), so that a stored model's view is made at each start rather than cached."""
+    return isinstance(repacker(), Library)
 
 
 class GgufWeights:

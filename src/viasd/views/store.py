@@ -45,7 +45,7 @@ from viasd.cache import cache_folder
 from viasd.fileio import write_atomic
 from viasd.kernels import w4a8, w6a8, w8a8
 from viasd.models.fingerprint import model_fingerprint
-from viasd.models.stored import has_dense_weights, weight_dtype
+from viasd.models.stored import FileLinear, has_dense_weights, weight_dtype
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
@@ -269,6 +269,17 @@ def _store(path: Path, data: Callable[[], Iterable[Any]], log: Callable[[str], N
         (path.parent.parent / path.name).unlink(missing_ok=True)
 
 
+def _repacked_at_start(model: nn.Module, recipe: QuantRecipe) -> bool:
+    """Whether the `gguf` view of a stored model (models/stored.py) is made from its file at every start: the C
+    repacker is built and takes the block type of every layer the view quantizes."""
+    from viasd.views.gguf import REPACKED_TYPES, fast_repacking
+
+    layers = [linear for name, linear in quantizable(model).items() if not recipe.keeps(name)]
+    if not layers or not all(isinstance(linear, FileLinear) for linear in layers):
+        return False
+    return all(linear.file_tensor.kind in REPACKED_TYPES for linear in layers) and fast_repacking()
+
+
 def cached_quantize(
     model: nn.Module,
     recipe: QuantRecipe,
@@ -281,6 +292,12 @@ def cached_quantize(
     sequences from `sequences()` when the recipe smooths, the source GGUF file's blocks from `gguf()` when it
     takes them over) and cached where the cache can be written."""
     path = cache_path(model, recipe, root)
+    if recipe.gguf and _repacked_at_start(model, recipe):
+        # The file is the cache: its blocks are rearranged in memory at each start (kernels/repack.c), faster than
+        # an earlier cached copy is read. One an earlier viasd wrote is removed: it doubled the file on disk.
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        return quantize(model, recipe)
     device = next(model.parameters()).device
     out = _read_cached(path, model, recipe, log)
     if out is not None:
