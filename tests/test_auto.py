@@ -121,7 +121,8 @@ def test_a_near_tie_is_settled_by_the_runoff_once_and_an_older_cached_probe_gets
 
 
 def test_auto_leaves_out_a_drafter_of_another_tokenizer():
-    assert "sd" not in auto.candidates(False) and "sd" in auto.candidates(True)
+    assert "sd" not in auto.candidates(False) and "sd:drafter_quant=int4" in auto.candidates(True)
+    assert "sd" in auto.candidates(True, quantize=False)  # on a GPU the drafter runs as loaded
     assert auto.candidates(False)[0] == "plain"
 
 
@@ -134,6 +135,10 @@ def test_auto_drafts_with_int4a8_views_only_where_their_kernel_runs():
     # A target converted from a GGUF file with 4-bit blocks drafts for itself with those blocks.
     assert "self:drafter_quant=gguf" in auto.candidates(True, int4a8=True, gguf=True)
     assert "self:drafter_quant=gguf" not in auto.candidates(True, int4a8=False, gguf=True)
+    # A drafter from such a file drafts with its own blocks, and never as a dense copy made for the probe.
+    from_file = auto.candidates(True, int4a8=True, drafter_gguf=True)
+    assert "sd:drafter_quant=gguf" in from_file and "sd:drafter=hybrid:drafter_quant=gguf" in from_file
+    assert "sd" not in from_file and "sd" not in fast
 
 
 def test_a_default_drafter_of_another_tokenizer_is_refused_before_any_fetch(monkeypatch):

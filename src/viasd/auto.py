@@ -70,19 +70,24 @@ def candidates(
     gguf: bool = False,
     quantized_target: bool = False,
     head: bool = False,
+    drafter_gguf: bool = False,
 ) -> list[str]:
     """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits. Quantized
     drafters are int4a8 views where viasd's int4a8 kernel runs (`int4a8_is_fast`), else int4 (the drafter's)
     and int8 (the target's own); the target drafts for itself with its `gguf` view where that runs on the kernel
     and its GGUF file has blocks a kernel takes (`gguf`: a better guesser than int4a8 at about its cost). A target
     that runs as a quantized view itself (--quant) drafts for itself with its own layers skipped. A target with a
-    draft head (`head`) drafts with it, alone and after prompt lookup; those need no drafter model."""
+    draft head (`head`) drafts with it, alone and after prompt lookup; those need no drafter model. A drafter whose
+    GGUF file has such blocks (`drafter_gguf`) drafts with them too, and where drafters are quantized none drafts
+    as its dense copy: slower than its views on a CPU, and a copy in memory the probe would make for nothing."""
     names = ["plain", "lookup"]
     small, own = ("int4a8", "gguf" if gguf else "int4a8") if int4a8 else ("int4", "int8")
+    if int4a8 and drafter_gguf:
+        small = "gguf"
     if quantize:
         names.append("self" if quantized_target else f"self:drafter_quant={own}")
     if drafter_fits is not False:
-        names += ["sd", f"sd:drafter_quant={small}", f"sd:drafter=hybrid:drafter_quant={small}"] if quantize else ["sd"]
+        names += [f"sd:drafter_quant={small}", f"sd:drafter=hybrid:drafter_quant={small}"] if quantize else ["sd"]
     if head:
         names += ["sd:drafter=head", "sd:drafter=lookup+head"]
     return names

@@ -410,10 +410,10 @@ def _self(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.views.view import View
 
     target = parts.target
-    own = _target_view(parts, spec)
-    view = parts.quantized(target, _drafter_recipe(parts, spec)) or View(
-        mask=parts.self_mask(), linears=own.linears if own is not None else None
-    )
+    own, recipe = _target_view(parts, spec), _drafter_recipe(parts, spec)
+    # Layers skipped of the view the target runs as: a target run from its file's blocks needs no dense copy for it.
+    view = parts.quantized(target, recipe) if recipe is not None else None
+    view = view or View(mask=parts.self_mask(), linears=own.linears if own is not None else None)
     drafter = ModelDrafter(target.model, view, name="self")
     return _speculative(parts, spec, drafter, _stop(spec, 0.0))  # stop not measured for self: off unless asked
 
@@ -484,7 +484,9 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     except ViasdError:
         head = None  # no head for this target: its methods are not candidates
     gguf = fast and has_own_blocks(target.name, target.path)
-    names = candidates(fits, int4a8=fast, gguf=gguf, quantized_target=quantized_target, head=head is not None)
+    drafter_gguf = fast and fits is not False and has_own_blocks(parts.spec.drafter, parts.spec.drafter)
+    names = candidates(fits, int4a8=fast, gguf=gguf, quantized_target=quantized_target, head=head is not None,
+                       drafter_gguf=drafter_gguf)  # fmt: skip
     if fits is False:
         print(
             f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "
