@@ -182,7 +182,7 @@ def test_blocks_converted_a_chunk_of_rows_at_a_time_are_the_whole_tensors_conver
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
 @pytest.mark.parametrize("rows", [16, 72, 1])
 def test_the_c_repacker_lays_out_blocks_as_the_numpy_conversion_does(kind: str, rows: int):
     from viasd.views import gguf as view_gguf
@@ -205,7 +205,7 @@ def test_a_stored_models_gguf_view_is_made_from_its_file_not_cached(tmp_path: Pa
     if not view_gguf.fast_repacking():
         pytest.skip(str(view_gguf.repacker()))
     model = tiny_model("qwen2", hidden=256, layers=2, vocab_size=96, dtype=torch.float32)
-    # Q4_K and Q6_K only: every layer is one the repacker takes (256-wide rows, no Q8_0 but the embedding).
+    # Q4_K, Q6_K and Q8_0: every layer is one the repacker takes.
     write_gguf(model, tmp_path / "model.gguf", "qwen2")
     stored = build(GgufFile(tmp_path / "model.gguf"), model.config, torch.float32)
     recipe = QuantRecipe.parse("gguf")

@@ -42,7 +42,7 @@ from viasd.kernels.switch import OFF, switched_off
 
 HEADER = "viasd_kernels.h"  # the interface: what cffi reads
 SOURCES = ("lowbit.c", "w4a8.c", "w6a8.c", "w8a8.c", "bf16.c", "bf16_native.c", "attention.c", "fused_layers.c",
-           "repack.c")
+           "repack.c")  # fmt: skip
 HEADERS = (HEADER, "lowbit.h", "bf16_vectors.h")
 COMMON_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-Wno-psabi")
 BUILD_SECONDS = 180  # a compiler that takes longer is stuck (the build takes a few seconds)

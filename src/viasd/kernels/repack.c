@@ -1,5 +1,5 @@
-/* A GGUF file's Q4_K and Q6_K blocks rearranged into the tiles of viasd's 4- and 6-bit kernels (w4a8.c, w6a8.c),
- * the same numbers: what views/gguf.py's numpy converters compute, at memory speed, so that a model's view is made
+/* A GGUF file's Q4_K, Q6_K, Q8_0 and Q5_0 blocks rearranged into the tiles of viasd's 4-, 6- and 8-bit kernels
+ * (w4a8.c, w6a8.c, w8a8.c), the same numbers: what views/gguf.py's numpy converters compute, at memory speed, so that a model's view is made
  * from its file at each start instead of being kept in the cache as a second copy of the file.
  *
  * Each output tile (16 rows) is written by one thread from the 16 rows of blocks it covers; rows past the tensor's
@@ -15,6 +15,9 @@
 #define SUPER VIASD_SUPER
 #define Q4K_BYTES 144
 #define Q6K_BYTES 210
+#define SMALL 32 /* weights per Q8_0 or Q5_0 block */
+#define Q8_0_BYTES 34
+#define Q5_0_BYTES 22
 
 static float half_to_float(const uint8_t *bytes) {
     uint16_t bits;
@@ -132,4 +135,61 @@ int q6k_repack(const uint8_t *blocks, int64_t rows, int64_t columns, uint8_t *lo
             q6k_row(blocks + (t * TILE + i) * row_bytes, columns, lo, hi, s, dd, i);
     }
     return VIASD_OK;
+}
+
+/* One row's codes and scales of Q8_0 (fp16 d, 32 int8 codes: weight = d * code) or Q5_0 (fp16 d, 4 bytes of fifth
+ * bits, bit j of the little-endian word for weight j, 16 bytes of low nibbles, byte j weights j and j + 16:
+ * weight = d * (code - 16)) blocks, as w8a8's tile holds them: quad o of row i is the 4-byte lane of inputs
+ * 4o..4o+3, a float32 scale d and minimum 0 per 32 inputs. */
+static void small_row(int five, const uint8_t *row, int64_t columns, int8_t *codes, float *scale, float *low,
+                      int64_t i) {
+    const int64_t bytes = five ? Q5_0_BYTES : Q8_0_BYTES;
+    for (int64_t b = 0; b < columns / SMALL; b++) {
+        const uint8_t *block = row + b * bytes;
+        int8_t values[SMALL];
+        if (five) {
+            uint32_t high;
+            memcpy(&high, block + 2, 4);
+            for (int j = 0; j < 16; j++) {
+                values[j] = (int8_t)(((block[6 + j] & 15) | ((high >> j) & 1) << 4) - 16);
+                values[j + 16] = (int8_t)(((block[6 + j] >> 4) | ((high >> (j + 16)) & 1) << 4) - 16);
+            }
+        } else {
+            memcpy(values, block + 2, SMALL);
+        }
+        for (int q = 0; q < SMALL / 4; q++)
+            memcpy(codes + ((b * SMALL / 4 + q) * TILE + i) * 4, values + 4 * q, 4);
+        scale[b * TILE + i] = half_to_float(block);
+        low[b * TILE + i] = 0.0f;
+    }
+}
+
+static int small_repack(int five, const uint8_t *blocks, int64_t rows, int64_t columns, int8_t *codes, float *scale,
+                        float *low, int threads) {
+    if (rows <= 0 || columns <= 0 || columns % SMALL) return VIASD_BAD_SHAPE;
+    const int64_t tiles = (rows + TILE - 1) / TILE, row_bytes = columns / SMALL * (five ? Q5_0_BYTES : Q8_0_BYTES);
+    const int64_t tile_codes = columns * TILE, tile_groups = columns / SMALL * TILE;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int8_t *c = codes + t * tile_codes;
+        float *s = scale + t * tile_groups, *l = low + t * tile_groups;
+        if ((t + 1) * TILE > rows) {
+            memset(c, 0, (size_t)tile_codes);
+            memset(s, 0, (size_t)tile_groups * 4);
+            memset(l, 0, (size_t)tile_groups * 4);
+        }
+        for (int64_t i = 0; i < TILE && t * TILE + i < rows; i++)
+            small_row(five, blocks + (t * TILE + i) * row_bytes, columns, c, s, l, i);
+    }
+    return VIASD_OK;
+}
+
+int q8_0_repack(const uint8_t *blocks, int64_t rows, int64_t columns, int8_t *codes, float *scale, float *low,
+                int threads) {
+    return small_repack(0, blocks, rows, columns, codes, scale, low, threads);
+}
+
+int q5_0_repack(const uint8_t *blocks, int64_t rows, int64_t columns, int8_t *codes, float *scale, float *low,
+                int threads) {
+    return small_repack(1, blocks, rows, columns, codes, scale, low, threads);
 }

@@ -83,12 +83,17 @@ int w6a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const uint8_t 
 int w8a8_linear(const void *x, int bf16, int64_t rows, int64_t k, const int8_t *codes, const float *scale,
                 const float *low, int64_t n, const float *bias, void *out, int threads);
 
-/* A GGUF tensor's Q4_K blocks [rows][columns / 256 * 144 bytes] as w4a8's tiles (packed, scale, low), and its Q6_K
- * blocks [rows][columns / 256 * 210 bytes] as w6a8's (low, high, sub, d): the same numbers, rearranged (repack.c). */
+/* A GGUF tensor's blocks [rows][bytes] in the tiles of the kernel that takes them, the same numbers rearranged
+ * (repack.c): Q4_K as w4a8's (packed, scale, low), Q6_K as w6a8's (low, high, sub, d), Q8_0 and Q5_0 as w8a8's
+ * (codes, scale, low). */
 int q4k_repack(const uint8_t *blocks, int64_t rows, int64_t columns, uint8_t *packed, uint16_t *scale, uint16_t *low,
                int threads);
 int q6k_repack(const uint8_t *blocks, int64_t rows, int64_t columns, uint8_t *low, uint8_t *high, int8_t *sub,
                uint16_t *d, int threads);
+int q8_0_repack(const uint8_t *blocks, int64_t rows, int64_t columns, int8_t *codes, float *scale, float *low,
+                int threads);
+int q5_0_repack(const uint8_t *blocks, int64_t rows, int64_t columns, int8_t *codes, float *scale, float *low,
+                int threads);
 
 /* bf16 weights x float32 activations, float32 out, for CPUs without bf16 matrix instructions (bf16.c). */
 int bf16_linear(const float *x, int64_t rows, int64_t k, const uint16_t *w, int64_t n, float *out, int threads);
