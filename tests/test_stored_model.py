@@ -221,3 +221,26 @@ def test_a_stored_models_gguf_view_is_made_from_its_file_not_cached(tmp_path: Pa
     for name, module in made.modules.items():
         for (key, mine), theirs in zip(module.named_buffers(), again.modules[name].buffers(), strict=True):
             assert torch.equal(mine, theirs), f"{name}/{key}"
+
+
+def test_a_file_whose_view_does_not_fit_the_free_memory_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from viasd.models import memory
+    from viasd.models.loading import load_model
+    from viasd.models.stored import view_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n")
+    assert memory.available_bytes(meminfo) == 2048 * 1024
+    assert memory.available_bytes(tmp_path / "missing") is None  # no such file: nothing known, nothing refused
+    assert memory.too_large(10, None) is None and memory.too_large(10, 10) is None
+    dense = tiny_model("qwen2", hidden=256, layers=2, vocab_size=96, dtype=torch.float32)
+    write_gguf(dense, tmp_path / "model.gguf", "qwen2")
+    needed = view_bytes(GgufFile(tmp_path / "model.gguf"))
+    assert needed > 0
+    monkeypatch.setattr(memory, "available_bytes", lambda: needed - 1)
+    with pytest.raises(ViasdError) as refused:
+        load_model(str(tmp_path / "model.gguf"))
+    message = str(refused.value)
+    assert "\n" not in message and "GB available" in message and "model.gguf" in message

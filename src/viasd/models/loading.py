@@ -135,7 +135,8 @@ def _stored(
     from transformers import AutoConfig, AutoTokenizer
 
     from viasd.models.gguf_file import GgufError, GgufFile
-    from viasd.models.stored import build, why_not_stored
+    from viasd.models.memory import available_bytes, too_large
+    from viasd.models.stored import build, view_bytes, why_not_stored
 
     try:
         file = GgufFile(path)
@@ -145,6 +146,9 @@ def _stored(
     if why is not None:
         print(f"{path.name}: loading its dense copy ({why})", file=sys.stderr)
         return None
+    too_big = too_large(view_bytes(file), available_bytes())
+    if too_big is not None:
+        raise ViasdError(f"cannot load model from {path}: {too_big}")
     directory = description()
     config = _guarded(str(path), lambda: AutoConfig.from_pretrained(str(directory)))
     model = _guarded(str(path), lambda: build(file, config, dtype, device))
