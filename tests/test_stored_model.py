@@ -244,3 +244,15 @@ def test_a_file_whose_view_does_not_fit_the_free_memory_is_refused_in_one_line(
         load_model(str(tmp_path / "model.gguf"))
     message = str(refused.value)
     assert "\n" not in message and "GB available" in message and "model.gguf" in message
+
+
+def test_a_recipe_made_from_dense_weights_takes_a_stored_model_one_layer_at_a_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    dense, stored = pair(tmp_path, "qwen2", dtype=torch.bfloat16)
+    recipe = QuantRecipe.parse("int4a8")
+    from_stored, from_dense = quantize(stored, recipe), quantize(dense, recipe)
+    assert is_stored(stored) and "dense" not in capsys.readouterr().err  # the model never held its dense copy
+    for name, module in from_dense.modules.items():
+        for mine, theirs in zip(from_stored.modules[name].buffers(), module.buffers(), strict=True):
+            assert torch.equal(mine, theirs), name

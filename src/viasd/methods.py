@@ -472,7 +472,7 @@ def _llama_server(parts: Parts, spec: MethodSpec) -> Decoder:
 def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
     from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
-    from viasd.views.gguf import has_own_blocks
+    from viasd.views.gguf import has_own_blocks, source_gguf
 
     fits = parts.drafter_fits()
     target = parts.target
@@ -484,7 +484,10 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     except ViasdError:
         head = None  # no head for this target: its methods are not candidates
     gguf = fast and has_own_blocks(target.name, target.path)
-    drafter_gguf = fast and fits is not False and has_own_blocks(parts.spec.drafter, parts.spec.drafter)
+    # The probe loads the drafter where it fits: a default drafter's file is fetched now, so its blocks are known.
+    drafter = parts.spec.drafter
+    drafter_gguf = fast and fits is not False and source_gguf(drafter, drafter) is not None
+    drafter_gguf = drafter_gguf and has_own_blocks(drafter, drafter)
     names = candidates(fits, int4a8=fast, gguf=gguf, quantized_target=quantized_target, head=head is not None,
                        drafter_gguf=drafter_gguf)  # fmt: skip
     if fits is False:

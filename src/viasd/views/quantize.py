@@ -129,8 +129,8 @@ def quantize(
     recipe takes the blocks of `gguf`, the file the model was converted from, where it stores them in a type one of
     viasd's kernels takes (views/gguf.py), and makes the other layers int8 weight-only."""
     stored = any(isinstance(module, FileLinear) for module in quantizable(model).values())
-    if stored and not recipe.gguf:
-        densify(model, f"quantization {recipe.name} is made from the dense weights")
+    if stored and recipe.smooth:
+        densify(model, f"quantization {recipe.name} smooths by the dense model's activations")
     if recipe.gguf and gguf is None and not stored:
         raise ViasdError("quantization gguf takes the blocks of the GGUF file the model came from: it has none")
     names = [name for name in quantizable(model) if not recipe.keeps(name)]
@@ -147,6 +147,10 @@ def quantize(
         for name in names:
             linear = layers[name]
             kind = recipe.kind_of(name)
+            if isinstance(linear, FileLinear) and not (kind == "int4a8" and recipe.gguf):
+                # A stored layer quantized from its dense weight: made for this layer alone and dropped after, so
+                # the model never holds its dense copy whole.
+                linear = dense_copy(linear)
             if kind == "int8":
                 smooth = smoothing(ranges[name], linear.weight, recipe.smooth) if name in ranges else None
                 out.modules[name] = Int8DynamicLinear.from_linear(linear, smooth)
