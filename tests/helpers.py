@@ -154,15 +154,18 @@ def q4k_but_q6k_values(name: str) -> str:
 
 
 def qwen2_with_gguf(
-    tmp_path: Path, dtype: torch.dtype = torch.float32, kind_of: Callable[[str], str] = q4k_but_q6k_values
+    tmp_path: Path,
+    dtype: torch.dtype = torch.float32,
+    kind_of: Callable[[str], str] = q4k_but_q6k_values,
+    layers: int = 2,
 ) -> tuple[torch.nn.Module, Path, set[str]]:
     """A tiny Qwen2 whose Linear weights are the dequantized blocks of a GGUF file written beside it, each layer in
     the GGML type `kind_of(name)` (by default Q4_K_M's mix), but float32 for the head. Also returns the names of the
     layers the file has blocks for."""
-    model = tiny_model("qwen2", hidden=256, layers=2, dtype=dtype)
+    model = tiny_model("qwen2", hidden=256, layers=layers, dtype=dtype)
     writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "qwen2")
-    writer.add_block_count(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    writer.add_block_count(layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, layers)
     in_blocks: set[str] = set()
     with torch.no_grad():
         for i, (name, linear) in enumerate(quantizable(model).items()):

@@ -670,3 +670,44 @@ def test_a_kinds_own_view_that_cannot_be_made_leaves_that_kind_exact(tmp_path, c
     err = capsys.readouterr().err
     assert "int4a8:gguf takes the blocks of the GGUF file" in err and "code requests are verified by the full" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_profile_calibrated_on_the_files_blocks_verifies_against_them(tmp_path):
+    """`calibrate --quant gguf`: the continuations, the mask search, the gate records and the costs are the target's
+    gguf view's, its slim view those blocks with layers skipped; `via` built from the profile verifies against that
+    view, so via-exact gives the tokens plain decoding gives over the file's blocks."""
+    from helpers import qwen2_with_gguf
+    from viasd.methods import parse_method
+    from viasd.views.gguf import GgufWeights
+    from viasd.views.quantize import quantize
+
+    model, path, _ = qwen2_with_gguf(tmp_path, layers=6)
+    target = LoadedModel(model=model, tokenizer=tiny_tokenizer(64), name="tiny-target", path=str(path))
+    drafter = loaded(tiny_model("qwen2", layers=2, seed=1, dtype=torch.float32), "tiny-drafter")
+    settings = CalibrationSettings(
+        skip_ratios=(0.34,), iterations=3, gammas=(2, 3), caps=(8,), prompts=2, search_prompts=1, held_out=0,
+        new_tokens=12, cost_repeats=1, random_masks=1, pregates=(0.0,), target_quant=QuantRecipe.parse("gguf"),
+    )  # fmt: skip
+
+    def quantized(loaded_model, recipe):
+        return quantize(loaded_model.model, recipe, gguf=GgufWeights(path) if recipe.gguf else None)
+
+    profile = calibrate_pair(target, drafter, settings, work_file=tmp_path / "p.work", quantized=quantized)
+    assert profile.target["quant"] == QuantRecipe.parse("gguf").name and profile.masks[0].skipped_layers
+    assert not profile.quant  # the slim view is the target's own view, layers skipped
+    saved = tmp_path / "p.gguf.json"
+    save_profile(profile, saved)
+    assert load_profile(saved).target_quant == QuantRecipe.parse("gguf")
+    engine = Engine(EngineSpec(target="tiny-target", profile=str(saved)), target=target, drafter=drafter)
+    via = engine.decoder("via")
+    full = via.session.base_view
+    assert full is not None and full.linears is not None and full.linears.from_file > 0
+    assert via.slims[0].linears is full.linears and via.slims[0].mask == profile.masks[0]
+    assert engine.target_as_run(parse_method("via")) == "gguf view of tiny.gguf"
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    prompt = [1, 5, 9, 13, 1, 5]
+    assert engine.generate(prompt, "via-exact", config).tokens == engine.generate(prompt, "plain", config).tokens
+    refused = Engine(EngineSpec(target="tiny-target", profile=str(saved), quant=QuantRecipe.parse("int8")),
+                     target=target, drafter=drafter)  # fmt: skip
+    with pytest.raises(ViasdError, match="calibrated on \\(its int4a8:gguf view\\): it takes no --quant int8"):
+        refused.decoder("via")

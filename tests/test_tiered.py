@@ -326,3 +326,30 @@ def test_a_task_kind_may_verify_on_slim_views_of_its_own():
         )
     with pytest.raises(ViasdError, match="without a policy of their own: maths"):
         TieredDecoder(target, tok, drafter, [LayerMask.full(4)], checked, kind_slims={"maths": [LayerMask.full(4)]})
+
+
+def test_over_a_quantized_view_of_the_target_via_verifies_against_that_view():
+    """`view` is the full target (a profile calibrated on the file's blocks verifies against them): exact mode gives
+    classic sd's tokens over the same view, and a slim tier that is the view itself, unskipped, is lossless with
+    respect to it."""
+    from viasd.views.quantize import quantize
+    from viasd.views.recipe import QuantRecipe
+    from viasd.views.view import View
+
+    target, tok, drafter = make("qwen2")
+    base = View(linears=quantize(target, QuantRecipe.parse("int8")))
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    sd = SpeculativeDecoder(target, tok, drafter, gamma=4, view=base).generate(PROMPT, config)
+    exact = TieredDecoder(
+        target, tok, drafter, [View(mask=LayerMask.skipping(4, [2]), linears=base.linears)],
+        RoundPolicy(Gate.exact(), gamma=4), view=base,
+    ).generate(PROMPT, config)  # fmt: skip
+    assert exact.tokens == sd.tokens and exact.stats.target_calls == sd.stats.target_calls
+    plain = PlainDecoder(target, tok, view=base).generate(PROMPT, config)
+    relaxed = TieredDecoder(
+        target, tok, drafter, [View(mask=LayerMask.full(4), linears=base.linears)],
+        RoundPolicy(Gate("kl", (-1.0, math.inf)), cap=8), view=base,
+    )  # fmt: skip
+    out = relaxed.generate(PROMPT, config)
+    assert out.tokens == plain.tokens and out.stats.tiers["slim"].decided > 0
+    assert relaxed.session.base_view == base

@@ -267,7 +267,12 @@ def methods() -> None:
     table = Table(title="decoding methods (variant: METHOD:key=value[:key=value])")
     for column in ("method", "what it is", "target it runs", "exact", "options"):
         table.add_column(column)
-    runs = {"view": "--quant (default: as its file stores it)", "dense": "as loaded (dense)", "file": "its GGUF file"}
+    runs = {
+        "view": "--quant (default: as its file stores it)",
+        "dense": "as loaded (dense)",
+        "profile": "as its routing profile was calibrated",
+        "file": "its GGUF file",
+    }
     for method in METHODS.values():
         exact, options = "yes" if method.exact else "no", ", ".join(method.options) or "-"
         table.add_row(method.name, escape(method.description), runs[method.target], exact, options)
@@ -275,8 +280,9 @@ def methods() -> None:
     Console().print(
         "Exact means exact with respect to the target as run. By default a target from a GGUF file (the default "
         "models, a .gguf --target) runs as the file stores it, its gguf view (the file's own quantized blocks); other "
-        "models run as loaded. --quant none (or quant=none in a variant) runs the dense bf16 copy instead; via, "
-        "via-exact and hf-assisted always run that copy. `generate --json` names the target as run (target_as_run).",
+        "models run as loaded. --quant none (or quant=none in a variant) runs the dense bf16 copy instead; via and "
+        "via-exact run the target their routing profile was calibrated on; hf-assisted always runs the dense copy. "
+        "`generate --json` names the target as run (target_as_run).",
         highlight=False,
     )
     for option in OPTIONS.values():

@@ -130,8 +130,9 @@ class Engine:
         return find_default_model(self.spec.target) is not None or str(self.target.path).lower().endswith(".gguf")
 
     def target_as_run(self, method: MethodSpec) -> str:
-        """Which target `method` runs, in words: the view of the target its settings choose, the dense copy (via,
-        hf-assisted), or the GGUF file itself (llama.cpp); what its exactness is with respect to."""
+        """Which target `method` runs, in words: the view of the target its settings choose, the one its routing
+        profile was calibrated on (via), the dense copy (hf-assisted), or the GGUF file itself (llama.cpp); what its
+        exactness is with respect to."""
         from viasd.models.catalog import find_default_model
 
         entry = find_default_model(self.spec.target)
@@ -142,7 +143,11 @@ class Engine:
             chosen = getattr(self.decoder(method), "choice", {}).get("chosen")
             if chosen:
                 return self.target_as_run(parse_method(chosen))
-        recipe = self.target_recipe(method.get("quant")) if method.method.target == "view" else None
+        recipe = None
+        if method.method.target == "view":
+            recipe = self.target_recipe(method.get("quant"))
+        elif method.method.target == "profile":  # via: the view its routing profile was calibrated on
+            recipe = self.routing_profile(method.get("profile")).target_quant
         dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
         if recipe is None:
@@ -197,15 +202,17 @@ class Engine:
 
     def default_profile(self) -> Path | None:
         """The shipped profile for the default pair that suits where the target runs (`default_profile_path`): the
-        int4a8 one on a CPU that viasd's kernels are built for, whether or not a compiler is there to build them
-        (without one its views run on torch ops, slowly, and say so), so that what `via` writes depends on the CPU
-        only."""
+        one calibrated on the file's blocks where the target runs as them, else the int4a8 one on a CPU that viasd's
+        kernels are built for, whether or not a compiler is there to build them (without one its views run on torch
+        ops, slowly, and say so), so that what `via` writes depends on the CPU only."""
         from viasd.kernels.build import BUILDS, Build, choose_build
         from viasd.kernels.cpu import cpu_flags
         from viasd.profile import default_profile_path
 
         on_cpu = next(self.target.model.parameters()).device.type == "cpu"
-        return default_profile_path(on_cpu and isinstance(choose_build(BUILDS, cpu_flags()), Build))
+        recipe = self.stored_recipe()
+        kernels = on_cpu and isinstance(choose_build(BUILDS, cpu_flags()), Build)
+        return default_profile_path(kernels, stored=recipe is not None and recipe.gguf)
 
     def gguf(self) -> Path:
         """The target's GGUF file: the verified file of a default model (assembled once), or the file it was

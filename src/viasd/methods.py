@@ -290,7 +290,8 @@ class Method:
     uses_drafter: bool = False
     exact: bool = True
     # Which target it runs: "view" (the target as --quant or its quant= says, by default as its file stores it),
-    # "dense" (the model as loaded, whatever the default: via's profiles are calibrated on it) or "file" (llama.cpp).
+    # "dense" (the model as loaded, whatever the default), "profile" (the view its routing profile was calibrated on:
+    # via's) or "file" (llama.cpp).
     target: str = "view"
     # Whether it applies min_p, the penalties, logit_bias and min_tokens (verify/penalties.py); else it refuses them.
     penalties: bool = True
@@ -508,15 +509,24 @@ def _auto(parts: Parts, spec: MethodSpec) -> Decoder:
     return AutoDecoder(parts.decoder(record["chosen"]), record, spec.name)
 
 
+def full_view(parts: Parts, profile: RoutingProfile) -> View | None:
+    """The view of the target that `profile` was calibrated on and `via` verifies against: its `target_quant` (the
+    file's blocks for a profile calibrated on them), else the target as loaded (None: its dense copy, made from the
+    file where the target is stored in one, with one line)."""
+    return parts.quantized(parts.target, profile.target_quant)
+
+
 def slim_views(parts: Parts, profile: RoutingProfile, kind: str | None = None) -> list[View]:
     """The target's slim views of `profile` for requests of task kind `kind`: each tier's layer mask, with the
-    quantized copies the kind's own entry names (else the profile's). A kind's gate was calibrated on these views,
-    so `via` and vLLM's cascade (viasd.vllm.cascade) both make them here."""
+    quantized copies the kind's own entry names (else the profile's; else the full view's own layers). A kind's
+    gate was calibrated on these views, so `via` and vLLM's cascade (viasd.vllm.cascade) both make them here."""
     from viasd.views.view import View
 
+    full = full_view(parts, profile)
     views = []
     for tier, mask in enumerate(profile.masks):
-        quantized = parts.quantized(parts.target, profile.slim_quant(tier, kind))
+        recipe = profile.slim_quant(tier, kind)
+        quantized = parts.quantized(parts.target, recipe) if recipe is not None else full
         views.append(View(mask=mask, linears=quantized.linears if quantized else None))
     return views
 
@@ -526,12 +536,14 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.tiered import TieredDecoder
     from viasd.verify.gates import Gate
 
-    if isinstance(parts.spec.quant, QuantRecipe):
-        raise ViasdError(
-            f"{spec.base} verifies against the target as loaded, its dense copy (its profile was calibrated on that): "
-            "it takes no --quant"
-        )
     profile = parts.routing_profile(spec.get("profile"))
+    calibrated = profile.target_quant
+    if isinstance(parts.spec.quant, QuantRecipe) and parts.spec.quant != calibrated:
+        on = f"its {calibrated.name} view" if calibrated else "as loaded, its dense copy"
+        raise ViasdError(
+            f"{spec.base} verifies against the target its routing profile was calibrated on ({on}): it takes no "
+            f"--quant {parts.spec.quant.name}"
+        )
     overrides = {
         "gamma": first_set(spec.get("gamma"), parts.spec.gamma),
         "cap": spec.get("cap"),
@@ -569,6 +581,7 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
         kinds,
         spec.get("kind"),
         kind_slims,
+        full_view(parts, profile),
     )
 
 
@@ -607,7 +620,7 @@ METHODS: dict[str, Method] = {
             ("gamma", "cap", "profile", "pregate", "kind", *DRAFTING_OPTIONS, "drafter_quant"),
             uses_drafter=True,
             exact=False,
-            target="dense",
+            target="profile",
         ),
         Method(
             "via-exact",
@@ -615,7 +628,7 @@ METHODS: dict[str, Method] = {
             _via,
             ("gamma", "cap", "profile", *DRAFTING_OPTIONS, "drafter_quant"),
             uses_drafter=True,
-            target="dense",
+            target="profile",
         ),
         Method(
             "hf-assisted",

@@ -34,6 +34,9 @@ FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
 # The default pair's profile for CPUs where viasd's int4a8 kernel runs: int4a8 views as slim verifier and drafter.
 INT4A8_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.int4a8.json"
+# The default pair's profile calibrated on the target as its GGUF file stores it (`viasd calibrate --quant gguf`):
+# via verifies against the file's blocks, its slim verifier those blocks with layers skipped.
+GGUF_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.gguf.json"
 MAX_PROFILE_BYTES = 4 * 1024 * 1024  # the shipped profiles are 11-22 kB
 MAX_DEPTH = 32  # nesting of JSON objects and lists (the shipped profiles: 8)
 MAX_LAYERS = 4096  # decoder layers of a mask (a mask holds two flags per layer)
@@ -101,6 +104,12 @@ class RoutingProfile:
     def own_views(self) -> list[str]:
         """The task kinds whose slim views differ from the profile's own (their entry names a quantization)."""
         return [kind for kind, own in self.kinds.items() if "quant" in own]
+
+    @property
+    def target_quant(self) -> QuantRecipe | None:
+        """The view of the target the profile was calibrated on, which `via` verifies against (`gguf`: its file's
+        blocks), or None: the target as loaded, its dense copy (every profile before such views)."""
+        return _recipe(self.target.get("quant"))
 
     @property
     def drafter_quant(self) -> QuantRecipe | None:
@@ -408,7 +417,9 @@ def shipped_profile_path(name: str = DEFAULT_PROFILE) -> Path | None:
     return Path(str(candidate)) if candidate.is_file() else None
 
 
-def default_profile_path(int4a8: bool) -> Path | None:
-    """The shipped profile `via` uses unless told otherwise: the int4a8 one where that kernel runs (`int4a8`),
-    else the one whose views (int8 slim verifier, int4 drafter) run well on any x86 CPU."""
-    return (shipped_profile_path(INT4A8_PROFILE) if int4a8 else None) or shipped_profile_path()
+def default_profile_path(int4a8: bool, stored: bool = False) -> Path | None:
+    """The shipped profile `via` uses unless told otherwise: the one calibrated on the file's blocks where the target
+    runs as them (`stored`), else the int4a8 one where that kernel runs (`int4a8`), else the one whose views (int8
+    slim verifier, int4 drafter) run well on any x86 CPU."""
+    found = shipped_profile_path(GGUF_PROFILE) if stored else None
+    return found or (shipped_profile_path(INT4A8_PROFILE) if int4a8 else None) or shipped_profile_path()

@@ -88,9 +88,15 @@ class SlimCandidate:
 
     @classmethod
     def make(
-        cls, mask: LayerMask, recipe: QuantRecipe | None, target: LoadedModel, quantized: Quantizer
+        cls,
+        mask: LayerMask,
+        recipe: QuantRecipe | None,
+        target: LoadedModel,
+        quantized: Quantizer,
+        base: QuantizedLinears | None = None,
     ) -> SlimCandidate:
-        return cls(mask, recipe, View(mask=mask, linears=quantized(target, recipe) if recipe else None))
+        """The mask over `recipe`'s copies of the target, else over the target's view `base` (None: as loaded)."""
+        return cls(mask, recipe, View(mask=mask, linears=quantized(target, recipe) if recipe else base))
 
     def describe(self) -> dict[str, Any]:
         """The view as records keys and profiles name it (a bare mask as it always was)."""

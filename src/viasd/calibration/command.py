@@ -30,11 +30,12 @@ def _numbers(text: str, kind: type, option: str) -> tuple[Any, ...]:
     return values
 
 
-def _default_output(drafter: str, target: str) -> Path:
+def _default_output(drafter: str, target: str, quant: str | None = None) -> Path:
     def stem(name: str) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(name).name.removesuffix(".gguf")).strip("-") or "model"
 
-    return Path(f"{stem(drafter)}__{stem(target)}.json")
+    view = f".{stem(quant)}" if quant else ""  # a profile calibrated on a view of the target: <pair>.gguf.json
+    return Path(f"{stem(drafter)}__{stem(target)}{view}.json")
 
 
 def calibrate(
@@ -96,6 +97,14 @@ def calibrate(
             "--skip-ratio", help="Skip ratio(s) to search, comma-separated; the fastest wins ('none': no layer masks)."
         ),
     ] = "0.18,0.21,0.25",
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            "--quant",
+            help="Calibrate on this view of the target, which via then verifies against (gguf: the file's own blocks, "
+            "its slim views those with layers skipped); default: the target as loaded.",
+        ),
+    ] = None,
     slim_quants: Annotated[
         str | None,
         typer.Option(
@@ -203,6 +212,7 @@ def calibrate(
         skip_ratios=() if skip_ratio.strip() == "none" else _numbers(skip_ratio, float, "--skip-ratio"),
         slim_quants=tuple(QuantRecipe.parse(part) for part in (slim_quants or "").split(",") if part.strip()),
         drafters=tuple(part.strip() for part in drafters.split(",") if part.strip()),
+        target_quant=QuantRecipe.parse(quant) if quant is not None else None,
         iterations=iterations,
         time_budget=time_budget,
         prompts=prompts,
@@ -215,7 +225,9 @@ def calibrate(
         **selection,
     )
     settings.check()
-    out = output or (reselect if reselect is not None and what_if else None) or _default_output(drafter, target)
+    if quant is not None and reselect is not None:
+        raise ViasdError("--quant with --reselect: a profile is reselected on the view it was calibrated on")
+    out = output or (reselect if reselect is not None and what_if else None) or _default_output(drafter, target, quant)
     work_file = out.with_name(out.name + ".work")  # JSON; not *.json, so package data globs skip it
     log = lambda text: err.print(f"[dim]{text}[/]", highlight=False, soft_wrap=True)  # noqa: E731
 

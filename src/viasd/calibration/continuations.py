@@ -14,6 +14,8 @@ from viasd.drafters.model_drafter import ModelDrafter
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.loading import LoadedModel
 from viasd.prompting import encode_prompt
+from viasd.views.quantize import QuantizedLinears
+from viasd.views.view import View
 
 Pairs = list[tuple[list[int], list[int]]]  # (prompt ids, the target's greedy continuation)
 
@@ -27,18 +29,24 @@ def continuations(
     resume: bool,
     progress: bool = False,
     stop_strings: tuple[str, ...] = (),
+    base: QuantizedLinears | None = None,
 ) -> Pairs:
     """(prompt ids, the target's greedy continuation) per prompt (a text, encoded as a chat turn, or prompt ids as
     they are), generated with exact SD for speed and kept in the work file (keyed by target, dtype, length and
     prompts) for `--resume` and `--reselect`. A continuation ends early at one of `stop_strings` (where the
-    benchmark stops the task too)."""
+    benchmark stops the task too). `base`: the target's view to continue with (None: as loaded)."""
     param = next(target.model.parameters())
     stops = [list(stop_strings)] if stop_strings else []  # keys of runs without stops stay as they were
-    key = work_key("continuations", model_fingerprint(target.model), str(param.dtype), new_tokens, list(texts), *stops)
+    on = [base.recipe.name] if base is not None else []  # keys of the target as loaded stay as they were
+    key = work_key(
+        "continuations", model_fingerprint(target.model), str(param.dtype), new_tokens, list(texts), *stops, *on
+    )
     cached = work.get(key) if resume else None
     if isinstance(cached, list):
         return [(list(p), list(c)) for p, c in cached]
-    decoder = SpeculativeDecoder(target.model, target.tokenizer, ModelDrafter(drafter.model, name="small"), gamma=4)
+    drafts = ModelDrafter(drafter.model, name="small")
+    view = View(linears=base) if base is not None else None
+    decoder = SpeculativeDecoder(target.model, target.tokenizer, drafts, gamma=4, view=view)
     pairs: Pairs = []
     for text in steps(texts, "continuations", progress):
         ids = encode_prompt(target.tokenizer, text) if isinstance(text, str) else list(text)
@@ -49,6 +57,8 @@ def continuations(
     return pairs
 
 
-def teacher_sequences(target: LoadedModel, pairs: Pairs) -> list[TeacherSequence]:
-    """The target's teacher-forced pass over each (prompt, continuation), scored from the continuation on."""
-    return [teacher_force(target.model, prompt + cont, len(prompt)) for prompt, cont in pairs]
+def teacher_sequences(target: LoadedModel, pairs: Pairs, base: QuantizedLinears | None = None) -> list[TeacherSequence]:
+    """The target's (as its view `base`, else as loaded) teacher-forced pass over each (prompt, continuation),
+    scored from the continuation on."""
+    view = View(linears=base) if base is not None else None
+    return [teacher_force(target.model, prompt + cont, len(prompt), view) for prompt, cont in pairs]

@@ -266,10 +266,12 @@ def measure_costs(
     prefix: int = 100,
     repeats: int = 5,
     seed: int = 0,
+    full_view: ViewLike = None,
 ) -> CostTable:
     """Time drafter steps, full passes and slim-view passes over L new tokens after `prefix` tokens of `tokens`.
 
-    The slim pass runs as in decoding: on the full target's session, attending to its KV of the prefix.
+    The full target is `target` as `full_view` (None: as loaded). The slim pass runs as in decoding: on the full
+    target's session, attending to its KV of the prefix.
     `drafter` is one model (kind `drafter`) or named candidates, each a model and the view it drafts as
     (kinds `drafter:<name>`).
     """
@@ -280,7 +282,7 @@ def measure_costs(
     if len(tokens) < need:
         tokens = (list(tokens) * (need // max(len(tokens), 1) + 1))[:need]
     head, tail = list(tokens[:prefix]), list(tokens[prefix:need])
-    full = PassTimer(target, head, tail)
+    full = PassTimer(target, head, tail, full_view)
     candidates = (
         {"drafter": (drafter, None)}
         if isinstance(drafter, nn.Module)

@@ -29,6 +29,7 @@ from viasd.errors import ViasdError
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.loading import LoadedModel
 from viasd.views.layer_skip import LayerMask, layers_to_skip, num_decoder_layers, spread_mask
+from viasd.views.quantize import QuantizedLinears
 
 Searched = list[tuple[SearchResult, list[tuple[LayerMask, Scores]]]]  # per skip count: the search, random masks
 
@@ -43,16 +44,19 @@ def search_masks(
     resume: bool,
     log: Log,
     progress: bool,
+    base: QuantizedLinears | None = None,
 ) -> tuple[Searched, dict[str, Any]]:
     """The mask search of every skip count (with random masks of each for comparison), smallest count first,
-    and what the profile records of it; nothing when there are no skip ratios."""
+    and what the profile records of it; nothing when there are no skip ratios. `base`: the target's view the
+    sequences were made with (its layers skipped by each mask), None: the target as loaded."""
     if not settings.skip_ratios:
         return [], {}
     model = target.model
     num_layers = num_decoder_layers(model)
     search_seqs = sequences[: max(1, settings.search_prompts)]
-    evaluate = mask_evaluator(model, search_seqs, settings.chunk, settings.margin)
-    key = study_key(model_fingerprint(model), search_seqs, settings)
+    evaluate = mask_evaluator(model, search_seqs, settings.chunk, settings.margin, base)
+    fingerprint = model_fingerprint(model) + (f"+{base.recipe.name}" if base is not None else "")
+    key = study_key(fingerprint, search_seqs, settings)
     preference: list[float] | None = None
     if settings.preference:
         preference = cached_preference(evaluate, num_layers, settings.objective, key, work, resume, log)
@@ -99,7 +103,7 @@ def search_masks(
             f"agreement {result.scores.mean('agreement'):.3f}; random masks: "
             f"{baseline_info(baseline, settings.objective)['mean_value']:.4f}"
         )
-    held = held_out(target, drafter, [result.mask for result, _ in searched], settings, work, resume, log)
+    held = held_out(target, drafter, [result.mask for result, _ in searched], settings, work, resume, log, base)
     first, first_baseline = searched[0]
     info = {
         **first.info(),
@@ -127,17 +131,19 @@ def held_out(
     work: WorkFile,
     resume: bool,
     log: Log,
+    base: QuantizedLinears | None = None,
 ) -> dict[str, Any]:
     """The searched masks against random ones on held-out prompts (the search never saw them)."""
     held_texts = [text for _, text in HELD_OUT_PROMPTS[: settings.held_out]]
     if not held_texts:
         return {}
     log(f"checking the masks on {len(held_texts)} held-out prompts against random masks")
-    held_seqs = teacher_sequences(target, continuations(target, drafter, held_texts, settings.new_tokens, work, resume))
+    pairs = continuations(target, drafter, held_texts, settings.new_tokens, work, resume, base=base)
+    held_seqs = teacher_sequences(target, pairs, base)
     if not held_seqs:
         return {}
     num_layers = num_decoder_layers(target.model)
-    held_eval = mask_evaluator(target.model, held_seqs, settings.chunk, settings.margin)
+    held_eval = mask_evaluator(target.model, held_seqs, settings.chunk, settings.margin, base)
     out: dict[str, Any] = {"prompts": held_texts, "positions": sum(s.scored for s in held_seqs), "masks": []}
     for mask in masks:
         count = len(mask.skipped_layers)

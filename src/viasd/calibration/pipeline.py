@@ -34,6 +34,7 @@ from viasd.models.fingerprint import model_fingerprint
 from viasd.models.loading import LoadedModel
 from viasd.profile import RoutingProfile
 from viasd.views.layer_skip import LayerMask, num_decoder_layers
+from viasd.views.view import View
 
 
 def calibrate_pair(
@@ -62,18 +63,24 @@ def calibrate_pair(
     num_layers = num_decoder_layers(model)
     fingerprint = model_fingerprint(model)
     texts = [text for _, text in CALIBRATION_PROMPTS[: settings.prompts]]
+    # The full target as calibrated: its view by settings.target_quant (the file's blocks), else as loaded.
+    base = quantized(target, settings.target_quant) if settings.target_quant is not None else None
+    on = f" ({settings.target_quant.name} view)" if settings.target_quant is not None else ""
 
     reuse = " (reused from the work file when it has them)" if resume else ""
-    log(f"generating the target's greedy continuations of {len(texts)} calibration prompts{reuse}")
-    pairs = continuations(target, drafter, texts, settings.new_tokens, work, resume, progress)
+    log(f"generating the target's{on} greedy continuations of {len(texts)} calibration prompts{reuse}")
+    pairs = continuations(target, drafter, texts, settings.new_tokens, work, resume, progress, base=base)
     if not pairs:
         raise ViasdError("calibration: the target produced no continuation for any calibration prompt")
-    sequences = teacher_sequences(target, pairs)
+    sequences = teacher_sequences(target, pairs, base)
     log(f"calibration tokens: {sum(s.scored for s in sequences)} scored positions in {len(sequences)} sequences")
-    searched, search_info = search_masks(target, drafter, sequences, settings, storage, work, resume, log, progress)
+    searched, search_info = search_masks(
+        target, drafter, sequences, settings, storage, work, resume, log, progress, base
+    )
 
-    # The candidates: every searched mask, and each quantized view alone and on the smallest searched mask.
-    slims = [SlimCandidate.make(result.mask, None, target, quantized) for result, _ in searched]
+    # The candidates: every searched mask (over the target as calibrated), and each quantized view alone and on the
+    # smallest searched mask.
+    slims = [SlimCandidate.make(result.mask, None, target, quantized, base) for result, _ in searched]
     for recipe in settings.slim_quants:
         slims.append(SlimCandidate.make(LayerMask.full(num_layers), recipe, target, quantized))
         if searched:
@@ -99,6 +106,7 @@ def calibrate_pair(
         prefix=min(100, max(len(longest.ids) - 1, 1)),
         repeats=settings.cost_repeats,
         seed=settings.seed,
+        full_view=View(linears=base) if base is not None else None,
     )
 
     log("replaying rounds to pick the slim view, drafter, gate thresholds, gamma, cap, pre-gate and stop threshold")
@@ -113,8 +121,9 @@ def calibrate_pair(
     best = max(selections, key=lambda pair: selections[pair].prediction.tokens_per_second)
     source, slim, selection = sources[best[0]], slims[best[1]], selections[best]
 
+    calibrated_on = {"quant": settings.target_quant.name} if settings.target_quant is not None else {}
     profile = RoutingProfile(
-        target={"name": target.name, "fingerprint": fingerprint},
+        target={"name": target.name, "fingerprint": fingerprint, **calibrated_on},
         drafter=source.profile_entry(),
         masks=[slim.mask],
         quant=[slim.recipe] if slim.recipe else [],

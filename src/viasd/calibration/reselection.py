@@ -20,7 +20,9 @@ from viasd.calibration.workfile import WorkFile
 from viasd.errors import ViasdError
 from viasd.models.loading import LoadedModel
 from viasd.profile import RoutingProfile
+from viasd.views.quantize import QuantizedLinears
 from viasd.views.recipe import QuantRecipe
+from viasd.views.view import View
 
 
 def profile_prompts(profile: RoutingProfile) -> tuple[list[str], int]:
@@ -45,8 +47,15 @@ def profile_data(
     from the work file, where an earlier run left them), and the prompt length of each sequence."""
     texts, new_tokens = profile_prompts(profile)
     log(f"regenerating the gate records: the target's continuations of {len(texts)} prompts, teacher-forced")
-    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress)
+    base = calibrated_view(profile, target, quantized)
+    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress, base=base)
     return records_of(profile, target, drafter, pairs, work, progress, quantized), [len(prompt) for prompt, _ in pairs]
+
+
+def calibrated_view(profile: RoutingProfile, target: LoadedModel, quantized: Quantizer) -> QuantizedLinears | None:
+    """The quantized layers of the view of the target `profile` was calibrated on (None: the target as loaded)."""
+    recipe = profile.target_quant
+    return quantized(target, recipe) if recipe is not None else None
 
 
 def records_of(
@@ -59,10 +68,11 @@ def records_of(
     quantized: Quantizer = quantize_plainly,
 ) -> list[GateRecords]:
     """The gate records of the profile's drafter and slim views along (prompt, the target's continuation) pairs."""
-    sequences = teacher_sequences(target, pairs)
+    base = calibrated_view(profile, target, quantized)
+    sequences = teacher_sequences(target, pairs, base)
     chunk = int(profile.search.get("chunk", 8))
     source = DraftSource.make(drafter_name(profile), target, drafter, quantized)
-    slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized) for i, m in enumerate(profile.masks)]
+    slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized, base) for i, m in enumerate(profile.masks)]
     return records_for(target, source, sequences, slims, chunk, work, True, progress)
 
 
@@ -121,7 +131,8 @@ def kind_costs(
     """The pass costs of `viewed`'s drafter, full target and slim view at the lengths of `table`, measured now in one
     interleaved run (as calibration measures them) along the longest of the kind's sequences."""
     source = DraftSource.make(drafter_name(viewed), target, drafter, quantized)
-    slim = SlimCandidate.make(viewed.masks[0], viewed.slim_quant(0), target, quantized)
+    base = calibrated_view(viewed, target, quantized)
+    slim = SlimCandidate.make(viewed.masks[0], viewed.slim_quant(0), target, quantized, base)
     longest = max((prompt + continuation for prompt, continuation in pairs), key=len)
     model = target.model
     return measure_costs(
@@ -133,6 +144,7 @@ def kind_costs(
         prefix=min(table.prefix or 100, max(len(longest) - 1, 1)),
         repeats=table.repeats or 5,
         seed=seed,
+        full_view=View(linears=base) if base is not None else None,
     )
 
 
@@ -175,7 +187,8 @@ def reselect_kind(
     stops = HUMANEVAL_STOP if kind == CODE else ()
     work = WorkFile(work_file)
     log(f"{kind}: the target's continuations of {source} ({settings.new_tokens} tokens at most), teacher-forced")
-    pairs = continuations(target, drafter, prompts, settings.new_tokens, work, True, progress, stops)
+    base = calibrated_view(profile, target, quantized)
+    pairs = continuations(target, drafter, prompts, settings.new_tokens, work, True, progress, stops, base)
     records = records_of(viewed, target, drafter, pairs, work, progress, quantized)
     own_costs = {}
     if slim_quant is not None:

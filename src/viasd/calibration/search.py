@@ -34,6 +34,8 @@ from viasd.calibration.objectives import DEFAULT_MARGIN, OBJECTIVES, Scores, sco
 from viasd.calibration.teacher import TeacherSequence, slim_logits
 from viasd.errors import ViasdError
 from viasd.views.layer_skip import LayerMask, random_mask
+from viasd.views.quantize import QuantizedLinears
+from viasd.views.view import View
 
 Evaluator = Callable[[LayerMask], Scores]
 SAMPLERS = ("tpe", "gp")
@@ -84,16 +86,22 @@ def scores_for(num_layers: int, skipped: Sequence[int], preference: Sequence[flo
 
 
 def mask_evaluator(
-    model: nn.Module, sequences: Sequence[TeacherSequence], chunk: int = 8, margin: float = DEFAULT_MARGIN
+    model: nn.Module,
+    sequences: Sequence[TeacherSequence],
+    chunk: int = 8,
+    margin: float = DEFAULT_MARGIN,
+    base: QuantizedLinears | None = None,
 ) -> Evaluator:
-    """Score a mask against the full target on teacher-forced sequences (one masked pass per sequence)."""
+    """Score a mask against the full target on teacher-forced sequences (one masked pass per sequence); `base`: the
+    quantized layers of the target's view the sequences were made with, which the masked passes run too."""
     if not sequences:
         raise ViasdError("mask search: no calibration sequences")
 
     def evaluate(mask: LayerMask) -> Scores:
         total = Scores()
         for seq in sequences:
-            total = total + score(slim_logits(model, mask, seq, chunk), seq.full_logits, margin)
+            view = View(mask=mask, linears=base)
+            total = total + score(slim_logits(model, view, seq, chunk), seq.full_logits, margin)
         return total
 
     return evaluate

@@ -45,6 +45,9 @@ class CalibrationSettings:
     # Drafter candidates: `model` (the drafter as loaded), `model:RECIPE` (its quantized view), `self:RECIPE`
     # (the target's own quantized view: no second model).
     drafters: tuple[str, ...] = ("model",)
+    # The view of the target to calibrate on, which `via` then verifies against (e.g. gguf: its file's blocks), its
+    # slim views that view with layers skipped; None: the target as loaded (its dense copy).
+    target_quant: QuantRecipe | None = None
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -70,13 +70,14 @@ def model_logits(model: nn.Module, ids: Sequence[int], start: int) -> torch.Tens
     return out.logits[0].float().cpu()
 
 
-def teacher_force(model: nn.Module, ids: Sequence[int], start: int) -> TeacherSequence:
-    """The full target's pass over `ids`: logits from `start` on, and the KV cache of every position."""
+def teacher_force(model: nn.Module, ids: Sequence[int], start: int, view: ViewLike = None) -> TeacherSequence:
+    """The full target's pass (as `view`, None: as loaded) over `ids`: logits from `start` on, and the KV cache of
+    every position."""
     if not 0 < start < len(ids):
         raise ViasdError(f"teacher forcing: start {start} must be inside the sequence (1..{len(ids) - 1})")
     cache = DynamicCache(config=model.config)
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
-    with torch.inference_mode():
+    with torch.inference_mode(), applied(model, view):
         out = model(
             input_ids=input_ids, use_cache=True, logits_to_keep=len(ids) - start, **cache_argument(model, cache)
         )

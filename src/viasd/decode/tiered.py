@@ -57,11 +57,13 @@ class TieredDecoder(Decoder):
         kinds: Mapping[str, RoundPolicy] | None = None,
         kind: str | None = None,
         kind_slims: Mapping[str, Sequence[ViewLike]] | None = None,
+        view: ViewLike = None,
     ) -> None:
         """`policy` routes every request, except those of a task kind in `kinds` (viasd.task_kind), which that
         kind's policy routes (on that kind's own slim views where `kind_slims` has them); `kind` fixes the kind of
-        every request (None: read from each prompt)."""
-        super().__init__(target, tokenizer)
+        every request (None: read from each prompt). `view` is the full target (None: the model as loaded); slim
+        views run on top of the cache it writes."""
+        super().__init__(target, tokenizer, as_view(view))
         self.profile = profile  # where the routing profile came from, for the record
         self.slims: list[View] = _slim_views(slims, policy)  # cheapest first
         self.kinds = dict(kinds or {})
@@ -75,7 +77,7 @@ class TieredDecoder(Decoder):
         self.drafter = drafter
         self.policy = policy
         self.kind = kind
-        self.session = KVSession(target)
+        self.session = KVSession(target, view)
         drafter.follow(self.session)
         if method:
             self.method = method
