@@ -209,3 +209,33 @@ def test_the_fused_stack_is_held_to_viasds_decoder_layer(monkeypatch, capsys):
     monkeypatch.setattr(fused_layers, "_disagreement", lambda: "disagree with viasd's decoder layer")
     assert not applies(model, view)
     assert "the fused layers disagree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_slim_view_that_skips_whole_layers_runs_fused_as_the_models_forward_runs_it(arch, monkeypatch):
+    """A slim verifier that is the 4-bit view with layers skipped (via's over a file's blocks) runs its short passes
+    as one C call that leaves those layers out: the logits and cache entries of the model's forward with the mask's
+    stand-ins, and no entry in a skipped layer's cache."""
+    model, view = int4a8_view(arch)
+    prepare(model)
+    layers = model.config.num_hidden_layers
+    slim = View(mask=LayerMask.skipping(layers, [1]), linears=view.linears)
+    assert not applies(
+        model, View(mask=LayerMask(tuple(i != 1 for i in range(layers)), (True,) * layers), linears=view.linears)
+    )  # fmt: skip  (attention alone skipped: not fused)
+    prompt = list(range(3, 23))
+    results = {}
+    for mode in ("on", "-fused"):
+        monkeypatch.setenv("VIASD_KERNELS", mode)
+        session = KVSession(model, view)
+        session.forward(prompt)
+        out = [session.forward_slim([5, 9, 11], slim, keep=3), session.forward_slim([7, 2], slim, keep=2)]
+        results[mode] = torch.cat(out), session
+    (fused, on), (model_path, off) = results["on"], results["-fused"]
+    assert on.routes == {"model": 1, "fused": 2} and off.routes == {"model": 3}  # (the prompt: the model's own)
+    # transformers' forward rounds otherwise than viasd's layers: 5% of the largest logit apart with no layer skipped.
+    assert (fused - model_path).abs().max() <= 0.06 * model_path.abs().max()
+    assert (fused.argmax(-1) == model_path.argmax(-1)).all()
+    for index, (a, b) in enumerate(zip(on.cache.layers, off.cache.layers, strict=True)):
+        assert a.get_seq_length() == b.get_seq_length() == (20 if index == 1 else 25)
+        assert (a.keys.float() - b.keys.float()).abs().max() <= 0.06 * b.keys.float().abs().max()

@@ -31,11 +31,19 @@ def test_a_low_bit_view_runs_fused_and_without_kernels_the_loop_uses_the_referen
 
 
 def test_what_the_loop_does_not_run_takes_the_models_forward():
-    for facts in (Facts(loop=False), Facts(loop=True, skips=True, fused=True)):  # not covered; a layer skipped
+    for facts in (Facts(loop=False), Facts(loop=True, skips=True)):  # not covered; a layer skipped, not fused
         assert decide(1, 1, facts) == Route(Kind.MODEL, (Leg(0, 1, 1, ALONE, Stack.MODEL),))
         batched = Facts(facts.loop, chunk=32, skips=facts.skips)
         assert decide(1, 1, batched) == Route(Kind.QUEUED, (Leg(0, 1, 1, QUEUED, Stack.MODEL),))
         assert decide(70, 1, batched).kind is Kind.QUEUED  # never chunked: the batcher cannot merge it
+
+
+def test_a_view_that_skips_whole_layers_runs_fused_but_never_merges():
+    skipping = Facts(loop=True, skips=True, fused=True)
+    assert decide(5, 5, skipping) == Route(Kind.FUSED, (Leg(0, 5, 5, ALONE, Stack.FUSED),))
+    batched = Facts(loop=True, chunk=32, skips=True, fused=True)
+    assert decide(5, 5, batched) == Route(Kind.QUEUED, (Leg(0, 5, 5, QUEUED, Stack.FUSED),))
+    assert decide(70, 1, batched) == Route(Kind.QUEUED, (Leg(0, 70, 1, QUEUED, Stack.MODEL),))
 
 
 def test_with_a_batcher_short_passes_merge_and_long_ones_go_in_chunks():

@@ -44,12 +44,22 @@ INPUTS_PER_COLUMN = {FOUR_BIT: 8, SIX_BIT: 8, EIGHT_BIT: 4}  # a product's input
 class Plan:
     """A model's layers as the kernel takes them, for the modules they had when it was made."""
 
-    def __init__(self, modules: tuple[nn.Module, ...], layers: Layers) -> None:
+    def __init__(self, modules: tuple[nn.Module, ...], described: Sequence[LayerWeights]) -> None:
         self.modules = tuple(weakref.ref(module) for module in modules)
-        self.layers = layers
+        self.described = tuple(described)
+        self.layers = Layers(described)
+        self._without: dict[tuple[int, ...], Layers] = {}
 
     def made_for(self, modules: tuple[nn.Module, ...]) -> bool:
         return len(self.modules) == len(modules) and all(r() is m for r, m in zip(self.modules, modules, strict=True))
+
+    def without(self, skipped: tuple[int, ...]) -> Layers:
+        """The layers but those numbered in `skipped` (a slim view that skips whole layers), made once per set."""
+        if not skipped:
+            return self.layers
+        if skipped not in self._without:
+            self._without[skipped] = Layers([w for i, w in enumerate(self.described) if i not in set(skipped)])
+        return self._without[skipped]
 
 
 def _product(module: nn.Module) -> Product | None:
@@ -149,7 +159,7 @@ def _make_plan(model: nn.Module, modules: tuple[nn.Module, ...]) -> Plan | None:
         described.append(LayerWeights(_norm(norm1, kind), _norm(norm2, kind), qkv, out, gate_up, down_product,  # type: ignore[arg-type]
                                       post_attention, post_mlp, q_norm, k_norm, kind, activation, window,
                                       local=window > 0))  # fmt: skip
-    return Plan(modules, Layers(described))
+    return Plan(modules, described)
 
 
 def plan(model: nn.Module) -> Plan:
@@ -234,6 +244,12 @@ def fits(model: nn.Module, view: View | None) -> bool:
     return isinstance(fused_layers.kernel(), Library) and agrees()
 
 
+def skips_whole_layers(view: View | None) -> bool:
+    """Whether `view` skips layers, whole ones only (the fused stack leaves those out: `run_layers`' `skipped`)."""
+    mask = None if view is None else view.mask
+    return mask is not None and not mask.is_full and mask.attention == mask.mlp
+
+
 def agrees() -> bool:
     """Whether the fused stack computes what viasd's decoder layer computes (passes/layer_loop.py, the reference it
     is held to), checked once per process; where it does not, short passes run layer by layer, and one line says
@@ -315,12 +331,16 @@ def run_layers(
     caches: Sequence[DynamicCache],
     starts: Sequence[int],
     local: tuple[torch.Tensor, torch.Tensor] | None = None,
+    skipped: Sequence[int] = (),
 ) -> None:
     """All decoder layers of a short pass on x [1, M, hidden] (bf16, contiguous: updated in place), whose rows
     starts[s] .. starts[s + 1] are the new tokens of the sequence whose cache is caches[s], for a view that `fits`
     (applied); cos and sin [M, dim], `local` those of the sliding-window layers where they have their own (Gemma 3).
-    Each cache is extended by its sequence's entries; on failure every cache keeps what it had."""
-    layers = plan(model).layers
+    Each cache is extended by its sequence's entries; on failure every cache keeps what it had. The layers numbered
+    in `skipped` (a slim view's whole layers, `skips_whole_layers`) are left out: the hidden states pass them as
+    they are and their caches get no entries, as the model's forward with the mask's stand-ins does."""
+    left_out = set(skipped)
+    layers = plan(model).without(tuple(sorted(left_out)))
     library = fused_layers.kernel()
     assert isinstance(library, Library), "fits said the kernel is there"
     if x.dtype != torch.bfloat16 or not x.is_contiguous():
@@ -332,7 +352,9 @@ def run_layers(
     for cache, a, b in zip(caches, starts, starts[1:], strict=False):
         shape = (1, kv_heads, b - a, dim)
         stores, past = [], []
-        for layer in cache.layers:
+        for index, layer in enumerate(cache.layers):
+            if index in left_out:
+                continue
             if type(layer) is DynamicSlidingWindowLayer:  # a new store: the layer takes it once the pass is done
                 pair, held = sliding_store.room(layer, shape, x.dtype)
                 sliding.append((layer, pair, b - a))
@@ -348,8 +370,8 @@ def run_layers(
                          None if local is None else (local[0].contiguous(), local[1].contiguous()))  # fmt: skip
     except (MemoryError, RuntimeError):  # the pass's positions were reserved, maybe not written: not kept
         for cache, a, b in zip(caches, starts, starts[1:], strict=False):
-            for layer in cache.layers:
-                if type(layer) is not DynamicSlidingWindowLayer:
+            for index, layer in enumerate(cache.layers):
+                if type(layer) is not DynamicSlidingWindowLayer and index not in left_out:
                     layer.crop(-(b - a))
         raise
     for layer, pair, added in sliding:

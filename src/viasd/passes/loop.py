@@ -153,13 +153,20 @@ class Segment:
 
 
 def short_pass(
-    model: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, keep: int, stack: Stack, attention_kernel: bool
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    keep: int,
+    stack: Stack,
+    attention_kernel: bool,
+    skipped: Sequence[int] = (),
 ) -> torch.Tensor:
     """Logits [1, keep, vocab] of the last `keep` of `input_ids` [1, M] after the cache's tokens, the cache extended
     by them: what `model(input_ids=..., cache=cache, use_cache=True, logits_to_keep=keep).logits` returns, for a
     model the loop `covers`, a cache it `runs_on` and a pass of up to PACK_UP_TO tokens; `stack` (LOOP or FUSED) and
-    `attention_kernel` as the pass's route says (passes/route.py)."""
-    return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel)[0][None]
+    `attention_kernel` as the pass's route says (passes/route.py); `skipped`: whole layers the FUSED stack leaves
+    out (a slim view's)."""
+    return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel, skipped)[0][None]
 
 
 Angles = tuple[torch.Tensor, torch.Tensor]  # cos and sin [M, dim]
@@ -185,7 +192,7 @@ def rotary(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, starts: S
 
 
 def ragged_pass(
-    model: nn.Module, segments: Sequence[Segment], stack: Stack, attention_kernel: bool
+    model: nn.Module, segments: Sequence[Segment], stack: Stack, attention_kernel: bool, skipped: Sequence[int] = ()
 ) -> list[torch.Tensor]:
     """One pass over the new tokens of several sequences, each after its own cache: logits [keep, vocab] per
     segment, each cache extended by its tokens. The products, norms and MLPs run over all rows together, attention
@@ -205,7 +212,7 @@ def ragged_pass(
     cos, sin = angles.get("all") or angles.get("full_attention") or angles["sliding_attention"]
     caches = [segment.cache for segment in segments]
     if stack is Stack.FUSED:  # a low-bit bf16 view: all layers in one call
-        fused.run_layers(model, x, cos, sin, caches, starts, angles.get("sliding_attention"))
+        fused.run_layers(model, x, cos, sin, caches, starts, angles.get("sliding_attention"), skipped)
     else:
         x = layer_loop.run(model, x, cos, sin, caches, starts, attention_kernel, angles.get("sliding_attention"))
     rows = torch.cat([torch.arange(b - segment.keep, b) for segment, b in zip(segments, starts[1:], strict=True)])

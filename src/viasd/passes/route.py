@@ -90,8 +90,9 @@ class Facts:
     loop: bool  # viasd's loop runs this model on this cache (passes/loop.py `covers` and `runs_on`)
     chunk: int | None = None  # the attached batcher's most tokens of one sequence per pass; None: no batcher
     own_chunk: int | None = None  # its most tokens per queued chunk of the model's own weights; None: `chunk`
-    skips: bool = False  # the view skips layers: only the model's own forward knows their stand-ins
-    fused: bool = False  # the view's decoder layers run as one C call (passes/fused.py `fits`)
+    skips: bool = False  # the view skips layers: only the model's own forward, or the fused stack, runs it
+    # the view's decoder layers run as one C call (passes/fused.py `fits`; one that skips whole layers leaves them out)
+    fused: bool = False
     attention_kernel: bool = False  # the attention kernel takes the model's shapes and dtype
     own_weights_from: int | None = None  # the view reads positions without logits by the model's weights from here
 
@@ -132,14 +133,15 @@ def _leg(start: int, stop: int, keep: int, facts: Facts, own_weights: bool) -> L
     """One leg: merged where a batcher takes it, else alone or queued; viasd's loop for short passes of the models,
     views and caches it runs, the model's own forward otherwise."""
     tokens = stop - start
-    looped = facts.loop and (own_weights or not facts.skips)
+    looped = facts.loop and (own_weights or not facts.skips or facts.fused)
     # The model's own weights are never low-bit ones: only a view's layers run fused.
     stack = Stack.FUSED if facts.fused and not own_weights else Stack.LOOP
     kernel = facts.attention_kernel and stack is Stack.LOOP
     # The model's own (bf16 or float32) weights never merge: torch's products round a row differently by how many
     # rows the product has (oneDNN with AMX or AVX-512 BF16, BLAS in float32), so a generation's prompt must be read
     # in the same passes as it would be alone. The low-bit views' kernels are row-independent and do merge.
-    if facts.chunk is not None and looped and not own_weights and 0 < tokens <= facts.chunk:
+    # A view that skips layers is never merged: the batcher's passes run every layer.
+    if facts.chunk is not None and looped and not own_weights and not facts.skips and 0 < tokens <= facts.chunk:
         return Leg(start, stop, keep, Schedule.BATCHED, stack, kernel, own_weights)
     schedule = Schedule.ALONE if facts.chunk is None else Schedule.QUEUED
     if looped and 0 < tokens <= PACK_UP_TO:

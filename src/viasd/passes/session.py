@@ -194,7 +194,9 @@ class KVSession:
         chunk, own_chunk = (None, None) if batcher is None else (batcher.chunk, batcher.own_chunk)
         if not runs:
             return Facts(False, chunk=chunk, own_chunk=own_chunk, skips=skips, own_weights_from=own_from)
-        fits = not skips and fused.fits(self.model, view)
+        # A view that skips whole layers runs fused where its layers would: the stack leaves those layers out.
+        whole = skips and fused.skips_whole_layers(view)
+        fits = (not skips and fused.fits(self.model, view)) or (whole and fused.fits(self.model, _layers_of(view)))
         return Facts(
             True, chunk=chunk, own_chunk=own_chunk, skips=skips, fused=fits,
             attention_kernel=attention_kernel(self.model), own_weights_from=own_from,
@@ -245,18 +247,24 @@ class KVSession:
     def _own_pass(self, input_ids: torch.Tensor, view: View | None, leg: Leg) -> torch.Tensor:
         """Logits [1, keep, V] of one pass of this session alone, by the leg's stack."""
         start = self.cache.layers[0].get_seq_length()
+        skipped: tuple[int, ...] = ()
+        if leg.stack is Stack.FUSED and view is not None and view.mask is not None and not view.mask.is_full:
+            # The fused stack leaves the skipped layers out itself: only the view's layers are swapped in.
+            skipped, view = tuple(view.mask.skipped_layers), _layers_of(view)
         with torch.inference_mode(), applied(self.model, view):
             if self.features is None:
-                return self._model_pass(input_ids, leg)
+                return self._model_pass(input_ids, leg, skipped)
             with head_inputs(self.model) as seen:
-                logits = self._model_pass(input_ids, leg)
+                logits = self._model_pass(input_ids, leg, skipped)
             if seen:  # the head read the kept positions' features: the last `keep` of this pass
                 self.features.write(start + input_ids.shape[1] - leg.keep, seen[-1][-leg.keep :])
             return logits
 
-    def _model_pass(self, input_ids: torch.Tensor, leg: Leg) -> torch.Tensor:
+    def _model_pass(self, input_ids: torch.Tensor, leg: Leg, skipped: tuple[int, ...] = ()) -> torch.Tensor:
         if leg.stack is not Stack.MODEL:  # viasd's forward (passes/loop.py)
-            return loop.short_pass(self.model, input_ids, self.cache, leg.keep, leg.stack, leg.attention_kernel)
+            return loop.short_pass(
+                self.model, input_ids, self.cache, leg.keep, leg.stack, leg.attention_kernel, skipped
+            )
         cache = cache_argument(self.model, self.cache)
         return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=leg.keep, **cache).logits
 
@@ -328,3 +336,8 @@ class KVSession:
     def length(self) -> int:
         """Positions held in the cache for layer 0 (committed plus pending)."""
         return self.committed + len(self.pending)
+
+
+def _layers_of(view: View | None) -> View | None:
+    """`view`'s layers without its mask (the fused stack's part of a view that skips whole layers)."""
+    return None if view is None or view.linears is None else View(linears=view.linears)
