@@ -83,8 +83,9 @@ def test_a_target_from_a_gguf_file_runs_as_its_gguf_view_by_default(tmp_path, ca
     assert engine.describe("plain:quant=none")["target_as_run"] == "bf16 copy of tiny.gguf"
     assert engine.describe("plain:quant=int8")["target_as_run"] == "int8 view of the bf16 weights"
     assert not capfd.readouterr().err  # nothing to say
-    # via verifies against the dense copy, which its profile was calibrated on; llama.cpp runs the file itself.
-    assert [name for name, m in METHODS.items() if m.target == "dense"] == ["via", "via-exact", "hf-assisted"]
+    # via verifies against the view its profile was calibrated on; hf-assisted the dense copy; llama.cpp the file.
+    assert [name for name, m in METHODS.items() if m.target == "dense"] == ["hf-assisted"]
+    assert [name for name, m in METHODS.items() if m.target == "profile"] == ["via", "via-exact"]
     assert engine.target_as_run(parse_method("llama.cpp")) == "tiny.gguf, run by llama.cpp"
 
 

@@ -147,7 +147,7 @@ class Engine:
         if method.method.target == "view":
             recipe = self.target_recipe(method.get("quant"))
         elif method.method.target == "profile":  # via: the view its routing profile was calibrated on
-            recipe = self.routing_profile(method.get("profile")).target_quant
+            recipe = self.profile_as_read(method.get("profile")).target_quant
         dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
         if recipe is None:
@@ -243,14 +243,20 @@ class Engine:
         """A routing profile for VIA-SD, checked against the loaded models: `path`, else --profile, else the
         one shipped for the default pair."""
         found = self._profile_path(path)
-        if found is None:
-            raise ViasdError("no routing profile: run `viasd calibrate` for this model pair and pass --profile")
-        profile = self._read_profile(found)
+        profile = self.profile_as_read(path)
         if str(found) not in self._checked_profiles:
             # A profile whose drafter is the target's own view needs no second model.
             profile.check_models(self.target.model, None if profile.self_drafter else self.drafter.model)
             self._checked_profiles.add(str(found))
         return profile
+
+    def profile_as_read(self, path: str | None = None) -> RoutingProfile:
+        """The routing profile `routing_profile` would give, read but not yet checked against the models (so that
+        what it says about itself, such as the view it was calibrated on, is known without loading the drafter)."""
+        found = self._profile_path(path)
+        if found is None:
+            raise ViasdError("no routing profile: run `viasd calibrate` for this model pair and pass --profile")
+        return self._read_profile(found)
 
     def _read_profile(self, path: str | Path) -> RoutingProfile:
         """The routing profile at `path`, read once per engine, whichever method needs it first."""

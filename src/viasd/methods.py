@@ -69,6 +69,8 @@ class Parts(Protocol):
 
     def routing_profile(self, path: str | None = None) -> RoutingProfile: ...
 
+    def profile_as_read(self, path: str | None = None) -> RoutingProfile: ...
+
     def self_mask(self) -> LayerMask: ...
 
     def gguf(self) -> Path:
@@ -536,14 +538,14 @@ def _via(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.tiered import TieredDecoder
     from viasd.verify.gates import Gate
 
-    profile = parts.routing_profile(spec.get("profile"))
-    calibrated = profile.target_quant
+    calibrated = parts.profile_as_read(spec.get("profile")).target_quant  # refused before any model loads
     if isinstance(parts.spec.quant, QuantRecipe) and parts.spec.quant != calibrated:
         on = f"its {calibrated.name} view" if calibrated else "as loaded, its dense copy"
         raise ViasdError(
             f"{spec.base} verifies against the target its routing profile was calibrated on ({on}): it takes no "
             f"--quant {parts.spec.quant.name}"
         )
+    profile = parts.routing_profile(spec.get("profile"))
     overrides = {
         "gamma": first_set(spec.get("gamma"), parts.spec.gamma),
         "cap": spec.get("cap"),
