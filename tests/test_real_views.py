@@ -1,5 +1,6 @@
 """Every kind of view of every catalog model runs twice in a row: the copy made in memory (and cached), then the
-copy read back from the cache, give the same greedy tokens, and the cached file is read, not made again.
+copy read back from the cache, give the same greedy tokens, and the cached file is read, not made again. A gguf view
+the C repacker makes from the file's blocks at each start writes no copy at all (the file is its cache).
 
 `generate --target smollm2-135m --method plain --quant gguf` once answered on the run that made the copy and died
 with a segmentation fault (exit 139) on every later one: the copy read from the cache was mapped 8 bytes past a
@@ -30,6 +31,7 @@ from viasd.views.gguf import stored_view
 from viasd.views.linears import Int4Int8Linear, Int8Int8Linear
 from viasd.views.make import quantized_view
 from viasd.views.recipe import QuantRecipe
+from viasd.views.store import repacked_at_start
 
 pytestmark = pytest.mark.real
 
@@ -53,11 +55,17 @@ def test_every_view_of_every_catalog_model_runs_twice_in_a_row(
         recipe = QuantRecipe.parse(kind)
         before = set((tmp_path / "quantized").rglob("*.safetensors"))
         made = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
-        (copy,) = set((tmp_path / "quantized").rglob("*.safetensors")) - before  # the one file this kind cached
-        written = copy.stat().st_mtime_ns
+        copies = set((tmp_path / "quantized").rglob("*.safetensors")) - before
         capfd.readouterr()
-        read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
-        assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err, kind
+        if repacked_at_start(loaded.model, recipe):  # the file is the cache: its blocks rearranged at each start
+            assert not copies, kind
+            read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
+            assert not set((tmp_path / "quantized").rglob("*.safetensors")) - before, kind
+        else:
+            (copy,) = copies  # the one file this kind cached
+            written = copy.stat().st_mtime_ns
+            read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
+            assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err, kind
         assert read.tokens == made.tokens and len(made.tokens) > 0, kind
 
 
@@ -90,7 +98,7 @@ def test_smollm2s_q4_1_blocks_run_on_viasds_kernels_as_on_their_torch_reference(
     capfd.readouterr()
     read = PlainDecoder(loaded.model, loaded.tokenizer, quantized_view(loaded, recipe)).generate(prompt, config)
     assert copy.stat().st_mtime_ns == written and "quantizing again" not in capfd.readouterr().err
-    assert made.tokens == read.tokens and len(made.tokens) == 16
+    assert made.tokens == read.tokens and 4 <= len(made.tokens) <= 16  # the model may end its answer early
     # The same view on its torch references, teacher-forced over those tokens. Activations are quantized per group,
     # so a last-bit difference can move a code by one step, and 30 layers carry it on. Traced layer by layer on a
     # Zen 4 EPYC: layer 0's MLP input differs by 2e-7 (float sums in another order), its output by 1.5e-4 (a code

@@ -18,6 +18,7 @@ from pathlib import Path
 from viasd.cache import cache_folder
 
 DESCRIBED = "gguf-described"
+DESCRIBED_VERSION = 2  # raised when what is written changes (2: the config names its architecture)
 
 
 def describe_gguf(path: Path, out_dir: Path) -> None:
@@ -28,6 +29,11 @@ def describe_gguf(path: Path, out_dir: Path) -> None:
     for marker in ("quantization_config",):
         if hasattr(config, marker):
             delattr(config, marker)
+    if not getattr(config, "architectures", None):  # the file names no class: name its causal LM's, as hub configs do
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
@@ -36,7 +42,8 @@ def describe_gguf(path: Path, out_dir: Path) -> None:
 
 def _key(path: Path) -> str:
     stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    key = f"{DESCRIBED_VERSION}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def described(path: Path) -> Path:

@@ -269,11 +269,13 @@ def _store(path: Path, data: Callable[[], Iterable[Any]], log: Callable[[str], N
         (path.parent.parent / path.name).unlink(missing_ok=True)
 
 
-def _repacked_at_start(model: nn.Module, recipe: QuantRecipe) -> bool:
+def repacked_at_start(model: nn.Module, recipe: QuantRecipe) -> bool:
     """Whether the `gguf` view of a stored model (models/stored.py) is made from its file at every start: the C
     repacker is built and takes the block type of every layer the view quantizes."""
     from viasd.views.gguf import REPACKED_TYPES, fast_repacking
 
+    if not recipe.gguf:
+        return False
     layers = [linear for name, linear in quantizable(model).items() if not recipe.keeps(name)]
     if not layers or not all(isinstance(linear, FileLinear) for linear in layers):
         return False
@@ -292,7 +294,7 @@ def cached_quantize(
     sequences from `sequences()` when the recipe smooths, the source GGUF file's blocks from `gguf()` when it
     takes them over) and cached where the cache can be written."""
     path = cache_path(model, recipe, root)
-    if recipe.gguf and _repacked_at_start(model, recipe):
+    if repacked_at_start(model, recipe):
         # The file is the cache: its blocks are rearranged in memory at each start (kernels/repack.c), faster than
         # an earlier cached copy is read. One an earlier viasd wrote is removed: it doubled the file on disk.
         with contextlib.suppress(OSError):
