@@ -126,6 +126,16 @@ def test_densify_gives_a_stored_model_the_dense_weights_once_and_says_so(
         assert torch.equal(stored(ids).logits, dense(ids).logits)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stored_models_fingerprint_holds_after_a_pass_made_some_of_its_dense_weights(tmp_path: Path, tied: bool):
+    """A pass that runs a layer's own weights makes that layer's dense copy on the spot (calibration's teacher does);
+    the model is still the file's, so a profile calibrated then fits the model that runs from its blocks later."""
+    dense, stored = pair(tmp_path, "qwen2", tied=tied)
+    assert stored.get_output_embeddings().weight is not None  # the head's copy: a second tensor where it is tied
+    assert stored.model.layers[0].mlp.up_proj.weight is not None
+    assert model_fingerprint(stored) == model_fingerprint(dense)
+
+
 def test_a_file_that_does_not_hold_the_configs_model_is_refused_in_one_line(tmp_path: Path):
     pair(tmp_path, "qwen2")
     other = tiny_model("qwen2", hidden=256, layers=2, vocab_size=128)  # a vocabulary the file does not have

@@ -49,15 +49,16 @@ def _samples(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Each weight's name and sample, in `named_parameters`' order: every (numel // 64)-th value, the first 64,
     rounded to bf16 (so that the fingerprint does not depend on the dtype the model was loaded in: a model of bf16
     weights and its float32 load, or a GGUF file's float32 dequantization, have one). A weight still in its GGUF
-    file's blocks (models/stored.py) is sampled from them as the dense copy would hold it, so that a model gets one
-    fingerprint however it is loaded; a matrix shared by two modules (a tied head) counts once."""
+    file's blocks (models/stored.py) is sampled from them as the dense copy would hold it, whether or not that copy was
+    made since, so that a model gets one fingerprint however it is loaded; a matrix shared by two modules (a tied
+    head) counts once."""
     from viasd.models.stored import STORED
 
     seen: set[object] = set()
     for prefix, module in model.named_modules():
         entries: list[tuple[str, object]] = []
-        if isinstance(module, STORED) and module.__dict__["_dense"] is None:
-            entries.append(("weight", module.file_tensor))
+        if isinstance(module, STORED):  # sampled from the file even where its dense copy was made (held outside
+            entries.append(("weight", module.file_tensor))  # `_parameters`, and a tied head's copy is a second tensor)
         entries += [(key, value) for key, value in module._parameters.items() if value is not None]
         for key, value in entries:
             identity = id(value) if isinstance(value, torch.Tensor) else (value.source.file.path, value.name)  # type: ignore[attr-defined]
