@@ -594,7 +594,7 @@ def test_via_uses_the_shipped_int4a8_profile_only_where_its_kernel_runs():
     """Two profiles ship for the default pair: int8 slim verifier and int4 drafter for any x86 CPU, and int4a8 views
     (a few times slower without their compiled kernel) where that kernel runs. Both are for the same models."""
     from viasd.calibration.project_command import profile_views
-    from viasd.profile import DEFAULT_PROFILE, INT4A8_PROFILE, default_profile_path
+    from viasd.profile import DEFAULT_PROFILE, GGUF_PROFILE, INT4A8_PROFILE, default_profile_path
 
     anywhere, fast = default_profile_path(False), default_profile_path(True)
     assert anywhere is not None and anywhere.name == DEFAULT_PROFILE
@@ -602,6 +602,12 @@ def test_via_uses_the_shipped_int4a8_profile_only_where_its_kernel_runs():
     general, kernel = load_profile(anywhere), load_profile(fast)
     assert general.target == kernel.target and general.drafter["fingerprint"] == kernel.drafter["fingerprint"]
     assert profile_views(general) == ("int8", "int4") and "int4a8" in profile_views(kernel)[0]
+    # Where the target runs as its file's blocks, `via` verifies on them with the profile calibrated there.
+    on_blocks = default_profile_path(True, stored=True)
+    assert on_blocks is not None and on_blocks.name == GGUF_PROFILE
+    blocks = load_profile(on_blocks)
+    assert blocks.target["fingerprint"] == general.target["fingerprint"] and blocks.target_quant is not None
+    assert blocks.target_quant.gguf and blocks.drafter["fingerprint"] == general.drafter["fingerprint"]
 
 
 def test_a_kinds_own_policy_on_a_slim_view_of_its_own(tmp_path):
