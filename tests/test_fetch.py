@@ -667,6 +667,18 @@ def test_same_vocabulary_passes_for_identical_tokenizers() -> None:
     assert check_same_vocabulary(_loaded(48, words, "a"), _loaded(64, words, "b")) == 48
 
 
+def test_llama_cpps_padding_to_other_head_widths_is_one_vocabulary() -> None:
+    """A Qwen2.5 7B file pads its vocabulary with `[PAD<id>]` entries to 152064, its 0.5B drafter's to 151936: the
+    pair shares every real token, so it is accepted at the narrower head's width."""
+    words = [f"w{i}" for i in range(40)]
+    wide = _loaded(64, words + [f"[PAD{i}]" for i in range(40, 64)], "wide")
+    narrow = _loaded(48, words + [f"[PAD{i}]" for i in range(40, 48)], "narrow")
+    assert check_same_vocabulary(wide, narrow) == 48
+    real_beyond = _loaded(64, words + [f"[PAD{i}]" for i in range(40, 50)] + ["w50"], "real beyond")
+    with pytest.raises(ViasdError, match="token id 50 has no logit"):  # a real token past the narrow head is not
+        check_same_vocabulary(real_beyond, narrow)
+
+
 def test_different_vocabularies_are_refused() -> None:
     a = _loaded(48, [f"w{i}" for i in range(40)], "a")
     b = _loaded(48, [f"v{i}" for i in range(40)], "b")

@@ -188,14 +188,17 @@ class Engine:
         """Whether the drafter shares the target's tokenizer, known without loading it when it is a default
         model (its vocabulary fingerprint is pinned); None when only loading it would tell."""
         from viasd.models.catalog import find_default_model
-        from viasd.models.loading import vocabulary_fingerprint
+        from viasd.models.loading import has_padding, vocabulary_fingerprint
 
         if self._drafter is not None:
             return True if self._drafter_checked else None
         entry = find_default_model(self.spec.drafter)
         if entry is None or not entry.vocabulary:
             return None
-        return vocabulary_fingerprint(self.target.tokenizer) == entry.vocabulary
+        if vocabulary_fingerprint(self.target.tokenizer) == entry.vocabulary:
+            return True
+        # A GGUF file's vocabulary padded to another width (a 7B's) hashes otherwise: loading tells.
+        return None if has_padding(self.target.tokenizer) else False
 
     def _profile_path(self, path: str | None) -> str | Path | None:
         return path or self.spec.profile or self.default_profile()

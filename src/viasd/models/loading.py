@@ -280,8 +280,21 @@ def _head_size(loaded: LoadedModel) -> int:
     return int(loaded.model.config.vocab_size)
 
 
+def is_padding(token: str, index: int) -> bool:
+    """Whether a vocabulary entry is llama.cpp's padding (`[PAD151943]` at id 151943): its converter fills a GGUF
+    file's vocabulary up to the head's width with them (Qwen2.5 7B to 152064, 0.5B to 151936); no text encodes to
+    them, so two files of one tokenizer padded to other widths still mean the same by every id."""
+    return token == f"[PAD{index}]"
+
+
+def has_padding(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's vocabulary holds llama.cpp's padding entries (`is_padding`)."""
+    return any(is_padding(token, index) for token, index in tokenizer.get_vocab().items())
+
+
 def _id_to_token(loaded: LoadedModel) -> dict[int, str]:
-    return {index: token for token, index in loaded.tokenizer.get_vocab().items()}
+    vocab = loaded.tokenizer.get_vocab().items()
+    return {index: token for token, index in vocab if not is_padding(token, index)}
 
 
 def vocabulary_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
