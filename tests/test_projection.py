@@ -161,11 +161,22 @@ def test_costs_then_explicit_projection_from_the_command_line(tmp_path):
     assert report["costs"]["context"] == 24 and plain == pytest.approx(1 / full[0])
     assert set(report["methods"]) == {"plain", "sd", "via"} and report["methods"]["via"]["decided"]["slim"] > 0
     assert report["policies"]["sd"] == {"gamma": 4, "stop": 0.0}  # explicit statistics carry no drafter confidence
+    # --full names the view the target runs as (a GGUF target's `gguf`): plain's rate is that view's.
+    as_run = runner.invoke(app, [*args[:-2], "--full", "skip=0.34", "--out", str(out)])
+    assert as_run.exit_code == 0, as_run.output
+    skipped = next(t for t in record["tables"] if t["role"] == "target" and t["context"] == 24)["views"]["skip=0.34"]
+    report = json.loads(out.read_text())
+    assert report["costs"]["full_view"] == "skip=0.34"
+    assert report["methods"]["plain"]["tokens_per_second"] == pytest.approx(1 / skipped[0])
     for bad, message in (
         (["project", "--costs", str(costs)], "name the statistics"),
         (["project", "--costs", str(costs), "--acceptance", "0.8", "--tiers", "0.5,0.6,0.1"], "add up to 1"),
         (["project", "--costs", str(tmp_path / "none.json"), "--acceptance", "0.8", "--slim", "x"], "not found"),
         (["project", "--costs", str(costs), "--acceptance", "0.8", "--slim", "skip=0.34", "--sd-stop", "2"], "[0, 1]"),
+        (
+            ["project", "--costs", str(costs), "--acceptance", "0.8", "--slim", "skip=0.34", "--full", "gguf"],
+            "no target view 'gguf'",
+        ),
     ):
         refused = runner.invoke(app, bad)
         assert refused.exit_code == 2 and message in refused.output, refused.output

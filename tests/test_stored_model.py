@@ -136,6 +136,20 @@ def test_a_stored_models_fingerprint_holds_after_a_pass_made_some_of_its_dense_w
     assert model_fingerprint(stored) == model_fingerprint(dense)
 
 
+def test_pass_costs_of_a_stored_models_gguf_view_make_no_dense_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`viasd costs --views gguf,skip=R+gguf` on a GGUF target reads the prefix with its gguf view: a 14B model's
+    dense copy (28 GB) would not fit where its blocks (9 GB) run."""
+    from viasd.calibration.costs import measure_views
+
+    _, stored = pair(tmp_path, "qwen2")
+    gguf = View(linears=quantize(stored, QuantRecipe.parse("gguf")))
+    seconds = measure_views(stored, {"gguf": gguf}, [1, 3], list(PROMPT) * 4, prefix=8, repeats=1, base=gguf)
+    assert list(seconds) == ["gguf"] and all(s > 0 for s in seconds["gguf"])
+    assert is_stored(stored) and "dense" not in capsys.readouterr().err
+
+
 def test_a_file_that_does_not_hold_the_configs_model_is_refused_in_one_line(tmp_path: Path):
     pair(tmp_path, "qwen2")
     other = tiny_model("qwen2", hidden=256, layers=2, vocab_size=128)  # a vocabulary the file does not have

@@ -204,6 +204,7 @@ def _model_tables(
     from viasd.engine import Engine
     from viasd.models.loading import LoadedModel, parse_dtype, resolve_device
     from viasd.models.shapes import random_model
+    from viasd.models.stored import is_stored
 
     if shape is not None and drafter_views and drafter_shape is None:
         raise ViasdError(
@@ -268,6 +269,7 @@ def _model_tables(
                     keep=rows,
                     on_step=lambda: bar.advance(task),  # noqa: B023 (used within this iteration only)
                     drafter=role == "drafter",
+                    base=chosen.get("gguf") if is_stored(loaded.model) else None,
                 )
             out.append({"role": role, "model": loaded.name, "context": ctx, "views": seconds})
         return out

@@ -314,13 +314,15 @@ def measure_views(
     on_step: Callable[[], None] = lambda: None,
     keep: int | None = None,
     drafter: bool = False,
+    base: ViewLike = None,
 ) -> dict[str, list[float]]:
     """Median seconds of a pass of each view over L new tokens after `prefix` tokens, per L in `lengths`.
 
     As a decoder makes them (`PassTimer`): a target's views check a draft block as a slim view does (on the full
     model's cache of the prefix), the full model (view None) verifies one; a pass keeps the logits of its last
     min(L, keep) positions (None: all L). With `drafter`, each view is a drafter of its own and a pass is its
-    step over L tokens. Jobs are interleaved in a shuffled order, `repeats` times.
+    step over L tokens. Jobs are interleaved in a shuffled order, `repeats` times. `base`: the view that reads the
+    prefix (a model run from its GGUF file's blocks reads it with its gguf view, so that no dense copy is made).
     """
     lengths = sorted(set(lengths))
     need = prefix + lengths[-1]
@@ -329,7 +331,7 @@ def measure_views(
     if drafter:
         timers = {name: PassTimer(model, head, tail, view) for name, view in views.items()}
     else:
-        target = PassTimer(model, head, tail)
+        target = PassTimer(model, head, tail, base)
 
     def run(name: str, n: int) -> float:
         view = views[name]

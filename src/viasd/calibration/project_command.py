@@ -63,6 +63,10 @@ def project(
         str | None,
         typer.Option(help="The costs' view of the drafter, e.g. int4 (default: the profile's drafter, else full)."),
     ] = None,
+    full: Annotated[
+        str,
+        typer.Option(help="The costs' view of the full target, e.g. gguf for a target run as its file's blocks."),
+    ] = "full",
     context: Annotated[int | None, typer.Option(help="Use the costs measured at the context nearest this.")] = None,
     sd_gamma: Annotated[int, typer.Option(help="Draft tokens per round of classic sd (bench's default: 4).")] = 4,
     sd_stop: Annotated[
@@ -147,7 +151,7 @@ def project(
     if not slims:
         raise ViasdError("--slim: name the costs' view of the slim tier (e.g. skip=0.45)")
     # A bad costs file fails before any model loads.
-    cost_model, used = costs_from_record(record, slims, context, drafter=drafter_view or "full")
+    cost_model, used = costs_from_record(record, slims, context, full=full, drafter=drafter_view or "full")
     if routing is not None:
         from viasd.calibration.reselection import profile_data
         from viasd.calibration.workfile import WorkFile
