@@ -626,7 +626,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "via-exact",
-            "VIA-SD machinery with every token sent to the full target (equals sd:quant=none)",
+            "VIA-SD machinery with every token sent to the full target (equals sd on the same view)",
             _via,
             ("gamma", "cap", "profile", *DRAFTING_OPTIONS, "drafter_quant"),
             uses_drafter=True,
