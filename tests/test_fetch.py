@@ -675,7 +675,7 @@ def test_llama_cpps_padding_to_other_head_widths_is_one_vocabulary() -> None:
     narrow = _loaded(48, words + [f"[PAD{i}]" for i in range(40, 48)], "narrow")
     assert check_same_vocabulary(wide, narrow) == 48
     real_beyond = _loaded(64, words + [f"[PAD{i}]" for i in range(40, 50)] + ["w50"], "real beyond")
-    with pytest.raises(ViasdError, match="token id 50 has no logit"):  # a real token past the narrow head is not
+    with pytest.raises(ViasdError, match="token id 50 has no logit"):  # a real token past the narrow head: refused
         check_same_vocabulary(real_beyond, narrow)
 
 
