@@ -8,6 +8,7 @@ from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.passes.batching import PassBatcher
+from viasd.passes.features import FeatureStore
 from viasd.passes.route import Facts, Kind, Leg, Route, Schedule, Stack, decide
 from viasd.passes.session import KVSession
 from viasd.views.layer_skip import LayerMask
@@ -111,3 +112,46 @@ def test_a_generations_statistics_count_its_passes_by_route():
     assert stats.routes == {"model": 1, "loop": 4} and stats.to_dict()["routes"] == stats.routes
     again = decoder.generate([3, 4, 5], GenerationConfig(max_new_tokens=2, ignore_eos=True)).stats
     assert again.routes == {"loop": 2}  # per generation, not the session's running total
+
+
+def test_features_are_recorded_only_where_the_route_says_a_head_follows(monkeypatch):
+    """Feature capture is a fact of the route: every leg of a pass a head follows records its kept positions'
+    features (a split's and a chunked prompt's too), no leg of any other does. A session no head follows puts no hook
+    on the output head in any route (model, loop, batched, chunked); one a head follows records, in the same routes,
+    the final hidden states of a fresh forward pass at exactly the positions whose logits its passes computed."""
+    for facts in (Facts(loop=True), Facts(loop=True, chunk=32, own_chunk=128, own_weights_from=8, fused=True)):
+        for tokens, keep in ((1, 1), (5, 5), (70, 1), (70, 5)):
+            assert not any(leg.features for leg in decide(tokens, keep, facts).legs)
+            with_head = Facts(**{**facts.__dict__, "features": True})
+            assert all(leg.features for leg in decide(tokens, keep, with_head).legs)
+    model = tiny_model("qwen2", dtype=torch.float32)
+    head = model.get_output_embeddings()
+    hooks: list[int] = []  # the hooks on the output head at each of its calls
+    forward = head.forward
+    monkeypatch.setattr(head, "forward", lambda rows: (hooks.append(len(head._forward_pre_hooks)), forward(rows))[1])
+    tokens = [*range(3, 23), 5, 6, 7, 8, *range(30, 50)]
+
+    def run(session: KVSession) -> None:
+        session.forward(tokens[:20])  # the model's forward
+        session.forward(tokens[20:21])  # the loop
+        batcher = PassBatcher(model, chunk=8).attach()
+        try:
+            session.forward(tokens[21:24], keep=3)  # batched
+            session.forward(tokens[24:], keep=2)  # chunked
+        finally:
+            batcher.detach()
+        assert session.routes == {"model": 1, "loop": 1, "batched": 1, "chunked": 1}
+
+    run(KVSession(model))
+    assert len(hooks) == 4 and not any(hooks)  # one head call per pass (a chunk keeping no logits makes none)
+    hooks.clear()
+    followed = KVSession(model)
+    followed.features = FeatureStore()  # as a draft head does when it follows a session (drafters/head.py)
+    run(followed)
+    assert len(hooks) == 4 and all(hooks)
+    kept = [19, 20, 21, 22, 23, len(tokens) - 2, len(tokens) - 1]
+    assert [p for p in range(followed.features.known) if followed.features.have[p]] == kept
+    with torch.inference_mode():
+        fresh = model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+    for position in kept:
+        torch.testing.assert_close(followed.features.row(position), fresh[position], rtol=1e-5, atol=1e-5)

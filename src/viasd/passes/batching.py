@@ -141,9 +141,9 @@ class PassBatcher:
     def segment(
         self, view: View | None, segment: Segment, leg: Leg
     ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], float]:
-        """The logits of `segment` and the features its output head read (passes/features.py; None when it kept no
-        logits), run in a ragged pass with whatever else is waiting for the same view and stack (the `leg` of its
-        route that it is), and the seconds that pass took."""
+        """The logits of `segment` and the features its output head read (passes/features.py; None where its leg
+        records none, or it kept no logits), run in a ragged pass with whatever else is waiting for the same view and
+        stack (the `leg` of its route that it is), and the seconds that pass took."""
         return self._submit(_Request(view, segment=segment, leg=leg))
 
     def alone(self, run: Callable[[], Any]) -> tuple[Any, float]:
@@ -213,11 +213,20 @@ class PassBatcher:
                 segments = [request.segment for request in batch]
                 leg = batch[0].leg
                 assert leg is not None, "a segment comes with its leg"
-                with torch.inference_mode(), applied(self.model, batch[0].view), head_inputs(self.model) as seen:
+                # The output head's inputs are recorded only where a segment's leg says a draft head follows it.
+                capture = any(request.leg is not None and request.leg.features for request in batch)
+                with (
+                    torch.inference_mode(),
+                    applied(self.model, batch[0].view),
+                    head_inputs(self.model, capture) as seen,
+                ):
                     logits = loop.ragged_pass(self.model, segments, leg.stack, leg.attention_kernel)  # type: ignore[arg-type]
                 # The head read every segment's kept rows in one call, in order.
                 rows = seen[-1].split([s.keep for s in segments]) if seen else [None] * len(batch)  # type: ignore[union-attr]
-                outcomes = list(zip(logits, rows, strict=True))
+                outcomes = [
+                    (row_logits, row if request.leg is not None and request.leg.features else None)
+                    for request, row_logits, row in zip(batch, logits, rows, strict=True)
+                ]
                 self.costs(batch[0].view).record(sum(request.rows for request in batch), time.perf_counter() - start)
                 if len(batch) > 1:
                     self.merged_rows += sum(request.rows for request in batch)

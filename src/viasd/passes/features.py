@@ -16,12 +16,16 @@ from torch import nn
 
 
 @contextmanager
-def head_inputs(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Record the rows the model's output head reads in the block: one tensor [rows, hidden] per head call.
+def head_inputs(model: nn.Module, record: bool = True) -> Iterator[list[torch.Tensor]]:
+    """Record the rows the model's output head reads in the block: one tensor [rows, hidden] per head call; where
+    not `record` (no draft head follows the pass: its route's legs say so), nothing, and no hook is installed.
 
     Enter it after a view is applied (a quantized view swaps the head for its own copy)."""
-    head = model.get_output_embeddings()  # type: ignore[operator]
     seen: list[torch.Tensor] = []
+    if not record:
+        yield seen
+        return
+    head = model.get_output_embeddings()  # type: ignore[operator]
 
     def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         seen.append(args[0].detach().reshape(-1, args[0].shape[-1]))

@@ -17,7 +17,7 @@ these routes (docs/design.md draws them):
 
 `decide` is a pure function of the pass's length and `Facts`, which a session gathers from its model, cache and
 view (`KVSession.route`). The executing code (passes/session.py, passes/batching.py, passes/loop.py) runs the
-route's legs as they say, and checks nothing again.
+route's legs as they say, including whether a leg records features for a draft head, and checks nothing again.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ class Kind(Enum):
 @dataclass(frozen=True)
 class Leg:
     """One pass that a route runs: the pass's tokens [start, stop), the logits of their last `keep` positions (the
-    pass's result, unless `own_weights`), with the view or, where `own_weights`, the model's own weights."""
+    pass's result, unless `own_weights`), with the view or, where `own_weights`, the model's own weights; where
+    `features`, the features of those positions too (passes/features.py)."""
 
     start: int
     stop: int
@@ -73,6 +74,9 @@ class Leg:
     stack: Stack
     attention_kernel: bool = False  # LOOP: each layer's attention by viasd's C kernel (FUSED: always; MODEL: never)
     own_weights: bool = False
+    # The final hidden states the output head reads at the kept positions (the one layer a draft head drafts from),
+    # recorded for the head that follows the pass; False: no capture hook is installed.
+    features: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Facts:
     fused: bool = False
     attention_kernel: bool = False  # the attention kernel takes the model's shapes and dtype
     own_weights_from: int | None = None  # the view reads positions without logits by the model's weights from here
+    features: bool = False  # a draft head follows the pass: its legs record the features of their kept positions
 
 
 def decide(tokens: int, keep: int, facts: Facts) -> Route:
@@ -142,11 +147,11 @@ def _leg(start: int, stop: int, keep: int, facts: Facts, own_weights: bool) -> L
     # in the same passes as it would be alone. The low-bit views' kernels are row-independent and do merge.
     # A view that skips layers is never merged: the batcher's passes run every layer.
     if facts.chunk is not None and looped and not own_weights and not facts.skips and 0 < tokens <= facts.chunk:
-        return Leg(start, stop, keep, Schedule.BATCHED, stack, kernel, own_weights)
+        return Leg(start, stop, keep, Schedule.BATCHED, stack, kernel, own_weights, facts.features)
     schedule = Schedule.ALONE if facts.chunk is None else Schedule.QUEUED
     if looped and 0 < tokens <= PACK_UP_TO:
-        return Leg(start, stop, keep, schedule, stack, kernel, own_weights)
-    return Leg(start, stop, keep, schedule, Stack.MODEL, False, own_weights)
+        return Leg(start, stop, keep, schedule, stack, kernel, own_weights, facts.features)
+    return Leg(start, stop, keep, schedule, Stack.MODEL, False, own_weights, facts.features)
 
 
 def short_stack(model: nn.Module, view: View | None) -> tuple[Stack, bool]:

@@ -192,14 +192,18 @@ class KVSession:
         own = linears is not None and has_dense_weights(self.model)
         own_from = linears.recipe.own_weights_from(self.device.type) if own else None  # type: ignore[union-attr]
         chunk, own_chunk = (None, None) if batcher is None else (batcher.chunk, batcher.own_chunk)
+        # A draft head follows this session (drafters/head.py gave it a store): its passes record their features.
+        features = self.features is not None
         if not runs:
-            return Facts(False, chunk=chunk, own_chunk=own_chunk, skips=skips, own_weights_from=own_from)
+            return Facts(
+                False, chunk=chunk, own_chunk=own_chunk, skips=skips, own_weights_from=own_from, features=features
+            )
         # A view that skips whole layers runs fused where its layers would: the stack leaves those layers out.
         whole = skips and fused.skips_whole_layers(view)
         fits = (not skips and fused.fits(self.model, view)) or (whole and fused.fits(self.model, _layers_of(view)))
         return Facts(
             True, chunk=chunk, own_chunk=own_chunk, skips=skips, fused=fits,
-            attention_kernel=attention_kernel(self.model), own_weights_from=own_from,
+            attention_kernel=attention_kernel(self.model), own_weights_from=own_from, features=features,
         )  # fmt: skip
 
     def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
@@ -230,7 +234,7 @@ class KVSession:
             assert batcher is not None, "a batched leg has a batcher"
             start = self.cache.layers[0].get_seq_length()
             (logits, features), seconds = batcher.segment(view, Segment(self.cache, input_ids[0], keep), leg)
-            if self.features is not None and features is not None:
+            if leg.features and self.features is not None and features is not None:
                 self.features.write(start + input_ids.shape[1] - keep, features)
             logits = logits[None]
         elif leg.schedule is Schedule.QUEUED:
@@ -252,7 +256,7 @@ class KVSession:
             # The fused stack leaves the skipped layers out itself: only the view's layers are swapped in.
             skipped, view = tuple(view.mask.skipped_layers), _layers_of(view)
         with torch.inference_mode(), applied(self.model, view):
-            if self.features is None:
+            if not leg.features or self.features is None:  # no head follows: no capture hook on the output head
                 return self._model_pass(input_ids, leg, skipped)
             with head_inputs(self.model) as seen:
                 logits = self._model_pass(input_ids, leg, skipped)
