@@ -321,15 +321,16 @@ def test_methods_without_target_logits_are_refused_before_they_run() -> None:
     from viasd.serve.schemas import ChatCompletionRequest, CompletionRequest
     from viasd.serve.settings import ServeSettings
 
-    settings = ServeSettings(model_id="m", methods=("plain",))
-    for method in ("hf-assisted", "llama.cpp", "llama-server"):
+    settings = ServeSettings(model_id="m", methods=("plain", "hf-assisted", "llama.cpp", "llama-server"))
+    for name in ("hf-assisted", "llama.cpp", "llama-server"):
+        method = settings.parsed[name]
         for req in (
             ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
             CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}),
         ):
             with pytest.raises(APIError) as caught:
                 generation_config(req, settings, method, 64)
-            assert caught.value.param == "logprobs" and method in str(caught.value)
+            assert caught.value.param == "logprobs" and name in str(caught.value)
         generation_config(CompletionRequest.model_validate({"prompt": "x"}), settings, method, 64)  # not asked: fine
 
 

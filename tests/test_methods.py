@@ -5,18 +5,16 @@ import pytest
 import torch
 
 from tiny import tiny_model, tiny_tokenizer
-from viasd.decode import MAX_GAMMA
 from viasd.decode.base import GenerationConfig
-from viasd.decode.hf_assisted import HFAssistedDecoder
-from viasd.decode.round import RoundPolicy
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
-from viasd.methods import DEFAULT_STOP, HYBRID_BUDGET, HYBRID_MATCH, METHODS, OPTIONS, parse_method, parse_method_list
+from viasd.methods import METHODS, OPTIONS, parse_method, parse_method_list
 from viasd.models.loading import LoadedModel
+from viasd.speculation import DEFAULT_STOP, HYBRID_BUDGET, HYBRID_MATCH, MAX_GAMMA
 
 
 def test_plain_names_and_variants_parse():
@@ -49,8 +47,8 @@ def test_plain_names_and_variants_parse():
         ("plain:quant=int3", "method option quant: unknown quantization 'int3'"),
         ("hf-assisted:quant=int8", "takes no option 'quant'"),
         ("lookup:stop=0.4", "method 'lookup' takes no option 'stop' (it takes: gamma, match, copy, quant)"),
-        ("sd:stop=1.5", "stop must be in [0, 1], got 1.5"),
-        ("sd:stop=nan", "stop must be in [0, 1], got nan"),
+        ("sd:stop=1.5", "stop must be a probability in [0, 1], got 1.5"),
+        ("sd:stop=nan", "stop must be a probability in [0, 1], got nan"),
         ("sd:drafter=big", "drafter must be one of model, lookup, hybrid, head, lookup+head, got 'big'"),
         ("sd:match=2", "option 'match' needs drafter=lookup, hybrid or lookup+head"),
         ("via:copy=8", "option 'copy' needs drafter=lookup, hybrid or lookup+head"),
@@ -88,22 +86,20 @@ def test_method_lists_refuse_duplicates_and_emptiness():
 
 @pytest.mark.parametrize("gamma", [0, 1, MAX_GAMMA, MAX_GAMMA + 1])
 def test_every_place_that_takes_a_draft_length_takes_the_same_ones(gamma):
-    """A draft length the method option refuses, --gamma, a routing profile, a round policy and the decoders refuse
-    too (one range, 1..MAX_GAMMA), each in one line naming what the user gave."""
+    """A draft length the method option refuses, --gamma, a routing profile's file and calibrate's --gammas refuse
+    too (one range, 1..MAX_GAMMA, one check), each in one line naming what the user gave."""
+    from viasd.calibration.settings import CalibrationSettings
     from viasd.profile import RoutingProfile
     from viasd.verify.gates import Gate
     from viasd.views.layer_skip import LayerMask
 
-    tok, model = tiny_tokenizer(64), tiny_model("llama", layers=2)
     target = {"name": "t", "fingerprint": "f"}
     profile = RoutingProfile(target, None, [LayerMask.full(2)], [None], Gate("kl", (0.1, 1.0))).to_dict()
     takers = [
         ("method option gamma", lambda: parse_method(f"sd:gamma={gamma}")),
         ("--gamma", lambda: EngineSpec(gamma=gamma)),
         ("routing profile: the draft length gamma", lambda: RoutingProfile.from_dict({**profile, "gamma": gamma})),
-        ("the draft length gamma", lambda: RoundPolicy(Gate.exact(), gamma=gamma)),
-        ("the draft length gamma", lambda: SpeculativeDecoder(model, tok, PromptLookupDrafter(), gamma)),
-        ("the draft length gamma", lambda: HFAssistedDecoder(model, tok, model, gamma)),
+        ("--gammas", lambda: CalibrationSettings(gammas=(gamma,)).check()),
     ]
     for name, take in takers:
         if 1 <= gamma <= MAX_GAMMA:

@@ -1028,10 +1028,11 @@ def test_a_method_that_cannot_honour_a_penalty_is_refused_before_it_runs() -> No
     for field, value in (("min_p", 0.2), ("repetition_penalty", 1.1), ("logit_bias", {"3": 1}), ("min_tokens", 2)):
         request = CompletionRequest.model_validate({"prompt": "t3", field: value})
         with pytest.raises(APIError, match=f"cannot honour {field}") as caught:
-            generation_config(request, settings, "hf-assisted", 64)
+            generation_config(request, settings, settings.parsed["hf-assisted"], 64)
         assert caught.value.param == field
     neutral = {"prompt": "t3", "min_p": 0, "repetition_penalty": 1, "logit_bias": {}, "presence_penalty": 0}
-    assert generation_config(CompletionRequest.model_validate(neutral), settings, "hf-assisted", 64).max_new_tokens == 4
+    method = settings.parsed["hf-assisted"]
+    assert generation_config(CompletionRequest.model_validate(neutral), settings, method, 64).max_new_tokens == 4
 
 
 def test_the_official_client_sends_penalties_and_vllm_extensions(tiny_app: TestClient) -> None:

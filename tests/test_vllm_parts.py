@@ -123,13 +123,16 @@ def _bare_proposer(cls):
 
 
 def test_the_proposer_drafts_as_sd_with_the_hybrid_drafter_does() -> None:
-    """Inside vLLM the drafter model stops at sd's stop threshold and lookup copies from sd's hybrid's shortest
-    match: one setting each, so a change to sd's is a change to the proposer's."""
-    from viasd.methods import DEFAULT_STOP, HYBRID_MATCH
+    """Inside vLLM the drafter model stops at sd's stop threshold and lookup copies from the matches sd's hybrid
+    copies from: one setting each, so a change to sd's is a change to the proposer's."""
+    from viasd.speculation import DEFAULT_STOP, HYBRID_BUDGET, HYBRID_MATCH, longest_match
     from viasd.vllm.proposer import HybridProposer
 
     proposer = _bare_proposer(HybridProposer)
-    assert proposer._new_session().lookup.min_ngram == HYBRID_MATCH
+    session = proposer._new_session()
+    lookup = session.lookup
+    assert (lookup.min_ngram, lookup.max_ngram, lookup.copy) == (HYBRID_MATCH, longest_match(HYBRID_MATCH), None)
+    assert session.ratio == HYBRID_BUDGET  # no budget reaches a proposer: the model drafter is never left out
     drafter = _RecordingDrafter([5, 6, 7])
     assert proposer._draft(drafter, [1, 2, 3], 2) == [5, 6] and drafter.stops == [DEFAULT_STOP]
 

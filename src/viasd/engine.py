@@ -279,7 +279,7 @@ class Engine:
         key = (name, slot)
         if key not in self._decoders:
             spec = method if isinstance(method, MethodSpec) else parse_method(method)
-            self._decoders[key] = spec.method.build(self if slot == 0 else _Slot(self, slot), spec)
+            self._decoders[key] = spec.build(self if slot == 0 else _Slot(self, slot))
         return self._decoders[key]
 
     def describe(self, method: MethodSpec | str) -> dict[str, Any]:

@@ -19,12 +19,12 @@ from typing import Any
 
 from torch import nn
 
-from viasd.decode import MAX_GAMMA
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.jsonio import JSONFault, parse_json
 from viasd.models.fingerprint import model_fingerprint
+from viasd.speculation import MAX_GAMMA
 from viasd.task_kind import TASK_KINDS
 from viasd.verify.gates import SIGNALS, Gate
 from viasd.views.layer_skip import LayerMask

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from viasd.decode import check_gamma
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+from viasd.speculation import check_gamma
 from viasd.views.recipe import AS_STORED, DENSE, QuantRecipe, TargetQuant
 
 

@@ -257,7 +257,8 @@ def bench(
     if report_only:
         _report_only(err, out, into)
         return
-    method_list = [m.name for m in parse_method_list(methods)]
+    specs = {m.name: m for m in parse_method_list(methods)}  # parsed once, here; rows are labelled by name
+    method_list = list(specs)
     sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     if max_new_tokens < 1:
         raise ViasdError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -373,13 +374,16 @@ def bench(
     if not warmup:
         env["warmup"] = None  # said in the summary: each method's first task carries its start-up
 
+    def decoder_for(name: str) -> Any:
+        return engine.decoder(specs[name])
+
     def warmed(done: Any) -> None:
         env["warmup"] = done.to_dict()
         err.print(warmup_line(done.to_dict()), highlight=False, soft_wrap=True)
 
     try:  # Ctrl-C or SIGTERM (cli.py handles both alike): the report of what the run has, then the same stop
         memory = PeakMemory(models["device"])
-        rows = _run_with_progress(err, total, tasks, engine, run_settings, results, memory, warmed)
+        rows = _run_with_progress(err, total, tasks, engine, decoder_for, run_settings, results, memory, warmed)
     except KeyboardInterrupt as stop:
         interrupted = stop
         rows = results.load()
@@ -389,7 +393,7 @@ def bench(
     env["load_average_at_finish"] = load_average()
     env["rows"] = len(rows)
     # What each method ran as (views, drafter, profile, kernels), now that every decoder has been built.
-    env["setup"] = {method: engine.describe(method) for method in method_list}
+    env["setup"] = {name: engine.describe(spec) for name, spec in specs.items()}
     write_atomic(env_path, json.dumps(env, indent=2) + "\n")
     if rows:
         paths = write_report(out_dir, rows, env, baseline="plain")
@@ -504,6 +508,7 @@ def _run_with_progress(
     total: int,
     tasks: Sequence[Any],
     engine: Any,
+    decoder_for: Callable[[str], Any],
     settings: Any,
     results: Any,
     memory: Any,
@@ -529,7 +534,7 @@ def _run_with_progress(
             err.print(f"[{finished}/{total}] {row['key']} {row['method']}: {what}", highlight=False, soft_wrap=True)
 
         return run_benchmark(
-            tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_row=log_row, on_warmup=on_warmup
+            tasks, decoder_for, engine.tokenizer, settings, results, memory, on_row=log_row, on_warmup=on_warmup
         )
     columns = (
         TextColumn("{task.description}"),
@@ -550,7 +555,7 @@ def _run_with_progress(
             progress.update(bar, advance=1, last=last)
 
         return run_benchmark(
-            tasks, engine.decoder, engine.tokenizer, settings, results, memory, on_start, on_row, on_warmup
+            tasks, decoder_for, engine.tokenizer, settings, results, memory, on_start, on_row, on_warmup
         )
 
 

@@ -21,6 +21,7 @@ from viasd.cli_options import DeviceOpt, DrafterOpt, DtypeOpt, TargetOpt, engine
 from viasd.errors import ViasdError
 from viasd.jsonio import JSONFault, parse_json
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
+from viasd.speculation import DEFAULT_GAMMA
 
 TOLERANCE = 0.10  # a projected speedup within 10% of the measured one counts as matching
 
@@ -68,7 +69,9 @@ def project(
         typer.Option(help="The costs' view of the full target, e.g. gguf for a target run as its file's blocks."),
     ] = "full",
     context: Annotated[int | None, typer.Option(help="Use the costs measured at the context nearest this.")] = None,
-    sd_gamma: Annotated[int, typer.Option(help="Draft tokens per round of classic sd (bench's default: 4).")] = 4,
+    sd_gamma: Annotated[
+        int, typer.Option(help=f"Draft tokens per round of classic sd (sd's default: {DEFAULT_GAMMA}).")
+    ] = DEFAULT_GAMMA,
     sd_stop: Annotated[
         float | None,
         typer.Option(
@@ -76,7 +79,9 @@ def project(
             "statistics, which carry no drafter confidence)."
         ),
     ] = None,
-    gamma: Annotated[int | None, typer.Option(help="via's draft length (default: the profile's, or 4).")] = None,
+    gamma: Annotated[
+        int | None, typer.Option(help=f"via's draft length (default: the profile's, or {DEFAULT_GAMMA}).")
+    ] = None,
     cap: Annotated[int | None, typer.Option(help="via's cap (default: the profile's, or 32).")] = None,
     prefill: Annotated[
         bool, typer.Option(help="Count reading the prompt (profile records know their prompts' lengths).")
@@ -112,12 +117,15 @@ def project(
         explicit_records,
         project,
     )
-    from viasd.decode.round import RoundPolicy, check_stop
+    from viasd.decode.round import RoundPolicy
     from viasd.fileio import write_atomic
-    from viasd.methods import DEFAULT_STOP
+    from viasd.speculation import DEFAULT_STOP, check_gamma, check_stop
     from viasd.verify.gates import Gate
 
     err = Console(stderr=True)
+    check_gamma(sd_gamma, "--sd-gamma")
+    if gamma is not None:
+        check_gamma(gamma, "--gamma")
     if (profile is None) == (acceptance is None):
         raise ViasdError("name the statistics: --profile PROFILE, or explicit ones starting with --acceptance")
     if write_questions is not None:
@@ -133,7 +141,7 @@ def project(
         rates = _numbers(tier_acceptance, "--tier-acceptance") if tier_acceptance else None
         records = explicit_records(acceptance, shares, slim_agreement, rates)
         workload = Workload(records, [0] * len(records), describe_explicit(acceptance, shares, slim_agreement, rates))
-        via = RoundPolicy(EXPLICIT_GATE, gamma=gamma or 4, cap=cap or 32)
+        via = RoundPolicy(EXPLICIT_GATE, gamma=gamma or DEFAULT_GAMMA, cap=cap or 32)
     record = _read_json(costs, "costs file")
     routing = None
     if profile is not None:
@@ -170,7 +178,7 @@ def project(
         via = routing.policy(gamma=gamma, cap=cap)
     if sd_stop is None:
         sd_stop = 0.0 if acceptance is not None else DEFAULT_STOP
-    sd = RoundPolicy(Gate.exact(), gamma=sd_gamma, stop=check_stop(sd_stop))
+    sd = RoundPolicy(Gate.exact(), gamma=sd_gamma, stop=check_stop(sd_stop, "--sd-stop"))
     result = project(workload, cost_model, sd, via)
     rows = _bench_rows(bench, bench_sd) if bench is not None else {}
     measured = {name: float(row["speedup"]) for name, row in rows.items()}

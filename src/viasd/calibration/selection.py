@@ -18,7 +18,6 @@ import torch
 from viasd.calibration.costs import Costs
 from viasd.calibration.records import GateRecords
 from viasd.calibration.replay import Prediction, replay
-from viasd.decode import check_gamma
 from viasd.decode.round import RoundPolicy
 from viasd.errors import ViasdError
 from viasd.verify.gates import SIGNALS, Gate
@@ -107,8 +106,6 @@ def select_policy(
     """
     if not gammas:
         raise ViasdError("calibration: no draft length gamma to select from")
-    for gamma in gammas:
-        check_gamma(gamma, "calibration: gamma")
     if not caps or min(caps) < 2:
         raise ViasdError("calibration: caps must be >= 2")
     if not 0.0 <= quality_budget < 1.0:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from viasd.calibration.candidates import parse_drafter
 from viasd.calibration.objectives import DEFAULT_MARGIN, OBJECTIVES
 from viasd.calibration.prompts import CALIBRATION_PROMPTS, HELD_OUT_PROMPTS
-from viasd.decode import check_gamma
 from viasd.errors import ViasdError
+from viasd.speculation import check_gamma
 from viasd.views.recipe import QuantRecipe
 
 

@@ -21,7 +21,6 @@ from torch import nn
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers import PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-from viasd.decode import check_gamma
 from viasd.decode.base import Decoder
 from viasd.decode.output import OutputSink
 from viasd.decode.stats import GenerationStats
@@ -176,7 +175,7 @@ class HFAssistedDecoder(Decoder):
     ) -> None:
         super().__init__(target, tokenizer)
         self.drafter = drafter
-        self.gamma = gamma if gamma is None else check_gamma(gamma)
+        self.gamma = gamma  # None keeps transformers' own draft policy
         if method:
             self.method = method
 

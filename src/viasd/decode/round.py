@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from viasd.decode import check_gamma
 from viasd.errors import ViasdError
+from viasd.speculation import DEFAULT_GAMMA
 from viasd.verify.gates import Gate
 
 T = TypeVar("T")
@@ -45,13 +45,6 @@ def tier_names(slim_tiers: int) -> list[str]:
     return ["accept", *slims, "full"]
 
 
-def check_stop(stop: float) -> float:
-    """A draft stop threshold (a drafter probability; 0: off), refused in one line when out of range."""
-    if not 0.0 <= stop <= 1.0:  # NaN fails too
-        raise ViasdError(f"the draft stop threshold must be a probability in [0, 1], got {stop}")
-    return stop
-
-
 @dataclass(frozen=True)
 class RoundPolicy:
     """The rules of a round: the gate, the draft length, the cap and the pre-gate.
@@ -61,22 +54,20 @@ class RoundPolicy:
     cap: most tokens committed without the full target before a full pass is forced (bounds the catch-up
     cost and the drift from the target). pregate: a round whose least confident draft token has a drafter
     probability under it goes straight to the full target (0: off); such rounds mostly escalate anyway,
-    so their slim pass would be wasted.
+    so their slim pass would be wasted. gamma and stop come checked where they entered (viasd.speculation).
     """
 
     gate: Gate
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
     cap: int = 32
     pregate: float = 0.0
     stop: float = 0.0
 
     def __post_init__(self) -> None:
-        check_gamma(self.gamma)
         if self.cap < 1:
             raise ViasdError(f"the cap on tokens committed without the full target must be >= 1, got {self.cap}")
         if not 0.0 <= self.pregate <= 1.0:
             raise ViasdError(f"the pre-gate must be a probability in [0, 1], got {self.pregate}")
-        check_stop(self.stop)
 
     @property
     def slim_tiers(self) -> int:

@@ -33,6 +33,7 @@ from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.decode.logprobs import TokenLogprob
 from viasd.engine import Engine
 from viasd.errors import ViasdError
+from viasd.methods import MethodSpec
 from viasd.passes.executor import PassExecutor
 from viasd.passes.prefix_cache import PrefixCache
 from viasd.prompting import PLAIN_TEMPLATE, ChatTemplate, Message, encode_messages
@@ -171,7 +172,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     executor, every model pass runs on its thread (`viasd serve`: the main thread; passes/executor.py says why)."""
     metrics = Metrics(settings.methods, model_name=settings.model_id)
     for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
-        for method in settings.methods:
+        for method in settings.parsed.values():
             engine.decoder(method, slot)
     service = GenerationService(
         engine,
@@ -190,7 +191,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     watchers: set[asyncio.Task[None]] = set()
     created = int(time.time())
     vocab_size = len(engine.tokenizer)
-    default_decoder = engine.decoder(settings.default_method)
+    default_decoder = engine.decoder(settings.parsed[settings.default_method])
     context_limit = default_decoder.context_limit
     # Structured output's view of the tokenizer (as wide as the model's logits): built on the first request asking.
     logits_width = getattr(getattr(default_decoder.target, "config", None), "vocab_size", None) or 0
@@ -287,18 +288,19 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
                 param="model",
             )
 
-    def pick_method(method: str | None) -> str:
-        chosen = method or settings.default_method
-        if chosen not in settings.methods:
+    def pick_method(method: str | None) -> MethodSpec:
+        """The request's method among those served, as parsed at start (no request parses a method name)."""
+        chosen = settings.method(method)
+        if chosen is None:
             raise APIError(
                 400,
-                f"method {chosen!r} is not loaded on this server; loaded: {', '.join(settings.methods)}",
+                f"method {method!r} is not loaded on this server; loaded: {', '.join(settings.methods)}",
                 code="method_not_loaded",
                 param="method",
             )
         return chosen
 
-    async def generation_config(req: ChatCompletionRequest | CompletionRequest, method: str) -> GenerationConfig:
+    async def generation_config(req: ChatCompletionRequest | CompletionRequest, method: MethodSpec) -> GenerationConfig:
         asked = requested_schema(req)
         grammar = await compile_grammar(req, asked[0]) if asked else None
         return request_generation_config(req, settings, method, vocab_size, grammar)
@@ -347,7 +349,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
                 return
             await asyncio.wait([job.result], timeout=_DISCONNECT_POLL_SECONDS)
 
-    def start(request: Request, prompt: list[int], method: str, config: GenerationConfig) -> Job:
+    def start(request: Request, prompt: list[int], method: MethodSpec, config: GenerationConfig) -> Job:
         job = service.submit(prompt, method, config)
         watcher = asyncio.create_task(watch_disconnect(request, job))
         watchers.add(watcher)

@@ -191,7 +191,7 @@ def serve(
         )
         with err.status(f"loading {target} for {', '.join(settings.methods)}"):
             engine = Engine(spec)
-            for method in settings.methods:
+            for method in settings.parsed.values():
                 engine.decoder(method)
         if not is_loopback(host) and settings.api_key is None:
             err.print(
@@ -215,9 +215,7 @@ def serve(
         server = uvicorn.Server(config)
         bound = sock.getsockname()
         url = f"http://{f'[{bound[0]}]' if ':' in bound[0] else bound[0]}:{bound[1]}"
-        from viasd.methods import parse_method
-
-        target_as_run = engine.target_as_run(parse_method(settings.default_method))
+        target_as_run = engine.target_as_run(settings.parsed[settings.default_method])
         err.print(
             f"serving {settings.model_id} at {url}/v1 (methods: {', '.join(settings.methods)}; "
             f"default {settings.default_method}, target {target_as_run}"

@@ -26,6 +26,7 @@ from time import perf_counter
 from viasd.decode.base import GenerationConfig, GenerationResult
 from viasd.decode.logprobs import TokenLogprob
 from viasd.engine import Engine
+from viasd.methods import MethodSpec
 from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.executor import PassExecutor, confine_openmp
 from viasd.passes.prefix_cache import PrefixCache
@@ -129,9 +130,11 @@ class GenerationService:
         with self._lock:
             return self._pending - self._running, self._running
 
-    def submit(self, prompt_ids: Sequence[int], method: str, config: GenerationConfig) -> Job:
-        """Queue a generation, or refuse it with 503 when the queue is full; call from the event loop."""
+    def submit(self, prompt_ids: Sequence[int], spec: MethodSpec, config: GenerationConfig) -> Job:
+        """Queue a generation with the method `spec` (as parsed when the server started), or refuse it with 503 when
+        the queue is full; call from the event loop."""
         loop = asyncio.get_running_loop()
+        method = spec.name
         with self._lock:
             if self._closed:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -167,7 +170,7 @@ class GenerationService:
                 started = perf_counter()
                 try:
                     with self._batched():
-                        result = self._generate(prompt, method, config, on_text, on_logprobs, slot)
+                        result = self._generate(prompt, spec, config, on_text, on_logprobs, slot)
                 finally:
                     self._slots.put(slot)
             except GenerationCancelled:
@@ -210,11 +213,11 @@ class GenerationService:
         result.add_done_callback(_mark_retrieved)
         return Job(method=method, cancel=cancel, result=result, pieces=pieces)
 
-    def _generate(self, prompt: list[int], method: str, config: GenerationConfig, on_text: Callable[[str], None],
+    def _generate(self, prompt: list[int], spec: MethodSpec, config: GenerationConfig, on_text: Callable[[str], None],
                   on_logprobs: Callable[[list[TokenLogprob]], None], slot: int) -> GenerationResult:  # fmt: skip
         """One generation on `slot`'s decoder, started from the prefix cache and kept there when it ends."""
-        cache = self.prefix_cache
-        decoder = self.engine.decoder(method, slot)
+        cache, method = self.prefix_cache, spec.name
+        decoder = self.engine.decoder(spec, slot)
         logprobs = on_logprobs if config.logprobs is not None else None
         if cache is None:
             return decoder.generate(prompt, config, on_text=on_text, on_logprobs=logprobs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from viasd.decode.base import GenerationConfig
 from viasd.errors import ViasdError
-from viasd.methods import parse_method
+from viasd.methods import MethodSpec
 from viasd.serve.errors import APIError
 from viasd.serve.schemas import ChatCompletionRequest, CompletionRequest
 from viasd.serve.settings import ServeSettings
@@ -29,7 +29,7 @@ _NEUTRAL: dict[str, object] = {
 def generation_config(
     req: ChatCompletionRequest | CompletionRequest,
     settings: ServeSettings,
-    method: str,
+    method: MethodSpec,
     vocab_size: int,
     grammar: Grammar | None = None,
 ) -> GenerationConfig:
@@ -51,8 +51,8 @@ def generation_config(
         raise APIError(400, message, param="max_tokens")
     if echoed and req.stream:
         raise APIError(400, "echo is not streamed here; send stream false or leave echo out", param="echo")
-    if top is not None and not parse_method(method).method.logprobs:
-        message = f"method {method!r} cannot report the target's log-probabilities; leave logprobs out"
+    if top is not None and not method.method.logprobs:
+        message = f"method {method.name!r} cannot report the target's log-probabilities; leave logprobs out"
         raise APIError(400, message, param="logprobs")
     if req.min_tokens is not None and req.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", param="min_tokens")
@@ -61,14 +61,15 @@ def generation_config(
         if outside:
             message = f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})"
             raise APIError(400, message, param=name)
-    if not parse_method(method).method.penalties:
+    if not method.method.penalties:
         for name, neutral in _NEUTRAL.items():
             value = getattr(req, name)
             if value is not None and value != neutral:
-                raise APIError(400, f"method {method!r} cannot honour {name}; leave it out", param=name)
+                raise APIError(400, f"method {method.name!r} cannot honour {name}; leave it out", param=name)
         if grammar is not None:
             name = (requested_schema(req) or ("response_format", None))[0]
-            raise APIError(400, f"method {method!r} cannot honour structured output ({name}); leave it out", param=name)
+            message = f"method {method.name!r} cannot honour structured output ({name}); leave it out"
+            raise APIError(400, message, param=name)
     try:
         penalties = Penalties(
             presence=req.presence_penalty or 0.0,

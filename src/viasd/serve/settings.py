@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from viasd.errors import ViasdError
-from viasd.methods import parse_method
+from viasd.methods import MethodSpec, parse_method
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 # Off by default: a prompt resumed from kept KV is not read by the same passes as a fresh one (the view's decode
@@ -33,12 +34,14 @@ class ServeSettings:
     default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
     shutdown_timeout: float = 30.0  # seconds requests in flight may run on after SIGTERM or Ctrl-C (serve/drain.py)
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB  # finished generations' KV kept for later prompts (0: off)
+    # The served methods as parsed, once, here: a request names one of them and gets its MethodSpec (`method`).
+    parsed: Mapping[str, MethodSpec] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.methods:
             raise ViasdError("no decoding method to serve: pass --methods, e.g. --methods sd,plain")
-        for method in self.methods:
-            parse_method(method)  # unknown methods and bad variant options fail here, before loading models
+        # Unknown methods and bad variant options fail here, before loading models.
+        object.__setattr__(self, "parsed", {name: parse_method(name) for name in self.methods})
         if len(set(self.methods)) != len(self.methods):
             raise ViasdError(f"--methods names a method twice: {','.join(self.methods)}")
         positive = {
@@ -70,6 +73,10 @@ class ServeSettings:
     @property
     def default_method(self) -> str:
         return self.methods[0]
+
+    def method(self, name: str | None) -> MethodSpec | None:
+        """The served method `name` as parsed at start (None: the default), or None when it is not served."""
+        return self.parsed.get(name or self.default_method)
 
 
 def parse_megabytes(text: str) -> int:

@@ -15,7 +15,7 @@ verifies the edited block exactly, so the output is the target's; what changes i
 Settings, besides the hybrid proposer's (viasd.vllm.proposer): VIASD_PROFILE, the routing profile (default: the
 shipped one for the default pair on this CPU). The task kind of each request (viasd.task_kind) picks the profile's
 gate for that kind and the slim view that gate was calibrated on (the kind's own view where the profile names one,
-made as `via` makes it: `viasd.methods.slim_views`).
+made as `via` makes it: `viasd.methods.via.slim_views`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ from torch import nn
 
 from viasd.drafters.hybrid import HybridDrafter
 from viasd.errors import ViasdError
-from viasd.methods import Parts, slim_views
+from viasd.methods.method import Parts
+from viasd.methods.via import slim_views
+from viasd.models.catalog import DEFAULT_DRAFTER
 from viasd.passes.session import KVSession
 from viasd.profile import RoutingProfile
 from viasd.task_kind import prompt_kind
 from viasd.verify.gates import Gate
 from viasd.verify.sampling import soft_probs
 from viasd.views.view import View
-from viasd.vllm.proposer import DEFAULT_DRAFTER, HybridProposer, _setting, log
+from viasd.vllm.proposer import HybridProposer, _setting, log
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 Each request drafts with its own hybrid drafter: a copy from its prompt or answer where the text repeats (prompt
 lookup, from matches as short as `sd:drafter=hybrid` copies), the small drafter model elsewhere (its own KV session
 per request, resynchronised to what vLLM committed, so rejected drafts are cropped; it stops after a draft token
-under sd's stop threshold, `viasd.methods.DEFAULT_STOP`). vLLM verifies the drafts with its rejection sampler. The
+under sd's stop threshold, `viasd.speculation.DEFAULT_STOP`; built by `viasd.methods.drafting`, as `sd:drafter=hybrid`
+builds it, so no setting differs). vLLM verifies the drafts with its rejection sampler. The
 number of drafts per request (at most K) follows the batch size, from step costs and acceptance measured while
 serving (viasd.vllm.draft_length). Settings come from the environment, since vLLM builds the proposer from its
 config alone:
@@ -29,14 +30,12 @@ import torch
 
 from viasd.drafters.base import Proposal
 from viasd.drafters.hybrid import HybridDrafter
-from viasd.drafters.model_drafter import ModelDrafter
-from viasd.drafters.prompt_lookup import PromptLookupDrafter
-from viasd.methods import DEFAULT_STOP, HYBRID_MATCH
+from viasd.methods.drafting import hybrid_drafter, model_drafter
+from viasd.models.catalog import DEFAULT_DRAFTER
+from viasd.speculation import DEFAULT_STOP
 from viasd.verify.sampling import SamplingParams
 from viasd.vllm.draft_length import DraftLength
 from viasd.vllm.sessions import SessionPool
-
-DEFAULT_DRAFTER = "qwen2.5-coder-0.5b"
 
 log = logging.getLogger("vllm.viasd")  # under vLLM's own logger, so its handlers print the lines
 
@@ -84,8 +83,8 @@ class HybridProposer:
         )
 
     def _new_session(self) -> Any:
-        model = ModelDrafter(self.drafter.model, self.view, name="model")
-        return HybridDrafter(PromptLookupDrafter(max_ngram=4, min_ngram=HYBRID_MATCH), model)
+        # No request's token budget reaches a proposer, so the hybrid never leaves its model drafter out.
+        return hybrid_drafter(model_drafter(self.drafter.model, self.view))
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """vLLM hands over its target here; the hybrid drafter needs none of it."""

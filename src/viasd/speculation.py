@@ -1,0 +1,63 @@
+"""The settings of a speculative round, each with its one default and its one check.
+
+Every place that takes one of these settings from a user (a method's option, `--gamma`, a routing profile's file,
+`viasd calibrate` and `viasd project`) checks it here, once, where it enters; the decoders, drafters and policies
+built from it take it as checked. Free of torch: the method registry parses names before any model loads.
+"""
+
+from __future__ import annotations
+
+from viasd.errors import ViasdError
+
+MAX_GAMMA = 64  # draft tokens per round: far beyond any useful block, small enough to refuse a typo
+# Draft tokens per round unless a method, its routing profile or the target's tile says otherwise (a dense target on
+# the native bf16 kernel drafts more: methods/drafting.py, `round_gamma`).
+DEFAULT_GAMMA = 4
+# sd's draft stop threshold, chosen from counts on the development prompts (BENCHMARKS.md, "Drafts that adapt"):
+# it cuts the drafts that no verifier looks at from 21.5% to 7.3% and is estimated 1.11x faster in decoding.
+DEFAULT_STOP = 0.5
+LOOKUP_MATCH = 1  # the lookup method's shortest match (prompt lookup as published: any n-gram from 3 down to 1)
+# The hybrid drafter copies when the context's tail matches at least this many tokens earlier (2-token matches
+# copied nothing right in HumanEval answers: 11 rounds, 0 tokens kept).
+HYBRID_MATCH = 3
+LONGEST_MATCH = 3  # the longest n-gram prompt lookup tries first (a longer shortest match raises it)
+MAX_MATCH = 16
+# Budget tokens per prompt token for the hybrid to use its model drafter (drafters.hybrid.uses_model): on the
+# 2-core CPU its prefill costs about 3.3 ms per prompt token (2.6 s for 800 tokens) and it saves about 80 ms per
+# generated token (a 0.24 s target step against sd's 0.16 s per token), so it pays back after 0.04 answer tokens
+# per prompt token; twice that, for answers that use half their budget.
+HYBRID_BUDGET = 0.08
+
+
+def check_gamma(gamma: int, name: str = "the draft length gamma") -> int:
+    """`gamma` when it is a draft length every decoder takes (1..MAX_GAMMA), else a one-line ViasdError naming it
+    as the user gave it (`--gamma`, ...). 0 must not pass: decoders read a falsy gamma as unset."""
+    if not 1 <= gamma <= MAX_GAMMA:
+        raise ViasdError(f"{name} must be in 1..{MAX_GAMMA}, got {gamma}")
+    return gamma
+
+
+def check_stop(stop: float, name: str = "the draft stop threshold") -> float:
+    """A draft stop threshold (a drafter probability; 0: off), refused in one line when out of range."""
+    if not 0.0 <= stop <= 1.0:  # NaN fails too
+        raise ViasdError(f"{name} must be a probability in [0, 1], got {stop}")
+    return stop
+
+
+def check_match(match: int, name: str = "the shortest lookup match") -> int:
+    """The shortest n-gram that prompt lookup copies from (1..MAX_MATCH)."""
+    if not 1 <= match <= MAX_MATCH:
+        raise ViasdError(f"{name} must be in 1..{MAX_MATCH}, got {match}")
+    return match
+
+
+def check_budget(budget: float, name: str = "the hybrid's budget") -> float:
+    """Budget tokens per prompt token below which the hybrid leaves its model drafter out (>= 0; 0: never)."""
+    if not 0.0 <= budget < float("inf"):  # NaN fails too
+        raise ViasdError(f"{name} must be a number >= 0, got {budget}")
+    return budget
+
+
+def longest_match(shortest: int) -> int:
+    """The longest n-gram prompt lookup tries first, for a shortest match of `shortest` tokens."""
+    return max(LONGEST_MATCH, shortest)
