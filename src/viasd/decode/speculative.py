@@ -8,15 +8,15 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from viasd.decode import check_gamma
 from viasd.decode.base import Decoder, decision_generator
 from viasd.decode.load import DraftTally, load_on
 from viasd.decode.output import OutputSink
-from viasd.decode.round import Round, check_stop, draft_length
+from viasd.decode.round import Round, draft_length
 from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal
 from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, common_prefix_length, upload_ids
+from viasd.speculation import DEFAULT_GAMMA
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
 from viasd.verify.sampling import SamplingParams, adjusted, checked_token, sample, warp_probs
@@ -79,15 +79,14 @@ class SpeculativeDecoder(Decoder):
         target: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
         drafter: Drafter,
-        gamma: int = 4,
+        gamma: int = DEFAULT_GAMMA,
         method: str | None = None,
         view: View | None = None,
         stop: float = 0.0,
     ) -> None:
         super().__init__(target, tokenizer, view)
         self.drafter = drafter
-        self.gamma = check_gamma(gamma)
-        self.stop = check_stop(stop)
+        self.gamma, self.stop = gamma, stop  # checked where they entered (viasd.speculation)
         self.session = KVSession(target, view)
         drafter.follow(self.session)
         if method:
