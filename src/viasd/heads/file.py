@@ -4,7 +4,7 @@ A safetensors file whose metadata names the format, the head's shape, the target
 one target's features: another target's would be noise) and tokenizer, how it was trained, and an xxh3-128 digest
 of every tensor's bytes: a damaged, truncated or foreign file is refused in one line, never half-used. The metadata is
 not under the digest, so every field of it is checked before it is used (a hand-edited or damaged config is refused
-in one line too, and a method then drafts with the next-best drafter, methods.py).
+in one line too, and a method then drafts with the next-best drafter, methods/drafting.py).
 """
 
 from __future__ import annotations
