@@ -69,10 +69,13 @@ class Engine:
         its file's blocks then gets, once, with one line), made once (cached on disk) and shared."""
         if recipe is None:
             from viasd.models.stored import densify
+            from viasd.passes.bf16_linear import use_bf16_kernel
 
             start = time.perf_counter()
             if densify(model.model, f"{model.name} runs as loaded"):
                 self.setup_seconds[f"dense copy of {model.name}"] = time.perf_counter() - start
+            # The dense layers (made now, or earlier by a view that smooths by activations) on viasd's bf16 kernel.
+            use_bf16_kernel(model.model)
             return None
         key = (id(model.model), recipe)
         if key not in self._views:

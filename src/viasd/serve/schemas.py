@@ -24,7 +24,7 @@ import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from viasd.prompting import RESERVED_TEMPLATE_KEYS, ChatTemplate
-from viasd.serve.structured import FORMAT_TYPES, format_check
+from viasd.serve.response_format import FORMAT_TYPES, format_check
 from viasd.serve.tools import MessageToolCall, ToolCallOut, ToolSpec, checked_tool_choice, distinct_tools
 from viasd.verify.sampling import SEED_MAX, SEED_MIN
 

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
     from viasd.serve.schemas import ChatCompletionRequest, CompletionRequest
 
-# The response_format types the server honours; "text" asks for nothing.
-FORMAT_TYPES = ("text", "json_object", "json_schema")
 COMPILE_SECONDS = 10.0  # the most a request's schema may take to be compiled, its wait for a worker included
 COMPILE_WORKERS = 2  # grammars compiled at once (the library lets go of the GIL while it compiles)
 
@@ -41,23 +39,6 @@ class GrammarTokenizer:
             if self._built is None:
                 self._built = grammar_tokenizer(*self._source)
             return self._built
-
-
-def format_check(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A response_format's shape, checked where the request is parsed (a ValueError names what is wrong)."""
-    if value is None:
-        return None
-    kind = value.get("type", "text")
-    if kind not in FORMAT_TYPES:
-        raise ValueError(f"type must be one of {', '.join(map(repr, FORMAT_TYPES))}, got {kind!r}")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise ValueError("type 'json_schema' needs a json_schema object with the schema under 'schema'")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise ValueError("json_schema.schema must be a JSON object")
-    return value
 
 
 def requested_schema(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, dict[str, Any] | None] | None:
