@@ -19,8 +19,9 @@ from transformers import DynamicCache
 from tiny import tiny_model
 from viasd.drafters.base import Drafter, Proposal
 from viasd.passes import loop as short_pass
+from viasd.passes.facts import gather
 from viasd.passes.packed_attention import PACK_UP_TO
-from viasd.passes.route import short_stack
+from viasd.passes.route import Schedule, Stack, decide
 from viasd.passes.session import KVSession, new_cache
 from viasd.verify.sampling import SamplingParams
 from viasd.views.quantize import quantizable
@@ -63,13 +64,21 @@ def assert_cache_equals(
 # ------------------------------------------------------------------------------------------- short passes
 
 
+def ragged_stack(model: nn.Module, view: View | None) -> tuple[Stack, bool]:
+    """The stack of a ragged pass of `model` as `view` (full layers) on sessions' caches, and whether it attends by
+    the C kernel: the leg the route gives a batcher's segment (passes/route.py), as training asks for it."""
+    leg = decide(1, 1, gather(model, new_cache(model), view, chunk=PACK_UP_TO)).legs[0]
+    assert leg.schedule is Schedule.BATCHED, "viasd's loop runs this model's passes"
+    return leg.stack, leg.attention_kernel
+
+
 def own_and_short(model, view, seed=0):
     """Pairs of (own forward, short pass) logits over random blocks after a prompt, on two caches; and the caches."""
     rng = random.Random(seed)
     ids = [rng.randrange(64) for _ in range(200)]
     own, short = new_cache(model), new_cache(model)
     pairs = []
-    stack = short_stack(model, view)
+    stack = ragged_stack(model, view)
     with torch.inference_mode(), applied(model, view):
         for cache in (own, short):
             model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)

@@ -8,6 +8,7 @@ import warnings
 import optuna
 import pytest
 import torch
+from transformers import DynamicCache
 from typer.testing import CliRunner
 
 from tiny import tiny_model, tiny_tokenizer
@@ -32,10 +33,13 @@ from viasd.drafters.hybrid import HybridDrafter
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.models.loading import LoadedModel
+from viasd.passes.cache_argument import cache_argument
 from viasd.profile import RoutingProfile, load_profile, model_fingerprint, save_profile
 from viasd.verify.gates import Gate
 from viasd.views.layer_skip import LayerMask, decoder_layers
+from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
+from viasd.views.view import View, applied
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -111,6 +115,23 @@ def test_slim_view_with_every_layer_reproduces_the_full_pass(arch):
     assert torch.allclose(batched, slim_logits(model, mask, seq, 4, batched=False), atol=1e-5)
     assert not torch.allclose(batched, seq.full_logits, atol=1e-3)
     assert seq.cache.get_seq_length() == len(seq.ids)  # the full cache is left as it was
+
+
+def test_teacher_forcing_reads_every_position_with_the_view_and_keeps_a_fresh_passs_cache():
+    """The teacher asks the route, with every position the view's: where a session would read a long prompt's head
+    by the model's own weights (an int4 view on a CPU, `own_weights_from`), the teacher's logits and cache are still
+    one fresh forward pass of the view's over the whole sequence."""
+    model = tiny_model("qwen2", layers=4)
+    view = View(linears=quantize(model, QuantRecipe.parse("int4")))
+    ids = [3 + (i * 7) % 60 for i in range(48)]
+    assert view.linears.recipe.own_weights_from("cpu") <= 40  # a session's pass over these would split
+    seq = teacher_force(model, ids, 40, view)
+    fresh = DynamicCache(config=model.config)
+    with torch.inference_mode(), applied(model, view):
+        want = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=8, **cache_argument(model, fresh))
+    assert torch.equal(seq.full_logits, want.logits[0].float())
+    for got, expected in zip(seq.cache.layers, fresh.layers, strict=True):
+        assert torch.equal(got.keys, expected.keys) and torch.equal(got.values, expected.values)
 
 
 # ------------------------------------------------------------------------------------------ mask search

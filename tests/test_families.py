@@ -13,7 +13,7 @@ import torch
 from transformers import Gemma3TextConfig, MistralConfig, Phi3Config, Phi3ForCausalLM
 from transformers.activations import ACT2FN
 
-from helpers import PROMPT, own_and_short
+from helpers import PROMPT, own_and_short, ragged_stack
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -25,7 +25,7 @@ from viasd.passes import fused, loop
 from viasd.passes.loop import Segment
 from viasd.passes.packed_attention import use_packed_attention
 from viasd.passes.prepare import prepare
-from viasd.passes.route import Stack, short_stack
+from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
@@ -114,7 +114,7 @@ def test_a_merged_pass_gives_each_sequence_the_rope_frequencies_of_its_own_pass(
     mixed = model.model.rotary_emb(torch.zeros(1, 2, 64), torch.tensor([[10, 40]]))[0]
     assert not torch.allclose(mixed[0, 0], short[0, 0])  # a merged call would rotate the short one by long factors
     prompts = [list(range(3, 43)), list(range(5, 15))]  # 40 positions (long factors) and 10 (short ones)
-    stack = short_stack(model, None)
+    stack = ragged_stack(model, None)
     together, alone = [new_cache(model) for _ in prompts], [new_cache(model) for _ in prompts]
     with torch.inference_mode():
         for caches in (together, alone):
@@ -146,7 +146,7 @@ def test_a_decoder_the_fused_stack_lacks_runs_layer_by_layer_and_says_why_once(c
     reason = fused.why_not(model.config)
     assert reason == "it has no gelu activation"
     notice.warn_once.cache_clear()
-    assert short_stack(model, view)[0] is Stack.LOOP and short_stack(model, view)[0] is Stack.LOOP
+    assert ragged_stack(model, view)[0] is Stack.LOOP and ragged_stack(model, view)[0] is Stack.LOOP
     assert capsys.readouterr().err.count(reason) == 1
     session = KVSession(model, base_view=view)
     session.forward(PROMPT)
@@ -159,7 +159,7 @@ def test_the_fused_stack_computes_the_families_of_the_loop(arch):
     model = prepare(tiny_model(arch, dtype=torch.bfloat16, sliding_window=8 if arch in ("mistral", "gemma3") else None))
     assert fused.why_not(model.config) is None
     view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
-    assert short_stack(model, view)[0] is Stack.FUSED
+    assert ragged_stack(model, view)[0] is Stack.FUSED
     assert fused.why_not(MistralConfig()) is None  # Mistral 7B v0.1's window of 4096 positions
     assert fused.why_not(MistralConfig(sliding_window=None)) is None  # v0.2 on: full attention
     assert fused.why_not(Gemma3TextConfig(attn_logit_softcapping=50.0)) == "it has no soft cap of attention scores"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import PROMPT, qwen2_with_gguf
+from helpers import PROMPT, qwen2_with_gguf, ragged_stack
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
@@ -34,7 +34,8 @@ OFF = ("VIASD_KERNELS", "-fused")  # the per-layer loop, with the same product a
 
 
 def applies(model, view) -> bool:
-    return route.short_stack(model, view)[0] is route.Stack.FUSED
+    """Whether the fused stack takes `view` of `model` whole (its verdict, which the route's facts read)."""
+    return fused_layers.fits(model, view)
 
 
 def passes(model, view, blocks, seed=0):
@@ -47,7 +48,7 @@ def passes(model, view, blocks, seed=0):
         model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)
         at = 20
         for size in blocks:
-            stack = route.short_stack(model, view)
+            stack = ragged_stack(model, view)
             assert (stack[0] is route.Stack.FUSED) == isinstance(fused_kernel.kernel(), Library)
             out.append(short_pass.short_pass(model, torch.tensor([ids[at : at + size]]), cache, size, *stack))
             at += size

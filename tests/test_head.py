@@ -241,6 +241,17 @@ def test_written_conversations_hold_the_targets_greedy_answers_and_features(tmp_
         torch.testing.assert_close(data.features[row].float(), expected)
 
 
+def test_training_passes_are_the_routes_batched_legs_and_a_model_the_loop_does_not_run_is_refused():
+    """Training asks the route for its conversations' ragged passes (a batcher's segments, the head's features kept):
+    a model whose passes viasd's loop does not run (an architecture it does not cover) is refused in one line, not
+    run by a loop that does not compute it."""
+    tok = tiny_chat_tokenizer(320)
+    target = tiny_model("gemma", vocab_size=320, hidden=64)
+    written = write_conversations(target, tok, None, lambda i: Opener("hello", False), 0, rows=2, max_request=4)
+    with pytest.raises(ViasdError, match="ragged passes, which do not run this model here"):
+        next(written)
+
+
 def test_a_trained_head_drafts_better_than_an_untrained_one_and_stays_exact(tmp_path):
     # 96 conversations: the last 5% (held out) are then 4, enough that one odd answer does not decide the test.
     target, tok, folder = tiny_data(tmp_path, 96)

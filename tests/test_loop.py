@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from helpers import own_and_short
+from helpers import own_and_short, ragged_stack
 from tiny import LOOP_ARCHITECTURES, tiny_model
 from viasd.kernels import attention as short_attention
 from viasd.kernels import notice
@@ -15,7 +15,6 @@ from viasd.kernels.build import Library
 from viasd.passes import loop as short_pass
 from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.passes.prepare import prepare
-from viasd.passes.route import short_stack
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.layer_skip import LayerMask, skipping
 from viasd.views.quantize import quantize
@@ -62,7 +61,7 @@ def test_bf16_short_passes_attending_in_c_agree_with_the_model_and_with_themselv
         assert (got.float() - want.float()).abs().max() <= 0.125 * want.float().abs().max()
     tokens = torch.tensor([[5, 9, 11, 3, 7, 30, 2, 8]])
     stepped, blocked = new_cache(model), new_cache(model)
-    stack = short_stack(model, view)
+    stack = ragged_stack(model, view)
     with torch.inference_mode(), applied(model, view):
         for cache in (stepped, blocked):
             model(input_ids=torch.tensor([list(range(3, 23))]), cache=cache, use_cache=True, logits_to_keep=1)

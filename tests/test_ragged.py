@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
+from helpers import ragged_stack
 from tiny import tiny_model
 from viasd.passes import loop
 from viasd.passes.loop import Segment
-from viasd.passes.route import short_stack
 from viasd.passes.session import new_cache
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
@@ -46,7 +46,7 @@ def test_each_sequence_gets_what_it_gets_alone(arch, dtype):
     view = View(linears=quantize(model, QuantRecipe.parse("int4a8")))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in (7, 19, 3, 30)]  # caches of different lengths
-    stack = short_stack(model, view)  # fused where the kernel takes the bf16 view, else layer by layer
+    stack = ragged_stack(model, view)  # fused where the kernel takes the bf16 view, else layer by layer
     with applied(model, view):
         together, alone = caches_after_prompts(model, prompts), caches_after_prompts(model, prompts)
         with torch.inference_mode():
@@ -70,6 +70,6 @@ def test_only_the_kept_rows_get_logits_and_a_single_segment_is_a_short_pass():
     caches = caches_after_prompts(model, [[5, 6, 7], [8, 9]])
     with torch.inference_mode():
         segments = [Segment(caches[0], torch.tensor([3, 4, 5]), 1), Segment(caches[1], torch.tensor([6, 7]), 2)]
-        logits = loop.ragged_pass(model, segments, *short_stack(model, None))
+        logits = loop.ragged_pass(model, segments, *ragged_stack(model, None))
     assert [tuple(x.shape) for x in logits] == [(1, 64), (2, 64)]
     assert caches[0].get_seq_length() == 6 and caches[1].get_seq_length() == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import ragged_stack
 from viasd.decode.base import GenerationConfig
 from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
@@ -18,7 +19,6 @@ from viasd.engine import Engine
 from viasd.models.loading import load_model
 from viasd.passes import loop
 from viasd.passes.prepare import prepare
-from viasd.passes.route import short_stack
 from viasd.passes.session import new_cache
 from viasd.spec import EngineSpec
 from viasd.views.layer_skip import LayerMask
@@ -34,7 +34,7 @@ def test_gemma3_short_passes_are_the_models_own_and_speculative_decoding_is_gree
     assert type(model).__name__ == "Gemma3ForCausalLM" and loop.covers(model)
     ids = loaded.tokenizer(TEXT)["input_ids"]
     own, short = new_cache(model), new_cache(model)
-    stack = short_stack(model, None)
+    stack = ragged_stack(model, None)
     with torch.inference_mode():
         for cache in (own, short):
             model(input_ids=torch.tensor([ids[:20]]), cache=cache, use_cache=True, logits_to_keep=1)

@@ -2,6 +2,10 @@
 single token, a block, a prompt, batched rows, a chunked prompt, a quantized view's split prompt, no kernels, and a
 model the loop does not cover; sessions take it once per pass and count their passes by it."""
 
+import json
+import subprocess
+import sys
+
 import torch
 
 from tiny import tiny_model, tiny_tokenizer
@@ -155,3 +159,26 @@ def test_features_are_recorded_only_where_the_route_says_a_head_follows(monkeypa
         fresh = model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
     for position in kept:
         torch.testing.assert_close(followed.features.row(position), fresh[position], rtol=1e-5, atol=1e-5)
+
+
+def test_a_pass_with_its_own_attention_mask_is_one_leg_of_the_models_forward():
+    """Teacher forcing's passes bring their own mask: only the model's own forward takes one, whole (the loop and the
+    fused stack build their own masks; a split or a chunk would cut the mask)."""
+    for facts in (LOOPED, Facts(loop=True, chunk=32, own_chunk=128, own_weights_from=8, fused=True)):
+        masked = Facts(**{**facts.__dict__, "masked": True})
+        for tokens, keep in ((3, 3), (70, 40)):
+            (leg,) = decide(tokens, keep, masked).legs
+            assert (leg.start, leg.stop, leg.keep, leg.stack, leg.own_weights) == (0, tokens, keep, Stack.MODEL, False)
+    assert decide(70, 40, Facts(loop=True, chunk=32, masked=True)).kind is Kind.QUEUED  # in turn, never merged
+
+
+def test_the_route_imports_none_of_the_stacks_it_chooses_between():
+    """Deciding builds nothing: the route's module loads no stack, no view maker and no model code of viasd's."""
+    code = "import json, sys, viasd.passes.route; print(json.dumps(sorted(m for m in sys.modules if 'viasd' in m)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert set(json.loads(run.stdout)) == {
+        "viasd",
+        "viasd.passes",
+        "viasd.passes.route",
+        "viasd.passes.packed_attention",
+    }

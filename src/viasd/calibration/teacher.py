@@ -12,6 +12,11 @@ plainest reading (the slim view runs alone after the prompt).
 With sdpa or eager attention one forward pass does every chunk at once: the sequence's tokens are fed
 again after the full cache, at their real positions, under a custom 4D attention mask. Other attention
 kernels (flash attention) take one pass per chunk, which gives the same numbers more slowly.
+
+Every pass asks the route (passes/route.py) for its stack, as a session's does, from the facts of its cache, view and
+mask (passes/facts.py): viasd's loop does not run on a teacher's cache (snapshots are restored by reference, which
+the loop's in-place writes would break), and every position is the view's (no prompt read by the model's own
+weights), so the route gives the model's own forward, in one leg.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from torch import nn
 from transformers import DynamicCache
 
 from viasd.errors import ViasdError
-from viasd.passes.cache_argument import cache_argument
-from viasd.views.view import ViewLike, applied
+from viasd.passes.facts import gather
+from viasd.passes.loop import leg_pass
+from viasd.passes.route import decide
+from viasd.views.view import View, ViewLike, applied, as_view
 
 # Attention implementations that take a custom additive 4D mask as is.
 _MASKABLE = ("sdpa", "eager")
@@ -60,14 +67,30 @@ def _dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _pass(
+    model: nn.Module,
+    view: View | None,
+    cache: DynamicCache | None,
+    ids: Sequence[int],
+    keep: int,
+    **mask: torch.Tensor,
+) -> torch.Tensor:
+    """float32 logits [keep, V] (CPU) of one pass of `model` as `view` (applied by the caller) over `ids` after
+    `cache` (None: none kept), by the route's stack; `mask`: the pass's own attention mask and positions."""
+    # Not by viasd's loop: a teacher's cache is restored from snapshots that hold its tensors by reference, and the
+    # loop writes its layers' entries in place. Every position is the view's, as calibration has always read it.
+    facts = gather(model, cache, view, covered=False, own_weights=False, masked=bool(mask))
+    (leg,) = decide(len(ids), keep, facts).legs  # no batcher and no own weights: one leg
+    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
+    return leg_pass(model, input_ids, cache, leg, **mask)[0].float().cpu()
+
+
 def model_logits(model: nn.Module, ids: Sequence[int], start: int) -> torch.Tensor:
     """float32 logits [N - start, V] of a plain forward pass at positions start..N-1 (CPU)."""
     if not 0 <= start < len(ids):
         raise ViasdError(f"teacher forcing: start {start} outside a sequence of {len(ids)} tokens")
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
     with torch.inference_mode():
-        out = model(input_ids=input_ids, use_cache=False, logits_to_keep=len(ids) - start)
-    return out.logits[0].float().cpu()
+        return _pass(model, None, None, ids, len(ids) - start)
 
 
 def teacher_force(model: nn.Module, ids: Sequence[int], start: int, view: ViewLike = None) -> TeacherSequence:
@@ -76,12 +99,10 @@ def teacher_force(model: nn.Module, ids: Sequence[int], start: int, view: ViewLi
     if not 0 < start < len(ids):
         raise ViasdError(f"teacher forcing: start {start} must be inside the sequence (1..{len(ids) - 1})")
     cache = DynamicCache(config=model.config)
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=_device(model))
+    view = as_view(view)
     with torch.inference_mode(), applied(model, view):
-        out = model(
-            input_ids=input_ids, use_cache=True, logits_to_keep=len(ids) - start, **cache_argument(model, cache)
-        )
-    return TeacherSequence(list(ids), start, out.logits[0].float().cpu(), cache)
+        logits = _pass(model, view, cache, ids, len(ids) - start)
+    return TeacherSequence(list(ids), start, logits, cache)
 
 
 def _snapshot(cache: DynamicCache) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -131,34 +152,24 @@ def slim_logits(
     if chunk < 1:
         raise ViasdError(f"teacher forcing: chunk must be >= 1, got {chunk}")
     n, m, device = len(seq.ids), seq.scored, _device(model)
+    view = as_view(view)
     snap = _snapshot(seq.cache)
     try:
         with torch.inference_mode(), applied(model, view):
             if batched is None:
                 batched = model.config._attn_implementation in _MASKABLE
             if batched:
-                attention = frontier_mask(n, seq.start, chunk, _dtype(model)).to(device)
-                out = model(
-                    input_ids=torch.tensor([seq.ids[seq.start :]], dtype=torch.long, device=device),
+                return _pass(
+                    model, view, seq.cache, seq.ids[seq.start :], m,
                     position_ids=torch.arange(seq.start, n, device=device)[None],
-                    attention_mask=attention,
-                    use_cache=True,
-                    logits_to_keep=m,
-                    **cache_argument(model, seq.cache),
-                )
-                return out.logits[0].float().cpu()
+                    attention_mask=frontier_mask(n, seq.start, chunk, _dtype(model)).to(device),
+                )  # fmt: skip
             pieces = []
             for a in range(seq.start, n, chunk):
                 _restore(seq.cache, snap)
                 _crop(seq.cache, a)
                 ids = seq.ids[a : min(a + chunk, n)]
-                out = model(
-                    input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-                    use_cache=True,
-                    logits_to_keep=len(ids),
-                    **cache_argument(model, seq.cache),
-                )
-                pieces.append(out.logits[0].float().cpu())
+                pieces.append(_pass(model, view, seq.cache, ids, len(ids)))
             return torch.cat(pieces)
     finally:
         _restore(seq.cache, snap)

@@ -250,6 +250,11 @@ def skips_whole_layers(view: View | None) -> bool:
     return mask is not None and not mask.is_full and mask.attention == mask.mlp
 
 
+def layers_of(view: View | None) -> View | None:
+    """`view`'s layers without its mask: the stack's part of a view that skips whole layers (`skips_whole_layers`)."""
+    return None if view is None or view.linears is None else View(linears=view.linears)
+
+
 def agrees() -> bool:
     """Whether the fused stack computes what viasd's decoder layer computes (passes/layer_loop.py, the reference it
     is held to), checked once per process; where it does not, short passes run layer by layer, and one line says

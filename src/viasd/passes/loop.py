@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,9 +34,10 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_
 
 from viasd.kernels.notice import warn_once
 from viasd.passes import fused, layer_loop
+from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import GrowingLayer
 from viasd.passes.packed_attention import NAME as PACKED
-from viasd.passes.route import Stack
+from viasd.passes.route import Leg, Stack
 
 # The transformers classes whose forward the loop mirrors, by architecture (checked by name: a release that renames
 # or restructures them falls back to the model's own forward with a line saying so, and the bit-identity tests
@@ -167,6 +169,25 @@ def short_pass(
     `attention_kernel` as the pass's route says (passes/route.py); `skipped`: whole layers the FUSED stack leaves
     out (a slim view's)."""
     return ragged_pass(model, [Segment(cache, input_ids[0], keep)], stack, attention_kernel, skipped)[0][None]
+
+
+def leg_pass(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    cache: DynamicCache | None,
+    leg: Leg,
+    skipped: Sequence[int] = (),
+    **inputs: Any,
+) -> torch.Tensor:
+    """Logits [1, leg.keep, vocab] of one leg of a route run alone, by its stack: this loop (`short_pass`, LOOP or
+    FUSED) or the model's own forward on `cache` (None: a pass that keeps no cache); `inputs` (a pass's own attention
+    mask and position ids: teacher forcing) go to the model's own forward, the one stack that takes them."""
+    if leg.stack is not Stack.MODEL:
+        assert cache is not None and not inputs, "the loop runs on a cache, with the masks it builds itself"
+        return short_pass(model, input_ids, cache, leg.keep, leg.stack, leg.attention_kernel, skipped)
+    kept = cache_argument(model, cache) if cache is not None else {}
+    out = model(input_ids=input_ids, use_cache=cache is not None, logits_to_keep=leg.keep, **kept, **inputs)
+    return out.logits
 
 
 Angles = tuple[torch.Tensor, torch.Tensor]  # cos and sin [M, dim]

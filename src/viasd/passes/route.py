@@ -15,9 +15,11 @@ these routes (docs/design.md draws them):
 * `split`: a prompt of a quantized view: the positions that need no logits with the model's own weights, the rest
   with the view (`QuantRecipe.own_weights_from`).
 
-`decide` is a pure function of the pass's length and `Facts`, which a session gathers from its model, cache and
-view (`KVSession.route`). The executing code (passes/session.py, passes/batching.py, passes/loop.py) runs the
-route's legs as they say, including whether a leg records features for a draft head, and checks nothing again.
+`decide` is a pure function of the pass's length and `Facts`, which passes/facts.py gathers from the pass's model,
+cache, view and batcher for every caller: sessions (`KVSession.route`), training's conversations, calibration's
+teacher. The route imports none of the stacks it chooses between: they sit above it and read its `Stack`. The
+executing code (passes/session.py, passes/batching.py, passes/loop.py) runs the route's legs as they say, including
+whether a leg records features for a draft head, and checks nothing again.
 """
 
 from __future__ import annotations
@@ -25,12 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from torch import nn
-
-from viasd.passes import fused
-from viasd.passes.layer_loop import attention_kernel
 from viasd.passes.packed_attention import PACK_UP_TO
-from viasd.views.view import View
 
 
 class Stack(Enum):
@@ -100,6 +97,7 @@ class Facts:
     attention_kernel: bool = False  # the attention kernel takes the model's shapes and dtype
     own_weights_from: int | None = None  # the view reads positions without logits by the model's weights from here
     features: bool = False  # a draft head follows the pass: its legs record the features of their kept positions
+    masked: bool = False  # the pass brings its own attention mask (teacher forcing): only the model's forward takes it
 
 
 def decide(tokens: int, keep: int, facts: Facts) -> Route:
@@ -109,6 +107,10 @@ def decide(tokens: int, keep: int, facts: Facts) -> Route:
     view's own, or the model's where `own_weights_from` says so), never on a batcher: a chunked pass reads a split's
     head with the model's weights too, so a generation's cache, and so its tokens, are what they are alone.
     """
+    if facts.masked:  # one leg, whole: the loop and the fused stack build their own masks, and a split cuts one
+        leg = Leg(0, tokens, keep, Schedule.ALONE if facts.chunk is None else Schedule.QUEUED, Stack.MODEL,
+                  features=facts.features)  # fmt: skip
+        return Route(Kind.MODEL if facts.chunk is None else Kind.QUEUED, (leg,))
     head = tokens - keep
     split = facts.own_weights_from is not None and head > 0 and facts.own_weights_from <= head
     # The batcher's chunk where it may merge this pass's parts (viasd's loop runs them), else None.
@@ -152,11 +154,3 @@ def _leg(start: int, stop: int, keep: int, facts: Facts, own_weights: bool) -> L
     if looped and 0 < tokens <= PACK_UP_TO:
         return Leg(start, stop, keep, schedule, stack, kernel, own_weights, facts.features)
     return Leg(start, stop, keep, schedule, Stack.MODEL, False, own_weights, facts.features)
-
-
-def short_stack(model: nn.Module, view: View | None) -> tuple[Stack, bool]:
-    """How viasd's loop runs short passes of `model` as `view` (full layers, a model the loop covers): fused or layer
-    by layer, and whether with the attention kernel. For callers of `loop.ragged_pass` outside a session."""
-    if fused.fits(model, view):
-        return Stack.FUSED, False
-    return Stack.LOOP, attention_kernel(model)

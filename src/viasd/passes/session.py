@@ -41,13 +41,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from viasd.models.stored import has_dense_weights
 from viasd.passes import fused, loop
 from viasd.passes.batching import PassBatcher, batcher_of
-from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import growing_cache
+from viasd.passes.facts import gather
 from viasd.passes.features import FeatureStore, head_inputs
-from viasd.passes.layer_loop import attention_kernel
 from viasd.passes.loop import Segment
 from viasd.passes.route import Facts, Leg, Route, Schedule, Stack, decide
 from viasd.views.view import View, ViewLike, applied, as_view
@@ -182,28 +180,12 @@ class KVSession:
         return decide(tokens, keep, self._facts(view, batcher))
 
     def _facts(self, view: View | None, batcher: PassBatcher | None) -> Facts:
-        """What the route of a pass of `view` depends on now (passes/route.py `Facts`), gathered in one place."""
-        skips = view is not None and view.mask is not None and not view.mask.is_full
-        runs = self.short_passes and loop.runs_on(self.model, self.cache)
-        linears = view.linears if view is not None and not skips else None
-        # A long pass of a quantized view (a prompt) may read the positions that need no logits with the model's own
-        # weights, which are faster there (`QuantRecipe.own_weights_from`).
-        # A model whose weights stay in its file's blocks has no dense copy to read them with (models/stored.py).
-        own = linears is not None and has_dense_weights(self.model)
-        own_from = linears.recipe.own_weights_from(self.device.type) if own else None  # type: ignore[union-attr]
+        """What the route of a pass of `view` depends on now (passes/facts.py), with the batcher's chunks and
+        whether a draft head follows this session (drafters/head.py gave it a store)."""
         chunk, own_chunk = (None, None) if batcher is None else (batcher.chunk, batcher.own_chunk)
-        # A draft head follows this session (drafters/head.py gave it a store): its passes record their features.
-        features = self.features is not None
-        if not runs:
-            return Facts(
-                False, chunk=chunk, own_chunk=own_chunk, skips=skips, own_weights_from=own_from, features=features
-            )
-        # A view that skips whole layers runs fused where its layers would: the stack leaves those layers out.
-        whole = skips and fused.skips_whole_layers(view)
-        fits = (not skips and fused.fits(self.model, view)) or (whole and fused.fits(self.model, _layers_of(view)))
-        return Facts(
-            True, chunk=chunk, own_chunk=own_chunk, skips=skips, fused=fits,
-            attention_kernel=attention_kernel(self.model), own_weights_from=own_from, features=features,
+        return gather(
+            self.model, self.cache, view, chunk=chunk, own_chunk=own_chunk, covered=self.short_passes,
+            features=self.features is not None,
         )  # fmt: skip
 
     def _run(self, ids: Ids, view: View | None, keep: int) -> torch.Tensor:
@@ -254,23 +236,15 @@ class KVSession:
         skipped: tuple[int, ...] = ()
         if leg.stack is Stack.FUSED and view is not None and view.mask is not None and not view.mask.is_full:
             # The fused stack leaves the skipped layers out itself: only the view's layers are swapped in.
-            skipped, view = tuple(view.mask.skipped_layers), _layers_of(view)
+            skipped, view = tuple(view.mask.skipped_layers), fused.layers_of(view)
         with torch.inference_mode(), applied(self.model, view):
             if not leg.features or self.features is None:  # no head follows: no capture hook on the output head
-                return self._model_pass(input_ids, leg, skipped)
+                return loop.leg_pass(self.model, input_ids, self.cache, leg, skipped)
             with head_inputs(self.model) as seen:
-                logits = self._model_pass(input_ids, leg, skipped)
+                logits = loop.leg_pass(self.model, input_ids, self.cache, leg, skipped)
             if seen:  # the head read the kept positions' features: the last `keep` of this pass
                 self.features.write(start + input_ids.shape[1] - leg.keep, seen[-1][-leg.keep :])
             return logits
-
-    def _model_pass(self, input_ids: torch.Tensor, leg: Leg, skipped: tuple[int, ...] = ()) -> torch.Tensor:
-        if leg.stack is not Stack.MODEL:  # viasd's forward (passes/loop.py)
-            return loop.short_pass(
-                self.model, input_ids, self.cache, leg.keep, leg.stack, leg.attention_kernel, skipped
-            )
-        cache = cache_argument(self.model, self.cache)
-        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=leg.keep, **cache).logits
 
     def forward(self, ids: Ids, keep: int = 1) -> torch.Tensor:
         """Commit `ids` after the committed tokens (base view); logits [keep, V] of the last positions, on the
@@ -340,8 +314,3 @@ class KVSession:
     def length(self) -> int:
         """Positions held in the cache for layer 0 (committed plus pending)."""
         return self.committed + len(self.pending)
-
-
-def _layers_of(view: View | None) -> View | None:
-    """`view`'s layers without its mask (the fused stack's part of a view that skips whole layers)."""
-    return None if view is None or view.linears is None else View(linears=view.linears)

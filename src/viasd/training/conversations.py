@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from viasd.errors import ViasdError
+from viasd.passes.facts import gather
 from viasd.passes.features import head_inputs
 from viasd.passes.loop import Segment, ragged_pass
-from viasd.passes.route import short_stack
+from viasd.passes.route import Kind, Leg, decide
 from viasd.passes.session import new_cache
 from viasd.training.prompts import Opener
 from viasd.verify.sampling import SamplingParams, draw, warp_probs
@@ -67,7 +68,7 @@ class Conversation:
     index: int
     tokens: list[int]
     waiting: list[int]
-    cache: object
+    cache: DynamicCache
     answer_from: int = -1  # -1: still writing the request
     features: dict[int, torch.Tensor] = field(default_factory=dict)
     done: bool = False
@@ -157,10 +158,24 @@ def _step(
     own weights for blocks of any length on CPUs without bf16 instructions (benchmarks/README.md), and the head then
     learns from the features of the view it drafts for."""
     segments = [Segment(conversation.cache, torch.tensor(ids), 1) for conversation, ids in parts]
-    stack, attention_kernel = short_stack(model, view)  # the route of a ragged pass of the view (passes/route.py)
-    with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
-        out = ragged_pass(model, segments, stack, attention_kernel)
+    leg = _leg(model, view, parts[0][0].cache, max(len(ids) for _, ids in parts))
+    with torch.inference_mode(), applied(model, view), head_inputs(model, leg.features) as seen:
+        out = ragged_pass(model, segments, leg.stack, leg.attention_kernel)
     return torch.stack([rows[-1].float() for rows in out]), seen[-1]
+
+
+def _leg(model: nn.Module, view: View | None, cache: DynamicCache, tokens: int) -> Leg:
+    """The route's leg for one conversation's part of a step (passes/route.py), as a batcher's segment of `CHUNK`
+    tokens at most: every conversation's cache is a session's, so one leg runs them all. Every position is the view's
+    (no own weights: the head learns from the features of the view it drafts for), and the head's features are kept."""
+    facts = gather(model, cache, view, chunk=CHUNK, own_weights=False, features=True)
+    route = decide(tokens, 1, facts)
+    if route.kind is not Kind.BATCHED:
+        raise ViasdError(
+            "training writes its conversations in viasd's ragged passes, which do not run this model here "
+            f"(its passes would take the {route.kind.value} route: a GPU, or a family viasd's loop does not cover)"
+        )
+    return route.legs[0]
 
 
 def _advance(conversation: Conversation, token: int, template: Template, max_request: int, max_answer: int) -> None:
