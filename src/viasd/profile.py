@@ -24,7 +24,7 @@ from viasd.errors import ViasdError
 from viasd.fileio import write_atomic
 from viasd.jsonio import JSONFault, parse_json
 from viasd.models.fingerprint import model_fingerprint
-from viasd.speculation import MAX_GAMMA
+from viasd.speculation import DEFAULT_GAMMA, MAX_GAMMA
 from viasd.task_kind import TASK_KINDS
 from viasd.verify.gates import SIGNALS, Gate
 from viasd.views.layer_skip import LayerMask
@@ -57,7 +57,7 @@ class RoutingProfile:
     # file, are parsed once, when the profile is made.)
     quant: list[QuantRecipe | None] = field(default_factory=list)
     gate: Gate = field(default_factory=Gate)
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
     cap: int = 32  # max tokens committed without the full target before a full pass is forced
     pregate: float = 0.0  # drafter confidence under which a round skips the slim pass (0: off)
     stop: float = 0.0  # drafter confidence under which drafting stops for the round (0: off; older profiles)
@@ -169,7 +169,7 @@ class RoutingProfile:
             masks=masks,
             quant=_list(data.get("quant", []), "quant", len(masks)),
             gate=_gate(data.get("gate", {})),
-            gamma=_integer(data.get("gamma", 4), "the draft length gamma", 1, MAX_GAMMA),
+            gamma=_integer(data.get("gamma", DEFAULT_GAMMA), "the draft length gamma", 1, MAX_GAMMA),
             cap=_integer(data.get("cap", 32), "the cap on tokens committed without the full target", 1, MAX_CAP),
             pregate=_probability(data.get("pregate", 0.0), "the pre-gate"),
             stop=_probability(data.get("stop", 0.0), "the draft stop threshold"),

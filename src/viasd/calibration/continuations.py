@@ -46,7 +46,7 @@ def continuations(
         return [(list(p), list(c)) for p, c in cached]
     drafts = ModelDrafter(drafter.model, name="small")
     view = View(linears=base) if base is not None else None
-    decoder = SpeculativeDecoder(target.model, target.tokenizer, drafts, gamma=4, view=view)
+    decoder = SpeculativeDecoder(target.model, target.tokenizer, drafts, view=view)  # any gamma: the same text
     pairs: Pairs = []
     for text in steps(texts, "continuations", progress):
         ids = encode_prompt(target.tokenizer, text) if isinstance(text, str) else list(text)
