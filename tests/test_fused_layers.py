@@ -20,6 +20,7 @@ from viasd.kernels.build import Library
 from viasd.passes import fused as fused_layers
 from viasd.passes import layer_loop, route
 from viasd.passes import loop as short_pass
+from viasd.passes.facts import gather
 from viasd.passes.prepare import prepare
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.gguf import GgufWeights
@@ -210,6 +211,17 @@ def test_the_fused_stack_is_held_to_viasds_decoder_layer(monkeypatch, capsys):
     monkeypatch.setattr(fused_layers, "_disagreement", lambda: "disagree with viasd's decoder layer")
     assert not applies(model, view)
     assert "the fused layers disagree" in capsys.readouterr().err
+
+
+def test_gathering_a_prepared_models_facts_builds_no_model(monkeypatch):
+    """The fused stack's check on a tiny model of its own runs when a model is prepared (passes/prepare.py), so the
+    facts of its passes (passes/facts.py) only read verdicts."""
+    fused_layers._disagreement.cache_clear()
+    model, view = int4a8_view("qwen2")
+    prepare(model)
+    monkeypatch.setattr(fused_layers, "_check_model", lambda: pytest.fail("gathering facts built the check's model"))
+    facts = gather(model, new_cache(model), view)
+    assert facts.loop and facts.fused
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

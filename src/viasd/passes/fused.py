@@ -203,8 +203,19 @@ def why_not(config: PretrainedConfig) -> str | None:
 
 
 def remember(model: nn.Module) -> None:
-    """Read `why_not`'s verdict for the model now (at load) and keep it on the model."""
-    model.__dict__[WHY_NOT] = why_not(model.config)  # type: ignore[union-attr]
+    """Read `why_not`'s verdict for the model now (at load) and keep it on the model; where the stack could run its
+    low-bit views (a family it computes, bf16 on a CPU, the kernel there), check now that it agrees with viasd's decoder
+    layer (`agrees`, once per process), so that gathering a pass's facts (passes/facts.py) builds no model."""
+    verdict = why_not(model.config)  # type: ignore[union-attr]
+    model.__dict__[WHY_NOT] = verdict
+    on_cpu = next(model.parameters()).device.type == "cpu"  # the stack is a CPU kernel (a GPU runs its own forward)
+    if (
+        verdict is None
+        and on_cpu
+        and model_dtype(model) == torch.bfloat16
+        and isinstance(fused_layers.kernel(), Library)
+    ):
+        agrees()
 
 
 def _why_not(model: nn.Module) -> str | None:
@@ -257,8 +268,8 @@ def layers_of(view: View | None) -> View | None:
 
 def agrees() -> bool:
     """Whether the fused stack computes what viasd's decoder layer computes (passes/layer_loop.py, the reference it
-    is held to), checked once per process; where it does not, short passes run layer by layer, and one line says
-    so."""
+    is held to), checked once per process, on a tiny model of its own: when a model is prepared (`remember`), or
+    else where `fits` first asks; where it does not, short passes run layer by layer, and one line says so."""
     problem = _disagreement()
     if problem is not None:
         warn_once(f"the fused layers {problem}: short passes of low-bit views run their layers one by one")

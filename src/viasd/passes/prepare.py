@@ -6,7 +6,8 @@ products are slow: CPUs without bf16 matrix instructions, and those with AVX-512
 (passes/bf16_linear.py). Both keep the model's modules, weights and names; other devices are left as
 they are. A model on a CPU also has the process keep the memory its passes free (passes/allocator.py). Whether
 viasd's loop runs the model is read then too, once (passes/loop.py `covers`), and whether the fused stack computes
-its layers (passes/fused.py `why_not`).
+its layers (passes/fused.py `why_not`) and agrees with viasd's decoder layer (its check on a tiny model of its own,
+once per process), so that gathering a pass's facts (passes/facts.py) builds nothing.
 """
 
 from __future__ import annotations
@@ -27,5 +28,5 @@ def prepare(model: nn.Module) -> nn.Module:
     remember_covers(model)  # whether viasd's loop runs it, read while no view is applied (passes/loop.py)
     if next(model.parameters()).device.type == "cpu":
         keep_freed_memory()  # a prompt's activations reuse hot pages instead of faulting fresh ones in
-    fused.remember(model)  # whether the fused stack computes its layers (its family: passes/fused.py `why_not`)
+    fused.remember(model)  # whether the fused stack computes its layers (its family, its agreement: passes/fused.py)
     return model
