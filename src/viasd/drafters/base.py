@@ -101,6 +101,22 @@ class Proposal:
         )
 
 
+class SessionCounts:
+    """The counts of a drafter whose model passes all run on its KV sessions (`sessions`): theirs, summed."""
+
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        raise NotImplementedError
+
+    @property
+    def forward_passes(self) -> int:
+        return sum(session.forward_passes for session in self.sessions)
+
+    @property
+    def pass_seconds(self) -> float:
+        return sum((session.pass_seconds for session in self.sessions), 0.0)
+
+
 class Drafter(Protocol):
     """Proposes draft tokens. Implementations keep whatever state they need between calls."""
 

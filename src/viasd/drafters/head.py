@@ -16,7 +16,8 @@ import time
 import torch
 from torch import nn
 
-from viasd.drafters.base import Proposal, stops_after
+from viasd.drafters.base import Proposal
+from viasd.drafters.chain import ScoredTokens, draft_chain
 from viasd.drafters.context_vocabulary import ContextVocabulary
 from viasd.heads.attention import AttentionCache, AttentionHead, AttentionHeadConfig
 from viasd.heads.int8 import fits, int8_head, int8_weights
@@ -27,7 +28,7 @@ from viasd.kernels.cpu import native_bf16
 from viasd.models.stored import OutputRows, embedding_rows
 from viasd.passes.features import FeatureStore
 from viasd.passes.session import KVSession, common_prefix_length
-from viasd.verify.sampling import SamplingParams, adjusted, sample, soft_probs, warp_probs
+from viasd.verify.sampling import SamplingParams
 
 CATCH_UP = 8  # the most committed tokens a proposal folds in before drafting; more: the round goes to the target
 EXTEND_ROWS = 512  # the attention head's entries computed at once (a long prompt's in blocks)
@@ -166,53 +167,46 @@ class HeadDrafter:
         assert cache.last_state is not None
         return cache.last_state
 
-    def _advance(self, state: torch.Tensor, token: int, chain: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The state after drafting `token` from `state`."""
-        embedded = self.embed(token)
+    def _advance(
+        self, state: torch.Tensor, token: torch.Tensor, chain: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """The state after drafting `token` [1] from `state`."""
+        embedded = self._embedded(token)[0]
         self.forward_passes += 1
         if self.cache is not None:
             return self.cache.draft(state, embedded, chain)
         return self.head.step(state, embedded)
 
+    def _scores(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits [1, n] of the tokens it scores: its own, and the context's it lacks where it adds them."""
+        scores = self.logits(state)
+        return scores if self.vocabulary is None else self.vocabulary.logits(scores, state)
+
     def propose(
         self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
     ) -> Proposal:
-        """Up to k tokens; none when no feature of the target describes the context yet (the round is then a
-        target step, whose pass records one)."""
+        """Up to k tokens (`drafters.chain.draft_chain`, each step one of the head); none when no feature of the
+        target describes the context yet (the round is then a target step, whose pass records one)."""
         start = time.perf_counter()
         with torch.inference_mode():
             state = self._start(context) if k > 0 else None
             if state is None:
                 return Proposal([], source=self.name)
-            ids = self.head.token_ids
             if self.vocabulary is not None:
                 self.vocabulary.follow(context)
-                ids = self.vocabulary.ids
-            tokens: list[int] = []
-            probs: list[torch.Tensor] = []
-            soft: list[torch.Tensor] = []
-            tops: list[float] = []
+            ids = self.head.token_ids if self.vocabulary is None else self.vocabulary.ids
             chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # the attention head's draft entries
-            for i in range(k):
-                scores = self.logits(state)  # [1, vocab]: the head's own tokens
-                if self.vocabulary is not None:  # and the context's it lacks: [1, len(ids)]
-                    scores = self.vocabulary.logits(scores, state)
-                if params.adjusts:  # adjusted over the whole vocabulary, the vocabulary's tokens kept
-                    dense = adjusted(self._dense(scores, float("-inf"), ids), params, context, tokens)
-                    scores = dense[:, ids]
-                soft.append(self._dense(soft_probs(scores, params), 0.0, ids))
-                if params.greedy:
-                    token = int(ids[int(scores.argmax())])
-                else:
-                    probs.append(warp_probs(self._dense(scores, float("-inf"), ids), params))
-                    token = sample(probs[-1][0], generator)
-                tokens.append(token)
-                tops.append(float(soft[-1].max()))
-                if i + 1 == k or (stop > 0 and stops_after(tops[-1], stop)):
-                    break
-                state = self._advance(state, token, chain)
+            current: torch.Tensor = state
+
+            def advance(token: torch.Tensor) -> torch.Tensor:
+                nonlocal current
+                current = self._advance(current, token, chain)
+                return self._scores(current)
+
+            scored = ScoredTokens(ids, self.vocab_size)
+            proposal = draft_chain(self._scores(state), advance, k, context, params, generator, stop, self.name, scored)
         self.pass_seconds += time.perf_counter() - start
-        return Proposal(tokens, torch.cat(probs) if probs else None, torch.cat(soft), self.name, tops)
+        return proposal
 
     def logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits [1, vocab] of the head's own tokens: the target's output head, its rows of the head's vocabulary."""
@@ -224,13 +218,8 @@ class HeadDrafter:
         """The target's embedding of `token`, in the dtype the head computes in."""
         return self._embedded([token])[0]
 
-    def _embedded(self, tokens: list[int]) -> torch.Tensor:
+    def _embedded(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """The target's embeddings of `tokens` [len, hidden] in the head's dtype (a stored embedding's rows read from
         its blocks, as a pass reads them)."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.rows_device)
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.rows_device)
         return embedding_rows(self.embeddings, ids).to(self.dtype)
-
-    def _dense(self, values: torch.Tensor, fill: float, ids: torch.Tensor) -> torch.Tensor:
-        """Rows over the tokens `ids` [1, len(ids)] spread over the whole vocabulary [1, V], `fill` elsewhere."""
-        full = torch.full((1, self.vocab_size), fill, device=values.device)
-        return full.index_copy_(1, ids, values)
