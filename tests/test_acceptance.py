@@ -5,7 +5,8 @@ import torch
 from scipy.stats import chisquare
 
 from viasd.errors import ViasdError
-from viasd.verify.acceptance import residual, verify_block
+from viasd.verify.acceptance import check_token, residual, verify_block
+from viasd.verify.resident import block_outcomes, first_rejection
 from viasd.verify.sampling import SamplingParams, sample, warp_probs
 
 # Every statistical test here uses a false-alarm rate of 1e-4 per test: a correct implementation
@@ -152,3 +153,32 @@ def test_non_finite_distributions_never_reach_sampling():
     assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0]]
     with pytest.raises(ViasdError, match="not finite"):
         sample(torch.tensor([float("nan"), 0.5]), torch.Generator())
+
+
+@pytest.mark.parametrize("drafted", ["model", "one-hot"])
+def test_the_host_and_device_paths_make_the_same_accept_decisions(drafted):
+    """Both paths run one accept test (`accept_tests`): from the same generator state they keep the same drafts;
+    only their replacements are drawn differently (the host draws the one it uses). A one-token host check is the
+    first test of the block."""
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    agreed = kept_some = rejected_some = 0
+    for seed in range(200):
+        logits = torch.randn(4, 6) * 2
+        q = warp_probs(logits, params)
+        p = warp_probs(torch.randn(3, 6) * 2, params) if drafted == "model" else None
+        tokens = [int(torch.multinomial(p[i], 1)) if p is not None else i for i in range(3)]
+        host = verify_block(tokens, p, q, torch.Generator().manual_seed(seed))
+        outcomes = block_outcomes(torch.tensor(tokens), p, logits, params, torch.Generator().manual_seed(seed))
+        kept, _ = first_rejection(outcomes).tolist()
+        first = check_token(tokens[0], None if p is None else p[0], q[0], torch.Generator().manual_seed(seed))
+        agreed += host.accepted == kept and (first is None) == (kept > 0)
+        kept_some += kept > 0
+        rejected_some += kept < 3
+    assert agreed == 200 and kept_some > 20 and rejected_some > 20  # both branches were exercised
+
+
+def test_a_draft_beyond_the_verifier_width_never_stands_on_the_host():
+    q = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
+    assert verify_block([7], None, q, torch.Generator().manual_seed(0)).accepted == 0
+    assert check_token(7, None, q[0], torch.Generator().manual_seed(0)) in (0, 1)

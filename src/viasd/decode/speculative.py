@@ -19,7 +19,7 @@ from viasd.passes.session import KVSession, common_prefix_length, upload_ids
 from viasd.speculation import DEFAULT_GAMMA
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
-from viasd.verify.sampling import SamplingParams, adjusted, checked_token, sample, warp_probs
+from viasd.verify.sampling import SamplingParams, adjusted, checked_token, warp_probs
 from viasd.views.view import View
 
 
@@ -58,9 +58,7 @@ def verify_with_target(
         outcomes = block_outcomes(tokens, proposal.probs, logits, params, generator)
         ((kept, token),) = host_values(first_rejection(outcomes))
         return [*proposal.tokens[: int(kept)], checked_token(token)], int(kept), raw
-    probs = warp_probs(logits, params)  # the host path of sampling on a CPU
-    if not len(proposal):
-        return [sample(probs[-1], generator)], 0, raw
+    probs = warp_probs(logits, params)  # the host path of sampling on a CPU (no drafts: the bonus alone)
     verdict = verify_block(proposal.tokens, proposal.probs, probs, generator)
     return [*proposal.tokens[: verdict.accepted], verdict.next_token], verdict.accepted, raw
 

@@ -12,14 +12,15 @@ stands with probability min(1, q_i(x_i) / p_i(x_i)), a rejected one is replaced 
 norm(max(0, q_i - p_i)), the bonus is a draw from q_k. Every position's accept test and replacement are drawn up
 front, independently (the host path draws a replacement only where one is used). A verifier keeps the drafts
 before the first outcome that is not STANDS and then commits that outcome, so the committed tokens follow q
-exactly as classic speculative sampling does: the draws of later positions are simply not used.
+exactly as classic speculative sampling does: the draws of later positions are simply not used. The accept test
+and the residual are verify/acceptance.py's, which the host path uses too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from viasd.verify.acceptance import accept_probability, match_width, residual_rows
+from viasd.verify.acceptance import accept_tests, match_width, residual_rows
 from viasd.verify.sampling import SamplingParams, draw, greedy_tokens, warp_probs
 
 STANDS = -2  # the outcome of a draft token that is kept (token ids are >= 0; BAD_TOKEN is -1)
@@ -41,16 +42,11 @@ def block_outcomes(
     if params.greedy:
         top = greedy_tokens(logits)
         return torch.cat([torch.where(top[:k] == tokens, STANDS, top[:k]), top[k:]])
-    width = logits.shape[-1]
     q = warp_probs(logits, params)
-    inside = tokens < width
-    index = tokens.clamp(0, width - 1)[:, None]
-    q_x = q[:k].gather(-1, index)[:, 0] * inside
-    p = match_width(draft_probs, width)
+    p = match_width(draft_probs, logits.shape[-1])
     if p is not None:
         p = p.to(q.device)
-    p_x = torch.ones_like(q_x) if p is None else p.gather(-1, index)[:, 0]
-    stands = torch.rand(k, generator=generator, device=q.device) < accept_probability(q_x, p_x)
+    stands = accept_tests(tokens, p, q, generator)
     replacements = draw(residual_rows(q[:k], p, tokens), generator)
     return torch.cat([torch.where(stands, STANDS, replacements), draw(q[k:], generator)])
 
