@@ -27,7 +27,7 @@ from viasd.errors import ViasdError
 from viasd.passes.session import KVSession
 from viasd.verify.acceptance import match_width, residual, residual_rows
 from viasd.verify.gates import Gate
-from viasd.verify.resident import STANDS, block_outcomes, first_rejection, host_values
+from viasd.verify.resident import STANDS, batch_outcomes, block_outcomes, first_rejection, host_values
 from viasd.verify.sampling import BAD_TOKEN, SamplingParams, checked_token, draw, pick, soft_probs, warp_probs
 from viasd.views.layer_skip import LayerMask
 
@@ -114,6 +114,46 @@ def test_sampled_outcomes_commit_tokens_that_follow_the_target(drafted):
     assert chisquare_pvalue(counts.tolist(), (q * n).tolist()) > ALPHA
 
 
+@pytest.mark.parametrize("drafted", ["model", "one-hot"])
+@pytest.mark.parametrize("laws", ["per-row", "shared"])
+def test_a_batch_of_blocks_gives_each_sequence_what_it_gets_alone(drafted, laws):
+    """B sequences' blocks decided in one call (`batch_outcomes`): each row's outcomes up to its bonus, and its
+    [kept, next token], are exactly what the sequence gets alone with a generator of the same seed. Rows of
+    different draft lengths (a padded draft that is the verifier's argmax must not stand), greedy and sampled rows
+    with their own parameters, or one set of parameters for all."""
+    k, vocab, seeds = 4, 300, [11, 12, 13, 14, 15]
+    lengths = [4, 2, 4, 0, 3]
+    per_row = [GREEDY, *SAMPLING, GREEDY, SamplingParams(temperature=1.3, top_p=0.8)]
+    params = per_row if laws == "per-row" else SAMPLING[0]
+    row_laws = per_row if laws == "per-row" else [SAMPLING[0]] * len(seeds)
+    torch.manual_seed(0)
+    kept_total = rejected = 0
+    for _ in range(20):
+        logits = torch.randn(len(seeds), k + 1, vocab) * 3
+        near = (logits[:, :k] + torch.randn(len(seeds), k, vocab)).flatten(0, 1)
+        draft = warp_probs(near, SamplingParams(temperature=1.0)).view(len(seeds), k, vocab)
+        tokens = draft.flatten(0, 1).multinomial(1).view(len(seeds), k)
+        tokens[0, :2] = logits[0, :2].argmax(dim=-1)  # a greedy row whose first drafts stand
+        tokens[3, 0] = logits[3, 0].argmax(dim=-1)  # past row 3's length (0): its bonus, never a standing draft
+        draft = draft if drafted == "model" else None
+        generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        batch = batch_outcomes(tokens, draft, logits, params, generators, lengths)
+        decided = first_rejection(batch)
+        for b, (n, law, seed) in enumerate(zip(lengths, row_laws, seeds, strict=True)):
+            alone = block_outcomes(
+                tokens[b, :n],
+                None if draft is None else draft[b, :n],
+                logits[b, : n + 1],
+                law,
+                torch.Generator().manual_seed(seed),
+            )
+            assert batch[b, : n + 1].tolist() == alone.tolist()
+            assert decided[b].tolist() == first_rejection(alone).tolist()
+            kept_total += int(decided[b, 0])
+            rejected += int(decided[b, 0]) < n
+    assert kept_total > 20 and rejected > 20  # standing drafts and replacements both compared
+
+
 def test_residual_rows_equal_the_residual_of_each_row():
     q = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.2, 0.6], [0.5, 0.3, 0.2]])
     p = torch.tensor([[0.2, 0.6, 0.2], [0.2, 0.2, 0.6], [0.1, 0.1, 0.8]])
@@ -147,6 +187,8 @@ def test_the_device_side_maths_never_reads_a_tensor_on_the_host(params, monkeypa
         pick(logits, params, gen)
         first_rejection(block_outcomes(tokens, draft, logits, params, gen))
         block_outcomes(tokens, None, logits, params, gen)
+        mixed = [GREEDY, params]  # a batch of a greedy row and a row of these parameters, of different lengths
+        batch_outcomes(torch.stack([tokens, tokens]), None, torch.stack([logits, logits]), mixed, [gen, gen], [4, 2])
         for signal in ("kl", "confidence"):
             Gate(signal).signals(soft_probs(logits[:4], params), draft, tokens)
         residual_rows(probs[:4], match_width(draft, 32), tokens)
