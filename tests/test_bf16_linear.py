@@ -1,5 +1,5 @@
 """viasd's bf16 kernels: the widening one for CPUs without bf16 matrix instructions (kernels/bf16.py) and the
-AVX-512 BF16 one (kernels/bf16_native.py), as bf16 Linear layers use them (passes/bf16_linear.py)."""
+AVX-512 BF16 one (kernels/bf16_native.py), as bf16 Linear layers use them (kernels/bf16_linear.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,8 @@ from viasd.decode.plain import PlainDecoder
 from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.engine import Engine, EngineSpec
-from viasd.kernels import bf16, bf16_native
-from viasd.kernels.build import Library
-from viasd.models.loading import LoadedModel
-from viasd.passes import bf16_linear
-from viasd.passes.bf16_linear import (
+from viasd.kernels import bf16, bf16_linear, bf16_native
+from viasd.kernels.bf16_linear import (
     MAX_ROWS,
     NATIVE_BLOCK,
     NATIVE_MAX_ROWS,
@@ -26,6 +23,8 @@ from viasd.passes.bf16_linear import (
     NativeBf16Linear,
     use_bf16_kernel,
 )
+from viasd.kernels.build import Library
+from viasd.models.loading import LoadedModel
 from viasd.views.recipe import QuantRecipe
 
 needs_kernel = pytest.mark.skipif(not isinstance(bf16.kernel(), Library), reason=f"no bf16 kernel: {bf16.kernel()}")

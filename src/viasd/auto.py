@@ -150,10 +150,10 @@ def probe_key(target: torch.nn.Module, settings: dict[str, Any], names: Sequence
     """What a probe's result depends on: machine, torch, models and their settings, the candidates."""
     parameter = next(target.parameters())
     device = parameter.device
+    from viasd.kernels.bf16_linear import CpuBf16Linear, NativeBf16Linear
     from viasd.kernels.cpu import cpu_model
     from viasd.kernels.state import kernel_states
     from viasd.passes import loop
-    from viasd.passes.bf16_linear import CpuBf16Linear, NativeBf16Linear
 
     machine = [platform.machine(), cpu_model(), os.cpu_count(), torch.get_num_threads(), str(device)]
     kernels = (CpuBf16Linear, NativeBf16Linear)

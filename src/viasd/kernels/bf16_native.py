@@ -3,7 +3,7 @@ rate memory streams the weights, where torch's bf16 product of one token reaches
 
 Each output row of weights is read once for the whole block, and each token gets the same bits whatever block it
 came in. The reference is float32 arithmetic of the (exact) widened inputs: the kernel adds in another order, so it
-agrees to float32 rounding. Used by passes/bf16_linear.py.
+agrees to float32 rounding. Used by kernels/bf16_linear.py.
 """
 
 from __future__ import annotations

@@ -225,8 +225,9 @@ def file_of(model: nn.Module) -> GgufFile | None:
 
 def densify(model: nn.Module, why: str) -> bool:
     """Give every stored layer of `model` its dense weights from the file (one line says so), as plain torch modules;
-    whether there was anything to make. The new layers are torch's own: a caller that runs the model puts viasd's bf16
-    kernel on them (`passes.bf16_linear.use_bf16_kernel`, as the engine does)."""
+    whether there was anything to make. Its bf16 layers take viasd's bf16 kernel, as a prepared model's do."""
+    from viasd.kernels.bf16_linear import use_bf16_kernel
+
     stored = [(name, module) for name, module in model.named_modules() if isinstance(module, STORED)]
     if not stored:
         return False
@@ -249,6 +250,7 @@ def densify(model: nn.Module, why: str) -> bool:
         parent, _, child = name.rpartition(".")
         owners[parent]._modules[child] = module.dense_module()
     model.__dict__.pop(_TAG, None)
+    use_bf16_kernel(model)
     return True
 
 
