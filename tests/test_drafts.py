@@ -183,13 +183,18 @@ def test_statistics_per_draft_source_add_up():
     assert empty.sources == {} and empty.to_dict()["sources"] == {}
 
 
-def test_bad_stop_thresholds_are_refused_in_one_line():
-    target, tok = tiny_model("llama"), tiny_tokenizer(64)
+def test_bad_stop_thresholds_are_refused_in_one_line_where_they_enter():
+    """A method's stop= and `viasd project --sd-stop` are checked once, by the one check of the setting; the decoders
+    and round policies built from them take them as checked."""
+    from viasd.methods import parse_method
+    from viasd.speculation import check_stop
+
     for stop in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ViasdError, match="draft stop threshold must be a probability"):
-            SpeculativeDecoder(target, tok, PromptLookupDrafter(), stop=stop)
-        with pytest.raises(ViasdError, match="draft stop threshold must be a probability"):
-            RoundPolicy(Gate.exact(), stop=stop)
+        for method in (f"sd:stop={stop}", f"via:stop={stop}", f"self:stop={stop}"):
+            with pytest.raises(ViasdError, match=r"^method option stop must be a probability in \[0, 1\]"):
+                parse_method(method)
+        with pytest.raises(ViasdError, match=r"^--sd-stop must be a probability in \[0, 1\]"):
+            check_stop(stop, "--sd-stop")
 
 
 # ------------------------------------------------------------------------------------------------ sampling
