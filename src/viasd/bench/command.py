@@ -50,7 +50,9 @@ def parse_list(text: str | None) -> list[str] | None:
 
 def parse_category_budgets(text: str | None, code_budget: int | None, categories: Sequence[str]) -> dict[str, int]:
     """`--category-max-new-tokens CATEGORY=N,...` and `--code-max-new-tokens N`, checked once at the edge against
-    the categories the run's tasks have."""
+    the categories the run's tasks have. `--code-max-new-tokens` gives HumanEval and the run's code edits their budget.
+    """
+    from viasd.bench.edits import EDIT_KINDS
     from viasd.bench.tasks import HUMANEVAL_CATEGORY
 
     budgets: dict[str, int] = {}
@@ -73,6 +75,9 @@ def parse_category_budgets(text: str | None, code_budget: int | None, categories
                 "HumanEval's budget is given twice: --code-max-new-tokens and humaneval= in --category-max-new-tokens"
             )
         budgets[HUMANEVAL_CATEGORY] = code_budget
+        for kind in EDIT_KINDS:  # an edit's answer is a whole function too; a budget of its own comes first
+            if kind in categories and kind not in budgets:
+                budgets[kind] = code_budget
     return budgets
 
 
@@ -156,7 +161,11 @@ def bench(
     ] = None,
     categories: Annotated[
         str | None,
-        typer.Option(help="Comma-separated categories (default: all); name:N gives one category its own count."),
+        typer.Option(
+            help="Comma-separated categories (default: all of the questions file); name:N gives one category its own "
+            "count. The edit workload's are named only: edit_types, edit_rename, edit_fix, edit_comprehension, "
+            "chat_revise."
+        ),
     ] = None,
     count: Annotated[int, typer.Option(help="Questions per category, spread over it (0: none).")] = 5,
     humaneval: Annotated[int, typer.Option(help="HumanEval problems, spread over the 164 (0: none).")] = 0,
@@ -169,7 +178,8 @@ def bench(
     ] = "all",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Token budget per turn.")] = 128,
     code_max_new_tokens: Annotated[
-        int | None, typer.Option(help="Token budget for HumanEval answers (default: --max-new-tokens).")
+        int | None,
+        typer.Option(help="Token budget for HumanEval answers and code edits (default: --max-new-tokens)."),
     ] = None,
     category_max_new_tokens: Annotated[
         str | None,
@@ -226,6 +236,7 @@ def bench(
     import torch
 
     from viasd.auto import int4a8_is_fast
+    from viasd.bench.edits import EDIT_SOURCE
     from viasd.bench.memory import PeakMemory
     from viasd.bench.report import (
         ENV_JSON,
@@ -267,7 +278,7 @@ def bench(
     tasks = build_tasks(questions, parse_list(categories), count, humaneval, task_split)
     budgets = parse_category_budgets(category_max_new_tokens, code_max_new_tokens, [t.category for t in tasks])
     questions_file = questions or default_questions_path()
-    runs_code = any(t.source == "humaneval" for t in tasks)
+    runs_code = any(t.source in ("humaneval", EDIT_SOURCE) for t in tasks)
     if runs_code and not allow_unsandboxed_code:
         require_sandbox()  # before any model is loaded, not at the first HumanEval answer hours later
 

