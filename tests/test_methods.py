@@ -37,8 +37,8 @@ def test_plain_names_and_variants_parse():
         ("sd:depth=3", "key one of gamma, cap, profile, pregate, kind, quant, drafter_quant, lookup, stop"),
         (
             "sd:cap=4",
-            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, head, head_compute, "
-            "head_vocab, quant, drafter_quant)",
+            "'sd' takes no option 'cap' (it takes: gamma, stop, drafter, match, copy, budget, reach, head, "
+            "head_compute, head_vocab, quant, drafter_quant)",
         ),
         ("sd:budget=0.1", "option 'budget' needs drafter=hybrid"),
         ("sd:drafter=hybrid:budget=-1", "budget must be a number >= 0, got -1.0"),
@@ -49,7 +49,10 @@ def test_plain_names_and_variants_parse():
         ("lookup:stop=0.4", "method 'lookup' takes no option 'stop' (it takes: gamma, match, copy, quant)"),
         ("sd:stop=1.5", "stop must be a probability in [0, 1], got 1.5"),
         ("sd:stop=nan", "stop must be a probability in [0, 1], got nan"),
-        ("sd:drafter=big", "drafter must be one of model, lookup, hybrid, head, lookup+head, got 'big'"),
+        (
+            "sd:drafter=big",
+            "drafter must be one of model, lookup, hybrid, head, lookup+head, suffix, suffix+head, got 'big'",
+        ),
         ("sd:match=2", "option 'match' needs drafter=lookup, hybrid or lookup+head"),
         ("via:copy=8", "option 'copy' needs drafter=lookup, hybrid or lookup+head"),
         ("sd:drafter=head:match=2", "option 'match' needs drafter=lookup, hybrid or lookup+head"),

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
+    from viasd.drafters.suffix import SuffixStore
     from viasd.heads.file import HeadFile
     from viasd.profile import RoutingProfile
     from viasd.prompting import Message
@@ -46,6 +47,7 @@ class Engine:
         self._heads: dict[str | None, HeadFile] = {}
         self._stored: tuple[QuantRecipe | None] | None = None  # the target's view as its file stores it, once known
         self._said_dense = False
+        self._suffix_store: SuffixStore | None = None
 
     def _load(self, name: str) -> LoadedModel:
         from viasd.passes.prepare import prepare
@@ -69,13 +71,10 @@ class Engine:
         its file's blocks then gets, once, with one line), made once (cached on disk) and shared."""
         if recipe is None:
             from viasd.models.stored import densify
-            from viasd.passes.bf16_linear import use_bf16_kernel
 
             start = time.perf_counter()
             if densify(model.model, f"{model.name} runs as loaded"):
                 self.setup_seconds[f"dense copy of {model.name}"] = time.perf_counter() - start
-            # The dense layers (made now, or earlier by a view that smooths by activations) on viasd's bf16 kernel.
-            use_bf16_kernel(model.model)
             return None
         key = (id(model.model), recipe)
         if key not in self._views:
@@ -169,6 +168,15 @@ class Engine:
             self._heads[path] = find_head(self.target.model, path)
             self.setup_seconds["draft head"] = time.perf_counter() - start
         return self._heads[path]
+
+    def suffix_store(self) -> SuffixStore | None:
+        """Finished generations' tokens (prompt and answer) that every suffix drafter of this engine copies from as
+        well, made on first use; None where --suffix-cache is 0."""
+        if self._suffix_store is None and self.spec.suffix_cache > 0:
+            from viasd.drafters.suffix import SuffixStore
+
+            self._suffix_store = SuffixStore(self.spec.suffix_cache)
+        return self._suffix_store
 
     @property
     def drafter(self) -> LoadedModel:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
-from viasd.speculation import check_gamma
+from viasd.speculation import DEFAULT_SUFFIX_CACHE, check_gamma, check_suffix_cache
 from viasd.views.recipe import AS_STORED, DENSE, QuantRecipe, TargetQuant
 
 
@@ -26,6 +26,8 @@ class EngineSpec:
     # any other model as loaded), DENSE (as loaded: the dense bf16 copy), or a quantized view by this recipe.
     quant: TargetQuant = AS_STORED
     drafter_quant: QuantRecipe | None = None  # run the drafter as its quantized view
+    # Tokens of finished generations the suffix drafters also copy from (0: off; drafters/suffix.py).
+    suffix_cache: int = DEFAULT_SUFFIX_CACHE
 
     def __post_init__(self) -> None:
         if not isinstance(self.quant, QuantRecipe) and self.quant not in (AS_STORED, DENSE):
@@ -34,3 +36,4 @@ class EngineSpec:
             )
         if self.gamma is not None:
             check_gamma(self.gamma, "--gamma")
+        check_suffix_cache(self.suffix_cache, "--suffix-cache")

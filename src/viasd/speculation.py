@@ -27,6 +27,12 @@ MAX_MATCH = 16
 # generated token (a 0.24 s target step against sd's 0.16 s per token), so it pays back after 0.04 answer tokens
 # per prompt token; twice that, for answers that use half their budget.
 HYBRID_BUDGET = 0.08
+# The most tokens a suffix drafter copies in a round from a long match (drafters/suffix.py): a match of m tokens
+# drafts up to m, past gamma; 16 rows cost the 4-bit 1.5B target about 2.5 single steps on a 2-core Zen 4.
+DEFAULT_REACH = 16
+# Tokens of finished generations (prompts and answers) an engine's suffix drafters also copy from: about 40 requests
+# of 1,600 tokens; 0 turns it off. Token ids only, in memory, for the engine's life (docs/serving.md).
+DEFAULT_SUFFIX_CACHE = 1 << 16
 
 
 def check_gamma(gamma: int, name: str = "the draft length gamma") -> int:
@@ -56,6 +62,13 @@ def check_budget(budget: float, name: str = "the hybrid's budget") -> float:
     if not 0.0 <= budget < float("inf"):  # NaN fails too
         raise ViasdError(f"{name} must be a number >= 0, got {budget}")
     return budget
+
+
+def check_suffix_cache(tokens: int, name: str = "the suffix cache") -> int:
+    """Tokens of earlier generations a suffix drafter may copy from (>= 0; 0: off)."""
+    if tokens < 0:
+        raise ViasdError(f"{name} must be a number of tokens >= 0 (0 turns it off), got {tokens}")
+    return tokens
 
 
 def longest_match(shortest: int) -> int:

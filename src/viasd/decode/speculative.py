@@ -13,7 +13,7 @@ from viasd.decode.load import DraftTally, load_on
 from viasd.decode.output import OutputSink
 from viasd.decode.round import Round, draft_length
 from viasd.decode.stats import GenerationStats
-from viasd.drafters.base import Drafter, Proposal
+from viasd.drafters.base import Drafter, Proposal, reach_of
 from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, common_prefix_length, upload_ids
 from viasd.speculation import DEFAULT_GAMMA
@@ -108,6 +108,8 @@ class SpeculativeDecoder(Decoder):
             context = prompt + sink.tokens
             load = load_on(self.target, self.view, params)  # served among others: the draft length follows the load
             gamma = self.gamma if load is None else load.draft_length(self.gamma, stats, drafting)
+            # A copy drafter's long match drafts past gamma (a long run being copied: drafters/suffix.py).
+            gamma = max(gamma, reach_of(self.drafter, context, params))
             k = draft_length(gamma, sink.remaining, len(context), self.context_limit)
             if k:
                 before = self.drafter.pass_seconds

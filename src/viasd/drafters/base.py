@@ -145,3 +145,10 @@ class Drafter(Protocol):
         """Up to k tokens that follow `context` (prompt plus committed tokens); a drafter with distributions
         stops early after its first token whose top probability is under `stop` (`stops_after`)."""
         ...
+
+
+def reach_of(drafter: Drafter, context: Sequence[int], params: SamplingParams) -> int:
+    """How many tokens `drafter` would draft this round past the decoder's gamma: a copy drafter's long, sure match
+    (drafters/suffix.py, `reach`); 0 for the others, which draft at most gamma."""
+    reach = getattr(drafter, "reach", None)
+    return int(reach(context, params)) if callable(reach) else 0

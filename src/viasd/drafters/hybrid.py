@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from viasd.drafters.base import Drafter, Proposal
+from viasd.drafters.base import Drafter, Proposal, reach_of
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
+from viasd.drafters.suffix import SuffixDrafter
 from viasd.verify.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,7 +48,9 @@ class HybridDrafter:
     budget: budget tokens per prompt token for a generation to use the model drafter (`uses_model`; 0: always).
     """
 
-    def __init__(self, lookup: PromptLookupDrafter, model: Drafter, budget: float = 0.0, name: str = "hybrid"):
+    def __init__(
+        self, lookup: PromptLookupDrafter | SuffixDrafter, model: Drafter, budget: float = 0.0, name: str = "hybrid"
+    ):
         if not budget >= 0.0:  # NaN fails too
             raise ValueError("need budget >= 0")
         self.name = name
@@ -55,7 +58,11 @@ class HybridDrafter:
         self.model = model
         self.ratio = budget
         # Without the model drafter any match is worth copying: the same lookup with 1-gram matches.
-        self.any_match = PromptLookupDrafter(lookup.max_ngram, 1, lookup.copy, lookup.name)
+        self.any_match: PromptLookupDrafter | SuffixDrafter = (
+            PromptLookupDrafter(lookup.max_ngram, 1, lookup.copy, lookup.name)
+            if isinstance(lookup, PromptLookupDrafter)
+            else SuffixDrafter(lookup.reach_most, lookup.store, short=True, name=lookup.name)
+        )
         self.budget: int | None = None
         self.with_model: bool | None = None  # decided at a generation's first proposal
 
@@ -77,8 +84,13 @@ class HybridDrafter:
     def follow(self, target: KVSession) -> None:
         self.model.follow(target)
 
+    def reach(self, context: list[int], params: SamplingParams) -> int:
+        """Past gamma only where its copying part has a long match (then the model is not asked this round)."""
+        return reach_of(self.lookup if self.with_model is not False else self.any_match, context, params)
+
     def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
         self.lookup.reset()
+        self.any_match.reset()
         self.model.reset()
         self.budget = budget
         self.with_model = None if prompt_length is None else uses_model(prompt_length, budget, self.ratio)

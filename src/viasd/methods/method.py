@@ -12,6 +12,7 @@ from viasd.methods.options import HEAD_DRAFTERS
 
 if TYPE_CHECKING:
     from viasd.decode.base import Decoder
+    from viasd.drafters.suffix import SuffixStore
     from viasd.heads.file import HeadFile
     from viasd.models.loading import LoadedModel
     from viasd.profile import RoutingProfile
@@ -64,6 +65,10 @@ class Parts(Protocol):
 
     def draft_head(self, path: str | None = None) -> HeadFile:
         """The target's draft head (`path`, else the one trained here, else a shipped one), read once."""
+        ...
+
+    def suffix_store(self) -> SuffixStore | None:
+        """Finished generations' tokens the engine's suffix drafters copy from too (None: off)."""
         ...
 
 

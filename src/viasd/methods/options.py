@@ -9,6 +9,7 @@ from typing import Any
 
 from viasd.errors import ViasdError
 from viasd.speculation import (
+    DEFAULT_REACH,
     DEFAULT_STOP,
     HYBRID_BUDGET,
     HYBRID_MATCH,
@@ -22,10 +23,11 @@ from viasd.speculation import (
 from viasd.views.recipe import QuantRecipe, TargetQuant, parse_target_quant
 
 # What the `drafter` option of sd and via may name; the head ones need no drafter model (heads/, drafters/head.py).
-DRAFTERS = ("model", "lookup", "hybrid", "head", "lookup+head")
-HEAD_DRAFTERS = ("head", "lookup+head")
+DRAFTERS = ("model", "lookup", "hybrid", "head", "lookup+head", "suffix", "suffix+head")
+HEAD_DRAFTERS = ("head", "lookup+head", "suffix+head")
+SUFFIX_DRAFTERS = ("suffix", "suffix+head")
 # The options of a method that drafts (sd, via, via-exact), in the order messages list them.
-DRAFTING_OPTIONS = ("stop", "drafter", "match", "copy", "budget", "head", "head_compute", "head_vocab")
+DRAFTING_OPTIONS = ("stop", "drafter", "match", "copy", "budget", "reach", "head", "head_compute", "head_vocab")
 
 
 def _number(key: str, text: str, kind: type[int] | type[float]) -> Any:
@@ -141,7 +143,9 @@ OPTIONS: dict[str, Option] = {
             "drafter",
             _choice(*DRAFTERS),
             "model (the small drafter), lookup (prompt lookup), hybrid (lookup when it matches, else the model), head "
-            "(the target's draft head: viasd train-drafter) or lookup+head (lookup when it matches, else the head)",
+            "(the target's draft head: viasd train-drafter), lookup+head (lookup when it matches, else the head), "
+            "suffix (the longest earlier match, in this request and recent ones, copied past gamma when long) or "
+            "suffix+head (suffix when it matches 3 tokens, else the head)",
         ),
         Option("head", _path, "the draft head file of drafter=head (default: the one trained here, or shipped)"),
         Option(
@@ -162,6 +166,11 @@ OPTIONS: dict[str, Option] = {
         ),
         Option("copy", _checked(int, check_gamma), "most tokens prompt lookup copies per round (default: up to gamma)"),
         Option(
+            "reach",
+            _checked(int, check_gamma),
+            f"most tokens a suffix drafter copies in a round from a long match, past gamma (default {DEFAULT_REACH})",
+        ),
+        Option(
             "budget",
             _checked(float, check_budget),
             f"token budget per prompt token below which the hybrid leaves its model drafter out ({HYBRID_BUDGET:g}; "
@@ -181,8 +190,10 @@ def check_drafter_options(name: str, options: Mapping[str, Any]) -> None:
     threshold without a drafter that has a confidence (for methods that take a `drafter`)."""
     drafter = options.get("drafter", "model")
     for key in ("match", "copy"):
-        if key in options and drafter in ("model", "head"):
+        if key in options and drafter in ("model", "head", *SUFFIX_DRAFTERS):
             raise ViasdError(f"method {name!r}: option {key!r} needs drafter=lookup, hybrid or lookup+head")
+    if "reach" in options and drafter not in SUFFIX_DRAFTERS:
+        raise ViasdError(f"method {name!r}: option 'reach' needs drafter=suffix or drafter=suffix+head")
     if "budget" in options and drafter != "hybrid":
         raise ViasdError(f"method {name!r}: option 'budget' needs drafter=hybrid")
     for key in ("head", "head_compute", "head_vocab"):
@@ -190,5 +201,5 @@ def check_drafter_options(name: str, options: Mapping[str, Any]) -> None:
             raise ViasdError(f"method {name!r}: option {key!r} needs drafter=head or drafter=lookup+head")
     if "drafter_quant" in options and drafter in HEAD_DRAFTERS:
         raise ViasdError(f"method {name!r}: option 'drafter_quant' needs a drafter model (a head has none)")
-    if "stop" in options and drafter == "lookup":
+    if "stop" in options and drafter in ("lookup", "suffix"):
         raise ViasdError(f"method {name!r}: option 'stop' needs a model drafter (drafter=model or drafter=hybrid)")

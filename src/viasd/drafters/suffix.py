@@ -1,0 +1,198 @@
+"""Suffix drafting: copy what followed the longest earlier match of the context's tail, in the prompt, the answer so
+far and (in a server, where allowed) recent requests' prompts and answers, as long as the match says it is safe.
+
+Edits, the second turn of a chat and an agent's next step copy long runs of their input or of earlier answers
+(SuffixDecoding, arXiv 2411.04975). Prompt lookup copies at most `gamma` tokens per round from the latest match of a
+short n-gram; here the match is the longest one found (every earlier occurrence of the tail's last SEED tokens,
+extended backwards), and a match of m tokens may draft up to m tokens, past gamma, up to `reach`: a long match is
+a long run being copied, and a block of 16 rows costs the target a few single steps, not 16. Where the tail has no
+match of SEED tokens the drafter is prompt lookup as published (the last 1-2 tokens, up to gamma).
+
+Cache invariant: an index maps every SEED-gram of a sequence to the positions where it ends, in order; the current
+sequence's index covers its first `indexed` tokens and is extended as the context grows, rebuilt when the context
+is not an extension of what it indexed (a new generation). Finished sequences go to a `SuffixStore`, bounded in
+tokens, oldest dropped first, shared by the generations of one engine; it holds token ids only. Only greedy
+generations draft from it: a seeded sampling request's text depends on its drafts, and must not depend on which
+requests came before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from viasd.drafters.base import Proposal
+from viasd.drafters.prompt_lookup import lookup_continuation
+from viasd.verify.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from viasd.passes.session import KVSession
+
+SEED = 3  # tokens of the tail every candidate match starts from
+LONGEST = 64  # the most tokens a match is extended backwards (longer ones are as good as long)
+CANDIDATES = 32  # the latest occurrences of the seed tried per sequence
+SHORT_MATCH = 2  # without a seed match: prompt lookup's 2- and 1-gram matches, up to gamma
+
+
+@dataclass
+class Index:
+    """Where each SEED-gram of one token sequence ends: its positions, in order (the sequence's own copy kept)."""
+
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Index `tokens` appended to the sequence."""
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        for end in range(max(start + 1, SEED), len(self.tokens) + 1):  # the ends not indexed before
+            self.ends.setdefault(tuple(self.tokens[end - SEED : end]), []).append(end)
+
+    def matches(self, tail: Sequence[int], before: int | None = None) -> list[tuple[int, int]]:
+        """(match length, end) of the latest CANDIDATES occurrences of `tail`'s last SEED tokens ending before
+        `before` (None: anywhere), each extended backwards against `tail` up to LONGEST tokens."""
+        found = self.ends.get(tuple(tail[-SEED:]), [])
+        out = []
+        for end in reversed(found):
+            if before is not None and end >= before:
+                continue
+            length = SEED
+            while length < min(LONGEST, end, len(tail)) and self.tokens[end - length - 1] == tail[-length - 1]:
+                length += 1
+            out.append((length, end))
+            if len(out) == CANDIDATES:
+                break
+        return out
+
+
+class SuffixStore:
+    """Finished generations' token sequences (prompt and answer), at most `tokens` tokens in all, oldest dropped
+    first; shared by the drafters of one engine, across threads."""
+
+    def __init__(self, tokens: int) -> None:
+        self.capacity = tokens
+        self._sequences: OrderedDict[int, Index] = OrderedDict()
+        self._held = 0
+        self._next = 0
+        self.version = 0  # changes with every sequence kept: a drafter's last search is stale after it
+        self._lock = threading.Lock()
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Keep a finished sequence (a longer one than the store holds is not kept)."""
+        if self.capacity <= 0 or len(tokens) <= SEED or len(tokens) > self.capacity:
+            return
+        index = Index()
+        index.extend(tokens)
+        with self._lock:
+            self._sequences[self._next] = index
+            self._next += 1
+            self.version += 1
+            self._held += len(tokens)
+            while self._held > self.capacity:
+                _, dropped = self._sequences.popitem(last=False)
+                self._held -= len(dropped.tokens)
+
+    def matches(self, tail: Sequence[int]) -> list[tuple[int, list[int], int]]:
+        """(match length, the sequence, end) of the tail's matches in every kept sequence."""
+        with self._lock:
+            kept = list(self._sequences.values())
+        return [(length, index.tokens, end) for index in kept for length, end in index.matches(tail)]
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+
+class SuffixDrafter:
+    """Copies from the longest match of the context's tail (see the module docstring); deterministic proposals.
+
+    reach: the most tokens a long match may draft in a round (past gamma). store: finished sequences to match in as
+    well (None: the current one alone). short: without a seed match, copy from prompt lookup's 1- and 2-gram matches
+    (alone), or propose nothing (in a hybrid, whose model drafts then).
+    """
+
+    def __init__(
+        self, reach: int = 16, store: SuffixStore | None = None, short: bool = True, name: str = "suffix"
+    ) -> None:
+        if reach < 1:
+            raise ValueError("need reach >= 1")
+        self.name = name
+        self.short = short
+        self.reach_most = reach
+        self.store = store
+        self.index = Index()
+        self.epoch = 0  # which index `_best` was found in (a new one each time the index starts again)
+        # The last search: (epoch, context length, store version) and what it found.
+        self._best: tuple[tuple[int, int, int], tuple[int, list[int]]] | None = None
+        self.forward_passes = 0
+        self.pass_seconds = 0.0
+
+    @property
+    def sessions(self) -> tuple[KVSession, ...]:
+        """None: it runs no model."""
+        return ()
+
+    def describe(self) -> str:
+        shared = f", {self.store.capacity} tokens of earlier requests" if self.store else ""
+        return f"suffix ({SEED}-gram seeds, up to {self.reach_most} tokens a round{shared})"
+
+    def follow(self, target: object) -> None:
+        """It reads the tokens, not the target's passes."""
+
+    def reset(self, prompt_length: int | None = None, budget: int | None = None) -> None:
+        """A new generation: the one before it goes to the store."""
+        if self.store is not None and len(self.index.tokens) > SEED:
+            self.store.add(self.index.tokens)
+        self.index, self.epoch = Index(), self.epoch + 1
+
+    def _follow(self, context: Sequence[int]) -> None:
+        """Index the context: extend the current index, or start again where the context is not its extension."""
+        known = self.index.tokens
+        if len(context) < len(known) or context[: len(known)] != known:
+            self.index, self.epoch = Index(), self.epoch + 1
+            known = self.index.tokens
+        if len(context) > len(known):
+            self.index.extend(context[len(known) :])
+
+    def best(self, context: Sequence[int], shared: bool = True) -> tuple[int, list[int]]:
+        """(match length, the tokens following the longest match), the current sequence first, then (`shared`) the
+        store's; the latest wins a tie. (0, []) without a seed match. Asked twice a round (`reach`, `propose`):
+        found once."""
+        self._follow(context)
+        store = self.store if shared else None
+        key = (self.epoch, len(context), store.version if store is not None else -1)
+        if self._best is not None and self._best[0] == key:
+            return self._best[1]
+        best: tuple[int, list[int]] = (0, [])
+        for length, end in self.index.matches(context, before=len(context)):
+            if length > best[0]:
+                best = (length, self.index.tokens[end : end + LONGEST])
+        if store is not None:
+            for length, tokens, end in store.matches(context):
+                if length > best[0] and end < len(tokens):
+                    best = (length, tokens[end : end + LONGEST])
+        best = best if best[1] else (0, [])
+        self._best = (key, best)
+        return best
+
+    def reach(self, context: Sequence[int], params: SamplingParams) -> int:
+        """How many tokens this round may draft past gamma: the match's length (a long run being copied), at most
+        `reach` and what follows the match; 0 without a seed match."""
+        length, following = self.best(context, params.greedy)
+        return min(length, self.reach_most, len(following))
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator, stop: float = 0.0
+    ) -> Proposal:
+        """What followed the longest match, up to k tokens (and the match's length, where that is more than a short
+        one's gamma); prompt lookup's short matches where there is none."""
+        following = self.best(context, params.greedy)[1]
+        if not following:
+            copied = lookup_continuation(context, k, SHORT_MATCH, 1) if self.short else []
+            return Proposal(copied, source=self.name)
+        return Proposal(following[:k], source=self.name)

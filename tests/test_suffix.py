@@ -1,0 +1,162 @@
+"""Suffix drafting: the index finds the longest earlier match, long matches draft past gamma, earlier generations
+are matched through the engine's store, and every method that drafts with it stays exact."""
+
+import random
+import re
+
+import pytest
+import torch
+
+from tiny import tiny_model, tiny_tokenizer
+from viasd.decode.base import GenerationConfig
+from viasd.drafters.base import reach_of
+from viasd.drafters.hybrid import HybridDrafter
+from viasd.drafters.suffix import LONGEST, SEED, Index, SuffixDrafter, SuffixStore
+from viasd.engine import Engine, EngineSpec
+from viasd.errors import ViasdError
+from viasd.methods import parse_method
+from viasd.models.loading import LoadedModel
+from viasd.verify.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _longest_by_brute_force(tokens: list[int], tail: list[int], before: int) -> int:
+    """The longest match of `tail`'s end (at least SEED tokens, at most LONGEST) ending before `before`."""
+    best = 0
+    for end in range(SEED, before):
+        length = 0
+        while length < min(LONGEST, end, len(tail)) and tokens[end - length - 1] == tail[-length - 1]:
+            length += 1
+        if length >= SEED:
+            best = max(best, length)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_index_grown_piece_by_piece_finds_the_longest_match_brute_force_finds(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4) for _ in range(300)]  # a small alphabet: many matches of every length
+    index = Index()
+    start = 0
+    while start < len(tokens):  # grown as a generation grows: a prompt, then rounds of a few tokens
+        step = rng.randrange(1, 40)
+        index.extend(tokens[start : start + step])
+        start += step
+        seen = tokens[:start]
+        found = index.matches(seen, before=len(seen))
+        expected = _longest_by_brute_force(seen, seen, len(seen))
+        # CANDIDATES bounds the occurrences tried: the latest ones; on this alphabet the longest is among them or
+        # as long as one that is.
+        assert max((length for length, _ in found), default=0) == expected or len(found) == 32
+        for length, end in found:
+            assert seen[end - length : end] == seen[len(seen) - length :] and end < len(seen)
+
+
+def test_a_long_match_drafts_past_gamma_and_a_short_one_as_prompt_lookup():
+    drafter = SuffixDrafter(reach=16)
+    run = list(range(10, 40))  # 30 distinct tokens
+    context = [1, 2, *run, 3, *run[:12]]  # the tail repeats 12 tokens of the run
+    params, generator = SamplingParams(temperature=0.0), torch.Generator()
+    assert drafter.reach(context, GREEDY) == 12  # a match of 12 tokens: up to 12 drafts
+    assert drafter.propose(context, 12, params, generator).tokens == run[12:24]
+    assert drafter.propose(context, 4, params, generator).tokens == run[12:16]  # k bounds it
+    assert SuffixDrafter(reach=5).reach(context, GREEDY) == 5
+    short = [7, 8, 9, 7]  # no 3-token match: prompt lookup's 1-gram, up to k
+    assert drafter.reach(short, GREEDY) == 0 and drafter.propose(short, 3, params, generator).tokens == [8, 9, 7]
+    assert SuffixDrafter(short=False).propose(short, 3, params, generator).tokens == []
+    # A new context that is not an extension of the last starts a new index: no stale matches.
+    assert drafter.reach([50, 51, 52, 53], GREEDY) == 0
+
+
+def test_finished_generations_are_matched_through_the_store_and_the_oldest_dropped():
+    store = SuffixStore(tokens=100)
+    first = SuffixDrafter(store=store)
+    earlier = list(range(20, 80))  # 60 tokens
+    first.propose(earlier, 4, SamplingParams(temperature=0.0), torch.Generator())
+    first.reset()  # the generation ended: its tokens go to the store
+    assert store.held == 60
+    second = SuffixDrafter(store=store)
+    context = [5, 6, *earlier[10:30]]  # a new request quoting 20 tokens of the earlier one
+    assert second.reach(context, GREEDY) == 16 and second.best(context)[1][:3] == earlier[30:33]
+    assert second.reach(context, SamplingParams(temperature=0.7)) == 0  # sampling: its own tokens only
+    alone = SuffixDrafter(store=None)
+    assert alone.reach(context, GREEDY) == 0  # without the store nothing matches
+    store.add(list(range(100, 150)))  # 110 tokens > 100: the oldest goes
+    assert store.held == 50 and second.reach([5, 6, *earlier[10:30]], GREEDY) == 0
+    SuffixStore(tokens=0).add(earlier)  # off: keeps nothing, no error
+
+
+def _engine(**spec) -> Engine:
+    tok = tiny_tokenizer(64)
+    return Engine(
+        EngineSpec(target="t", drafter="d", **spec),
+        target=LoadedModel(tiny_model("llama"), tok, "t", "t"),
+        drafter=LoadedModel(tiny_model("llama", layers=2, seed=1), tok, "d", "d"),
+    )
+
+
+@pytest.mark.parametrize("method", ["sd:drafter=suffix", "sd:drafter=suffix:reach=24", "sd:drafter=suffix+head"])
+def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(method, capsys, monkeypatch):
+    engine = _engine()
+    run = [(7 * i + 3) % 60 + 2 for i in range(40)]
+    prompt = [run[0], *run, 2, *run[:20]]  # the prompt's tail matches 20 tokens of the run
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    decoder = engine.decoder(method)
+    assert decoder.gamma == 4
+    reach = min(20, 24 if "reach" in method else 16)  # the match is 20 tokens long
+    assert reach_of(decoder.drafter, prompt, GREEDY) == reach  # the first round drafts past gamma
+    lengths = []
+    propose = decoder.drafter.propose
+
+    def recording(context, k, *args):
+        proposal = propose(context, k, *args)
+        lengths.append(len(proposal))
+        return proposal
+
+    monkeypatch.setattr(decoder.drafter, "propose", recording)
+    out = engine.generate(prompt, method, config)
+    assert out.tokens == engine.generate(prompt, "plain", config).tokens
+    assert lengths[0] == reach and max(lengths) > decoder.gamma
+    if method.endswith("+head"):  # the tiny target has no head: the next-best drafter, said in one line
+        assert isinstance(decoder.drafter, HybridDrafter) and isinstance(decoder.drafter.lookup, SuffixDrafter)
+        assert "next-best drafter" in capsys.readouterr().err
+
+
+def test_a_seeded_sampling_request_gets_what_it_gets_alone_whatever_came_before():
+    """Its drafts shape which random draws are used, so a sampling request drafts from its own tokens only: the
+    store of earlier requests (the first run below) changes nothing."""
+    engine = _engine()
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=3))
+    one = engine.generate(prompt, "sd:drafter=suffix", config)
+    assert one.tokens == engine.generate(prompt, "sd:drafter=suffix", config).tokens
+    assert one.tokens == _engine(suffix_cache=0).generate(prompt, "sd:drafter=suffix", config).tokens
+    assert all(0 <= t < 64 for t in one.tokens) and len(one.tokens) == 24
+
+
+def test_the_engines_store_carries_one_generation_to_the_next_and_can_be_off():
+    engine = _engine()
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    first = engine.generate(list(range(2, 30)), "sd:drafter=suffix", config)
+    engine.generate([3, 4], "sd:drafter=suffix", config)  # its reset put the first generation in the store
+    store = engine.suffix_store()
+    # The drafter saw the context up to its last round: all but that round's tokens (at most gamma + 1).
+    assert store is not None and 28 + len(first.tokens) - 5 <= store.held <= 28 + len(first.tokens)
+    assert _engine(suffix_cache=0).suffix_store() is None
+    with pytest.raises(ViasdError, match="--suffix-cache must be a number of tokens >= 0"):
+        EngineSpec(suffix_cache=-1)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("sd:reach=8", "option 'reach' needs drafter=suffix or drafter=suffix+head"),
+        ("sd:drafter=suffix:match=2", "option 'match' needs drafter=lookup, hybrid or lookup+head"),
+        ("sd:drafter=suffix:stop=0.3", "option 'stop' needs a model drafter"),
+        ("sd:drafter=suffix:reach=0", "method option reach must be in 1..64, got 0"),
+    ],
+)
+def test_suffix_options_are_refused_where_they_mean_nothing(text, message):
+    with pytest.raises(ViasdError, match=re.escape(message)):
+        parse_method(text)
