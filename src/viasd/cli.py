@@ -199,6 +199,102 @@ def generate(
 
 @app.command()
 @user_errors
+def chat(
+    method: Annotated[
+        str, typer.Option("--method", "-m", help="Decoding method or variant, e.g. sd:gamma=4 (`viasd methods`).")
+    ] = "auto",
+    target: TargetOpt = DEFAULT_TARGET,
+    drafter: DrafterOpt = DEFAULT_DRAFTER,
+    profile: ProfileOpt = None,
+    gamma: GammaOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="New tokens per answer at most.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 disables top-k.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p x the top probability; 0 disables it.")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="-2 to 2: subtracted once per token in the output.")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(help="-2 to 2: subtracted per use in the output.")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="> 0, on prompt and output tokens; 1 disables it.")] = 1.0,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    stats: Annotated[bool, typer.Option(help="Print each turn's statistics to stderr.")] = True,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = "auto",
+    device_map: DeviceMapOpt = None,
+    quant: QuantOpt = None,
+    drafter_quant: DrafterQuantOpt = None,
+) -> None:
+    """Chat in the terminal: one message a line on standard input (a pipe works too), answers streamed; /reset
+    forgets the conversation, /exit or end of input ends it, Ctrl-C stops an answer (not kept). The conversation's KV
+    is kept between turns, so a turn reads only its new message (docs/chat.md)."""
+    from viasd.chat import Conversation
+    from viasd.decode.base import GenerationConfig
+    from viasd.engine import Engine
+    from viasd.verify.penalties import Penalties
+    from viasd.verify.sampling import SamplingParams
+
+    penalties = Penalties(presence=presence_penalty, frequency=frequency_penalty, repetition=repetition_penalty)
+    sampling = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p, penalties=penalties
+    )
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, stop_strings=tuple(stop or ()))
+    spec = engine_spec(
+        target,
+        drafter,
+        profile=profile,
+        gamma=gamma,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        quant=quant,
+        drafter_quant=drafter_quant,
+    )
+    method_spec = parse_method(method)  # a bad method name fails before any model loads
+    with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
+        engine = Engine(spec)
+        decoder = engine.decoder(method_spec)
+    conversation = Conversation(decoder, engine.encode, config, system=system)
+    terminal = sys.stdin.isatty()
+
+    def stream(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    while True:
+        try:
+            line = input(">>> ") if terminal else sys.stdin.readline()
+        except EOFError:
+            line = ""
+        if not line or line.strip() == "/exit":  # end of input, or asked
+            if terminal:
+                sys.stdout.write("\n" if not line else "")
+            return
+        if line.strip() == "/reset":
+            conversation.reset()
+            err.print("[dim]the conversation is forgotten[/]", highlight=False)
+            continue
+        try:
+            turn = conversation.say(line.rstrip("\r\n"), on_text=stream)
+        except ViasdError as exc:  # a message too long for the context: refused, the conversation goes on
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
+            continue
+        except KeyboardInterrupt as exc:
+            if isinstance(exc, Stopped) and exc.signum != signal.SIGINT:  # SIGTERM ends the chat
+                raise
+            sys.stdout.write("\n")
+            err.print("[dim]stopped: this answer is not kept in the conversation[/]", highlight=False)
+            continue
+        if turn is None:  # an empty message
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats:
+            err.print(f"[dim]{turn.summary()}[/]", highlight=False, soft_wrap=True)
+
+
+@app.command()
+@user_errors
 def models(
     fetch: Annotated[list[str] | None, typer.Option(help="Fetch a default model (repeatable).")] = None,
     fetch_all: Annotated[bool, typer.Option("--all", help="Fetch every default model.")] = False,
