@@ -49,6 +49,7 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
         (["serve", "--target", NO_MODEL, "--prefix-cache-mb", "-1"], None, "--prefix-cache-mb must be a whole number"),
         (["serve", "--target", NO_MODEL, "--prefix-cache-mb", "abc"], None, "MiB >= 0 (0 turns the prefix cache off)"),
         (["serve", "--target", NO_MODEL, "--prefix-cache-mb", "1.5"], None, "got '1.5'"),
+        (["serve", "--target", NO_MODEL, "--suffix-cache", "-1"], None, "--suffix-cache must be a number of tokens"),
         # (a bench that wrongly accepted these would fail fast on the missing model, not run)
         (["bench", "--target", NO_MODEL, "--humaneval-timeout", "nan"], None, "--humaneval-timeout must be a finite"),
         (["bench", "--target", NO_MODEL, "--gamma", "-2"], None, "--gamma must be in 1..64, got -2"),

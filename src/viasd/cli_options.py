@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from viasd.spec import EngineSpec
+from viasd.speculation import DEFAULT_SUFFIX_CACHE
 
 TargetOpt = Annotated[
     str, typer.Option("--target", "-t", help="Target: default model name, directory, .gguf or hub id.")
@@ -47,6 +48,7 @@ def engine_spec(
     device_map: str | None = None,
     quant: str | None = None,
     drafter_quant: str | None = None,
+    suffix_cache: int = DEFAULT_SUFFIX_CACHE,
 ) -> EngineSpec:
     """The EngineSpec of a command's shared options (quantization recipes checked here, before any model loads; no
     --quant: the target as its file stores it, resolved once the target is known)."""
@@ -63,4 +65,5 @@ def engine_spec(
         gamma=gamma,
         quant=OPTIONS["quant"].parse("--quant", quant) if quant else AS_STORED,
         drafter_quant=OPTIONS["drafter_quant"].parse("--drafter-quant", drafter_quant) if drafter_quant else None,
+        suffix_cache=suffix_cache,
     )

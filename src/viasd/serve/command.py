@@ -30,6 +30,7 @@ from viasd.cli_options import (
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 from viasd.serve.settings import DEFAULT_PREFIX_CACHE_MB
+from viasd.speculation import DEFAULT_SUFFIX_CACHE
 
 if TYPE_CHECKING:
     import uvicorn
@@ -126,6 +127,15 @@ def serve(
             "quantized weights a resumed prompt may round differently, so its text can differ from a fresh read.",
         ),
     ] = str(DEFAULT_PREFIX_CACHE_MB),
+    suffix_cache: Annotated[
+        int,
+        typer.Option(
+            metavar="<tokens>",
+            help="Tokens of finished requests (prompts and answers, as token ids, in memory) that greedy requests' "
+            "suffix drafters (sd:drafter=suffix, suffix+head) copy from as well, oldest out; 0 turns it off. Drafts "
+            "are verified, so no answer changes, but a request's speed can tell whether others sent the same text.",
+        ),
+    ] = DEFAULT_SUFFIX_CACHE,
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait while --max-active generate; more are refused with 503.")
     ] = 16,
@@ -188,6 +198,7 @@ def serve(
             device_map=device_map,
             quant=quant,
             drafter_quant=drafter_quant,
+            suffix_cache=suffix_cache,
         )
         with err.status(f"loading {target} for {', '.join(settings.methods)}"):
             engine = Engine(spec)
