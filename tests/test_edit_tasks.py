@@ -156,6 +156,9 @@ def test_revise_copy_measures_what_the_second_answer_copied():
     assert edits.revise_copy(first, f"{mark}\nDear Ann,\nThe report", mark) == pytest.approx(4 / 8)
     assert edits.revise_copy(first, f"{mark}\nDear Ann,\nThe report", mark, second_cut=True) == 1.0
     assert edits.revise_copy(first, f"{mark}\nSomething else entirely.", mark) == 0.0
+    again = "Here is my answer again:"
+    assert edits.revise_copy(first, f"{again} Dear Ann,\nThe report is ready.", again) == pytest.approx(6 / 8)
+    assert edits.revise_copy(first, f"Sure! {again}\n{first}", again) == 0.0  # not where it was asked for
 
 
 def test_score_task_scores_edits_and_revisions(problems):

@@ -489,13 +489,14 @@ _WORD = re.compile(r"\S+")
 
 
 def revise_copy(first: str, second: str, mark: str, second_cut: bool = False) -> float:
-    """How much of the first answer the second copied, 0..1: 0 without the asked-for first line, else the share of
-    the first answer's words that the rest of the second holds in the same order (difflib's matching blocks).
-    `second_cut`: the second answer ran out of budget, so only as many of the first's words as it has count."""
-    lines = second.strip().splitlines()
-    if not lines or _plain(lines[0]) != _plain(mark):
+    """How much of the first answer the second copied, 0..1: 0 unless the second begins with the asked-for line (on a
+    line of its own or not; markdown emphasis, quotes and case aside), else the share of the first answer's words that
+    the rest of the second holds in the same order (difflib's matching blocks). `second_cut`: the second answer ran
+    out of its budget, so only as many of the first's words as it has count."""
+    rest = _after_mark(second, mark)
+    if rest is None:
         return 0.0
-    want, got = _WORD.findall(first), _WORD.findall("\n".join(lines[1:]))
+    want, got = _WORD.findall(first), _WORD.findall(rest)
     if second_cut:
         want = want[: len(got)]
     if not want:
@@ -504,6 +505,12 @@ def revise_copy(first: str, second: str, mark: str, second_cut: bool = False) ->
     return sum(block.size for block in matcher.get_matching_blocks()) / len(want)
 
 
-def _plain(line: str) -> str:
-    """A line without markdown emphasis, heading marks, quotes or surrounding space, in lower case."""
-    return line.strip().strip("#*_\"': ").strip().lower()
+_DECORATION = "#*_\"' \t\n"
+
+
+def _after_mark(text: str, mark: str) -> str | None:
+    """The text after its leading `mark`, or None when it does not begin with it."""
+    text, mark = text.lstrip(_DECORATION), mark.strip().rstrip(":")
+    if not text.lower().startswith(mark.lower()):
+        return None
+    return text[len(mark) :].lstrip(":" + _DECORATION)
