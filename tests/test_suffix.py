@@ -54,7 +54,7 @@ def test_the_index_grown_piece_by_piece_finds_the_longest_match_brute_force_find
 
 
 def test_a_long_match_drafts_past_gamma_and_a_short_one_as_prompt_lookup():
-    drafter = SuffixDrafter(reach=16)
+    drafter = SuffixDrafter(reach=16)  # the class takes any reach; the method option stops at MAX_REACH
     run = list(range(10, 40))  # 30 distinct tokens
     context = [1, 2, *run, 3, *run[:12]]  # the tail repeats 12 tokens of the run
     params, generator = SamplingParams(temperature=0.0), torch.Generator()
@@ -78,7 +78,7 @@ def test_finished_generations_are_matched_through_the_store_and_the_oldest_dropp
     assert store.held == 60
     second = SuffixDrafter(store=store)
     context = [5, 6, *earlier[10:30]]  # a new request quoting 20 tokens of the earlier one
-    assert second.reach(context, GREEDY) == 16 and second.best(context)[1][:3] == earlier[30:33]
+    assert second.reach(context, GREEDY) == 15 and second.best(context)[1][:3] == earlier[30:33]
     assert second.reach(context, SamplingParams(temperature=0.7)) == 0  # sampling: its own tokens only
     alone = SuffixDrafter(store=None)
     assert alone.reach(context, GREEDY) == 0  # without the store nothing matches
@@ -96,7 +96,7 @@ def _engine(**spec) -> Engine:
     )
 
 
-@pytest.mark.parametrize("method", ["sd:drafter=suffix", "sd:drafter=suffix:reach=24", "sd:drafter=suffix+head"])
+@pytest.mark.parametrize("method", ["sd:drafter=suffix", "sd:drafter=suffix:reach=9", "sd:drafter=suffix+head"])
 def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(method, capsys, monkeypatch):
     engine = _engine()
     run = [(7 * i + 3) % 60 + 2 for i in range(40)]
@@ -104,7 +104,7 @@ def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(metho
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     decoder = engine.decoder(method)
     assert decoder.gamma == 4
-    reach = min(20, 24 if "reach" in method else 16)  # the match is 20 tokens long
+    reach = 9 if "reach" in method else 15  # the match is 20 tokens long
     assert reach_of(decoder.drafter, prompt, GREEDY) == reach  # the first round drafts past gamma
     lengths = []
     propose = decoder.drafter.propose
@@ -154,9 +154,18 @@ def test_the_engines_store_carries_one_generation_to_the_next_and_can_be_off():
         ("sd:reach=8", "option 'reach' needs drafter=suffix or drafter=suffix+head"),
         ("sd:drafter=suffix:match=2", "option 'match' needs drafter=lookup, hybrid or lookup+head"),
         ("sd:drafter=suffix:stop=0.3", "option 'stop' needs a model drafter"),
-        ("sd:drafter=suffix:reach=0", "method option reach must be in 1..64, got 0"),
+        ("sd:drafter=suffix:reach=0", "method option reach must be in 1..15, got 0"),
+        ("sd:drafter=suffix:reach=16", "method option reach must be in 1..15, got 16"),
     ],
 )
 def test_suffix_options_are_refused_where_they_mean_nothing(text, message):
     with pytest.raises(ViasdError, match=re.escape(message)):
         parse_method(text)
+
+
+def test_the_longest_suffix_draft_is_verified_on_the_fused_passes():
+    """reach + 1 rows is the verification pass: at most the longest pass the fused layers run (block-invariant)."""
+    from viasd.passes.packed_attention import PACK_UP_TO
+    from viasd.speculation import DEFAULT_REACH, MAX_REACH
+
+    assert MAX_REACH + 1 == PACK_UP_TO and DEFAULT_REACH <= MAX_REACH

@@ -28,8 +28,12 @@ MAX_MATCH = 16
 # per prompt token; twice that, for answers that use half their budget.
 HYBRID_BUDGET = 0.08
 # The most tokens a suffix drafter copies in a round from a long match (drafters/suffix.py): a match of m tokens
-# drafts up to m, past gamma; 16 rows cost the 4-bit 1.5B target about 2.5 single steps on a 2-core Zen 4.
-DEFAULT_REACH = 16
+# drafts up to m, past gamma. The verification pass then reads reach + 1 tokens: at most 16 (passes/packed_attention.py,
+# PACK_UP_TO), the longest pass viasd's fused layers run, whose rows are the same bits in any block; a longer one
+# runs torch's attention, rounds otherwise, and a greedy output could part from plain decoding's (a bench of drafts
+# of 16 did, on 3 of 13 edit tasks).
+MAX_REACH = 15
+DEFAULT_REACH = MAX_REACH
 # Tokens of finished generations (prompts and answers) an engine's suffix drafters also copy from: about 40 requests
 # of 1,600 tokens; 0 turns it off. Token ids only, in memory, for the engine's life (docs/serving.md).
 DEFAULT_SUFFIX_CACHE = 1 << 16
@@ -62,6 +66,13 @@ def check_budget(budget: float, name: str = "the hybrid's budget") -> float:
     if not 0.0 <= budget < float("inf"):  # NaN fails too
         raise ViasdError(f"{name} must be a number >= 0, got {budget}")
     return budget
+
+
+def check_reach(reach: int, name: str = "the suffix drafter's reach") -> int:
+    """The most tokens a suffix drafter copies in a round (1..MAX_REACH: its verification stays on the fused passes)."""
+    if not 1 <= reach <= MAX_REACH:
+        raise ViasdError(f"{name} must be in 1..{MAX_REACH}, got {reach}")
+    return reach
 
 
 def check_suffix_cache(tokens: int, name: str = "the suffix cache") -> int:

@@ -5,8 +5,10 @@ Edits, the second turn of a chat and an agent's next step copy long runs of thei
 (SuffixDecoding, arXiv 2411.04975). Prompt lookup copies at most `gamma` tokens per round from the latest match of a
 short n-gram; here the match is the longest one found (every earlier occurrence of the tail's last SEED tokens,
 extended backwards), and a match of m tokens may draft up to m tokens, past gamma, up to `reach`: a long match is
-a long run being copied, and a block of 16 rows costs the target a few single steps, not 16. Where the tail has no
-match of SEED tokens the drafter is prompt lookup as published (the last 1-2 tokens, up to gamma).
+a long run being copied, and a block of 16 rows costs the target a few single steps, not 16 (the reach stops at
+15 drafts: a verification of 16 rows is the longest that viasd's fused passes run, exactly as a single step).
+Where the tail has no match of SEED tokens the drafter is prompt lookup as published (the last 1-2 tokens, up to
+gamma).
 
 Cache invariant: an index maps every SEED-gram of a sequence to the positions where it ends, in order; the current
 sequence's index covers its first `indexed` tokens and is extended as the context grows, rebuilt when the context
@@ -117,7 +119,7 @@ class SuffixDrafter:
     """
 
     def __init__(
-        self, reach: int = 16, store: SuffixStore | None = None, short: bool = True, name: str = "suffix"
+        self, reach: int = 15, store: SuffixStore | None = None, short: bool = True, name: str = "suffix"
     ) -> None:
         if reach < 1:
             raise ValueError("need reach >= 1")

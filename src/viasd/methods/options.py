@@ -18,6 +18,7 @@ from viasd.speculation import (
     check_budget,
     check_gamma,
     check_match,
+    check_reach,
     check_stop,
 )
 from viasd.views.recipe import QuantRecipe, TargetQuant, parse_target_quant
@@ -167,8 +168,9 @@ OPTIONS: dict[str, Option] = {
         Option("copy", _checked(int, check_gamma), "most tokens prompt lookup copies per round (default: up to gamma)"),
         Option(
             "reach",
-            _checked(int, check_gamma),
-            f"most tokens a suffix drafter copies in a round from a long match, past gamma (default {DEFAULT_REACH})",
+            _checked(int, check_reach),
+            f"most tokens a suffix drafter copies in a round from a long match, past gamma (at most and by default "
+            f"{DEFAULT_REACH}: its verification then stays on viasd's exact fused passes)",
         ),
         Option(
             "budget",
