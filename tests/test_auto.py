@@ -139,6 +139,9 @@ def test_auto_drafts_with_int4a8_views_only_where_their_kernel_runs():
     from_file = auto.candidates(True, int4a8=True, drafter_gguf=True)
     assert "sd:drafter_quant=gguf" in from_file and "sd:drafter=hybrid:drafter_quant=gguf" in from_file
     assert "sd" not in from_file and "sd" not in fast
+    with_head = auto.candidates(True, int4a8=True, head=True)
+    assert {"sd:drafter=head", "sd:drafter=lookup+head", "sd:drafter=suffix+head"} <= set(with_head)
+    assert "sd:drafter=suffix+head" not in fast  # no head, no head methods
 
 
 def test_a_default_drafter_of_another_tokenizer_is_refused_before_any_fetch(monkeypatch):
