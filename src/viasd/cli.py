@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import wraps
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -31,6 +31,12 @@ from viasd.errors import ViasdError
 from viasd.methods import parse_method
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
 from viasd.stopping import Stopped, signal_name, stop_signals
+
+if TYPE_CHECKING:
+    from viasd.decode.base import Decoder
+    from viasd.engine import Engine
+    from viasd.methods import MethodSpec
+    from viasd.spec import EngineSpec
 
 app = typer.Typer(
     help="Multi-tier speculative decoding (VIA-SD): drafter, slim verifier, full target.",
@@ -63,6 +69,22 @@ def user_errors(func: F, *, signals: bool = True) -> F:
             raise typer.Exit(128 + signum) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _loaded(err: Console, method: MethodSpec, spec: EngineSpec) -> tuple[Engine, Decoder]:
+    """The engine of `spec` and `method`'s decoder, loaded under a status line (naming the drafter where the method
+    drafts with it)."""
+    from viasd.engine import Engine
+
+    with err.status(f"loading {spec.target}" + (f" and {spec.drafter}" if method.uses_drafter else "")):
+        engine = Engine(spec)
+        return engine, engine.decoder(method)
+
+
+def _stream(piece: str) -> None:
+    """Text as it is committed, to standard output."""
+    sys.stdout.write(piece)
+    sys.stdout.flush()
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -113,7 +135,6 @@ def generate(
 ) -> None:
     """Generate text for a prompt, streaming it to the terminal."""
     from viasd.decode.base import GenerationConfig
-    from viasd.engine import Engine
     from viasd.prompting import encode_prompt
     from viasd.verify.penalties import Penalties, parse_bias
     from viasd.verify.sampling import SamplingParams
@@ -147,16 +168,10 @@ def generate(
         drafter_quant=drafter_quant,
     )
     method_spec = parse_method(method)  # a bad method name fails before any model loads
-    with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
-        engine = Engine(spec)
-        decoder = engine.decoder(method_spec)
+    engine, decoder = _loaded(err, method_spec, spec)
     ids = encode_prompt(engine.tokenizer, text, chat=chat, system=system)
 
-    def stream(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    result = decoder.generate(ids, config, on_text=None if as_json else stream)
+    result = decoder.generate(ids, config, on_text=None if as_json else _stream)
     if as_json:
         setup = engine.describe(method_spec)  # what ran: views, drafter, profile, kernels
         out = {
@@ -230,7 +245,6 @@ def chat(
     is kept between turns, so a turn reads only its new message (docs/chat.md)."""
     from viasd.chat import Conversation
     from viasd.decode.base import GenerationConfig
-    from viasd.engine import Engine
     from viasd.verify.penalties import Penalties
     from viasd.verify.sampling import SamplingParams
 
@@ -251,15 +265,9 @@ def chat(
         drafter_quant=drafter_quant,
     )
     method_spec = parse_method(method)  # a bad method name fails before any model loads
-    with err.status(f"loading {target}" + (f" and {drafter}" if method_spec.uses_drafter else "")):
-        engine = Engine(spec)
-        decoder = engine.decoder(method_spec)
+    engine, decoder = _loaded(err, method_spec, spec)
     conversation = Conversation(decoder, engine.encode, config, system=system)
     terminal = sys.stdin.isatty()
-
-    def stream(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
 
     while True:
         try:
@@ -275,7 +283,7 @@ def chat(
             err.print("[dim]the conversation is forgotten[/]", highlight=False)
             continue
         try:
-            turn = conversation.say(line.rstrip("\r\n"), on_text=stream)
+            turn = conversation.say(line.rstrip("\r\n"), on_text=_stream)
         except ViasdError as exc:  # a message too long for the context: refused, the conversation goes on
             err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True, emoji=False)
             continue
