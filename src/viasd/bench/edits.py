@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from viasd.bench.sandbox import ExecutionResult, run_program
-from viasd.bench.tasks import Task
+from viasd.bench.task import Task
 
 EDIT_SOURCE = "edit"
 REVISE_SOURCE = "revise"

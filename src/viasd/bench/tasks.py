@@ -10,12 +10,12 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from viasd.bench.splits import Split, keep
+from viasd.bench.task import Task
 from viasd.errors import ViasdError
 from viasd.jsonio import JSONFault, parse_json
 
@@ -23,27 +23,6 @@ DEFAULT_QUESTIONS = "question_dev.jsonl"
 HUMANEVAL_CATEGORY = "humaneval"
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one code block."
 HUMANEVAL_STOP = ("\n```", "\nif __name__")
-
-
-@dataclass(frozen=True)
-class Task:
-    """One benchmark conversation.
-
-    `references` holds one reference per turn (None where there is none); `prefix` is text the answer
-    of every turn starts with (fed to the model, not part of the generated text); `stop` are stop strings.
-    """
-
-    key: str
-    source: str
-    category: str
-    turns: tuple[str, ...]
-    references: tuple[Any, ...] = ()
-    prefix: str = ""
-    stop: tuple[str, ...] = ()
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
-
-    def reference(self, turn: int) -> Any:
-        return self.references[turn] if turn < len(self.references) else None
 
 
 def default_questions_path() -> Path:
