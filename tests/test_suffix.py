@@ -9,9 +9,20 @@ import torch
 
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
-from viasd.drafters.base import reach_of
+from viasd.drafters.base import Proposal, reach_of
 from viasd.drafters.hybrid import HybridDrafter
-from viasd.drafters.suffix import LONGEST, SEED, Index, SuffixDrafter, SuffixStore
+from viasd.drafters.suffix import (
+    LONGEST,
+    RESYNC_AFTER,
+    SEED,
+    CopyRun,
+    Index,
+    SuffixDrafter,
+    SuffixStore,
+    continue_run,
+    followed,
+    resync,
+)
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.methods import parse_method
@@ -83,7 +94,8 @@ def test_finished_generations_are_matched_through_the_store_and_the_oldest_dropp
     alone = SuffixDrafter(store=None)
     assert alone.reach(context, GREEDY) == 0  # without the store nothing matches
     store.add(list(range(100, 150)))  # 110 tokens > 100: the oldest goes
-    assert store.held == 50 and second.reach([5, 6, *earlier[10:30]], GREEDY) == 0
+    # A new generation finds nothing (`second`'s copy run, lined up with the dropped sequence, may still read it).
+    assert store.held == 50 and SuffixDrafter(store=store).reach(context, GREEDY) == 0
     SuffixStore(tokens=0).add(earlier)  # off: keeps nothing, no error
 
 
@@ -169,3 +181,78 @@ def test_the_longest_suffix_draft_is_verified_on_the_fused_passes():
     from viasd.speculation import DEFAULT_REACH, MAX_REACH
 
     assert MAX_REACH + 1 == PACK_UP_TO and DEFAULT_REACH <= MAX_REACH
+
+
+def _edited_copy() -> tuple[list[int], list[int]]:
+    """A prompt holding a run of 30 distinct tokens, and the run as an answer copies it with its 11th token edited."""
+    run = list(range(10, 40))
+    return [1, *run, 2], [*run[:10], 99, *run[11:]]
+
+
+def test_an_edited_copy_resumes_from_a_match_shorter_than_the_seed_and_goes_on_while_accepted():
+    prompt, answer = _edited_copy()
+    drafter, generator = SuffixDrafter(short=False), torch.Generator()  # a hybrid's copier: no prompt lookup of its own
+    # A seed match drafts the source: its 11th token is wrong (the edit), the target's is kept.
+    assert drafter.propose(prompt + answer[:10], 4, GREEDY, generator).tokens == prompt[11:15]
+    assert drafter.propose(prompt + answer[:11], 4, GREEDY, generator).tokens == []  # the edit: nothing to copy
+    # One source token after the edit: a 1-token match, at the source position where the copy broke.
+    resumed = prompt + answer[:12]
+    assert drafter.index.matches(resumed, before=len(resumed)) == []  # shorter than the seed
+    assert drafter.propose(resumed, 1, GREEDY, generator).tokens == answer[12:13]
+    # Its draft accepted: the tail [99, a11, a12] has no seed match, the copy goes on where it was.
+    accepted = prompt + answer[:13]
+    assert drafter.index.matches(accepted, before=len(accepted)) == []
+    assert drafter.propose(accepted, 4, GREEDY, generator).tokens == answer[13:17]
+    assert drafter.reach(accepted, GREEDY) == 2  # the run's length so far: 1 matched, 1 followed
+
+
+def test_a_resumed_copy_that_misses_at_once_is_over_and_a_broken_one_waits_only_so_long():
+    prompt, answer = _edited_copy()
+    drafter, generator = SuffixDrafter(short=False), torch.Generator()
+    drafter.propose(prompt + answer[:10], 4, GREEDY, generator)
+    assert drafter.propose(prompt + answer[:12], 4, GREEDY, generator).tokens == answer[12:16]
+    missed = prompt + answer[:12] + [98]  # new text after the short match: it was no copy
+    assert drafter.propose(missed, 4, GREEDY, generator).tokens == [] and drafter.run is None
+    assert drafter.propose([*missed, answer[13]], 4, GREEDY, generator).tokens == []
+    # A run broken at an edit resumes within RESYNC_AFTER tokens of new text, not after.
+    for new_text, resumes in ((RESYNC_AFTER - 1, True), (RESYNC_AFTER + 1, False)):
+        drafter = SuffixDrafter(short=False)
+        drafter.propose(prompt + answer[:10], 4, GREEDY, generator)
+        edited = prompt + answer[:10] + list(range(100, 100 + new_text))
+        drafter.propose(edited, 4, GREEDY, generator)
+        drafted = drafter.propose([*edited, answer[11]], 4, GREEDY, generator).tokens
+        assert drafted == (answer[12:16] if resumes else [])
+
+
+def test_a_copy_run_is_a_pure_function_of_the_tokens():
+    source = [5, 6, 7, 8, 9, 10, 11, 12]
+    run = CopyRun(source, 2, 10, 3, shared=False)  # source[2] expected after 10 context tokens
+    context = list(range(100, 110))
+    assert followed(source, 2, [7, 8, 0]) == 2 and followed(source, 7, [12, 13]) == 1
+    went_on = continue_run(run, [*context, 7, 8])  # both follow: it goes on at source[4]
+    assert went_on == (CopyRun(source, 4, 12, 5, False), (5, 4))
+    broken = continue_run(run, [*context, 7, 0])  # the edit replaced source[3]: it waits there
+    assert broken == (CopyRun(source, 3, 11, 0, False), None)
+    resumed = continue_run(run, [*context, 7, 0, 9])  # source[4] after the edit: resumed at 5, a 1-token match
+    assert resumed == (CopyRun(source, 5, 13, 1, False), (1, 5))
+    assert resync(source, 3, [0, 9, 10]) == (2, 6) and resync(source, 3, [0]) is None
+    assert resync(source, 0, [12]) is None  # the source's last token: nothing follows it
+    assert continue_run(CopyRun(source, 3, 11, 1, False), [*context, 7, 0]) is None  # a short resumption missed
+
+
+def test_the_hybrid_copies_an_edited_run_where_it_handed_it_to_its_model():
+    prompt, answer = _edited_copy()
+
+    class Model:
+        name, forward_passes, pass_seconds, sessions = "model", 0, 0.0, ()
+
+        def reset(self, prompt_length=None, budget=None):
+            pass
+
+        def propose(self, context, k, params, generator, stop=0.0):
+            return Proposal([0] * k, source="model")
+
+    hybrid = HybridDrafter(SuffixDrafter(short=False), Model())
+    hybrid.reset(len(prompt), None)
+    sources = [hybrid.propose(prompt + answer[:length], 4, GREEDY, torch.Generator()).source for length in (10, 11, 12)]
+    assert sources == ["suffix", "model", "suffix"]  # the seed match, the edit, the 1-token match after it
