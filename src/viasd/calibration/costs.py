@@ -361,17 +361,12 @@ def measure_kernels(
 
     Each timing runs the input through `matrices` distinct weight matrices, as a model does, so the weights come
     from memory and not from cache (one matrix timed over and over looks several times faster). Kinds:
-    `bf16` (torch's linear), `int8`, `int8wo`, `int4`, `int4a8`, `int6a8` (viasd's quantized modules), `fbgemm`
+    `bf16` (torch's linear), a weight format's name (kernels/formats.py: `int8`, `int8wo`, `int4`, `int4a8`, and
+    `int6a8` and `int8a8`, a GGUF file's blocks, with random codes and scales: the timing is the same), `fbgemm`
     (torch's dynamic int8 linear: per-channel weights, one activation scale per tensor, fp32 in and out).
     """
-    from viasd.kernels import w6a8
-    from viasd.views.linears import (
-        Int4Int8Linear,
-        Int4WeightOnlyLinear,
-        Int6Int8Linear,
-        Int8DynamicLinear,
-        Int8WeightOnlyLinear,
-    )
+    from viasd.kernels import formats
+    from viasd.views.linears import layer_class
 
     torch.manual_seed(seed)
     layers = [nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16) for _ in range(matrices)]
@@ -379,21 +374,6 @@ def measure_kernels(
     def build(kind: str) -> tuple[list[nn.Module], torch.dtype]:
         if kind == "bf16":
             return layers, torch.bfloat16
-        if kind == "int8":
-            return [Int8DynamicLinear.from_linear(layer) for layer in layers], torch.bfloat16
-        if kind == "int8wo":
-            return [Int8WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
-        if kind == "int4":
-            return [Int4WeightOnlyLinear.from_linear(layer) for layer in layers], torch.bfloat16
-        if kind == "int4a8":
-            return [Int4Int8Linear.from_linear(layer) for layer in layers], torch.bfloat16
-        if kind == "int6a8":  # a GGUF file's 6-bit blocks (random codes and scales: the timing is the same)
-            generator = torch.Generator().manual_seed(seed)
-            modules = [
-                Int6Int8Linear.from_linear(layer, w6a8.random_weights(out_features, in_features, generator))
-                for layer in layers
-            ]
-            return modules, torch.bfloat16
         if kind == "fbgemm":
             from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
@@ -406,7 +386,14 @@ def measure_kernels(
                 module.set_weight_bias(torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8), None)
                 modules.append(module)
             return modules, torch.float32
-        raise ViasdError(f"unknown kernel kind {kind!r}; choose from bf16, int8, int8wo, int4, int4a8, int6a8, fbgemm")
+        if kind not in (f.name for f in formats.FORMATS):
+            names = ", ".join(f.name for f in formats.FORMATS)
+            raise ViasdError(f"unknown kernel kind {kind!r}; choose from bf16, {names}, fbgemm")
+        found, make = formats.named(kind), layer_class(kind).from_linear  # type: ignore[attr-defined]
+        if found.random is not None and found.quantize is None:  # made only from a file's blocks
+            generator = torch.Generator().manual_seed(seed)
+            return [make(m, found.random(out_features, in_features, generator)) for m in layers], torch.bfloat16
+        return [make(m) for m in layers], torch.bfloat16
 
     built = {kind: build(kind) for kind in kinds}
     inputs = {n: torch.randn(n, in_features) for n in rows}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from viasd.kernels import attention, w4a8, w6a8, w8a8
+from viasd.kernels import attention, formats, w4a8, w6a8, w8a8
 from viasd.kernels.build import Library, address, checked, ffi, status, usable
 from viasd.kernels.interface import EIGHT_BIT, FOUR_BIT, GELU_TANH, NO_MEMORY, NORM_GEMMA, NORM_LLAMA, OK, SILU, SIX_BIT
 from viasd.kernels.switch import OFF, switched_off
@@ -164,13 +164,7 @@ def run(
 
 def _random_product(kind: int, n: int, k: int, generator: torch.Generator, bias: bool = False) -> Product:
     b = torch.randn(n, generator=generator) * 0.1 if bias else None
-    if kind == FOUR_BIT:
-        tensors: tuple[torch.Tensor, ...] = w4a8.pack(torch.randn(n, k, generator=generator) * k**-0.5).tensors()
-    elif kind == EIGHT_BIT:
-        tensors = w8a8.random_weights(n, k, generator).tensors()
-    else:
-        tensors = w6a8.random_weights(n, k, generator).tensors()
-    return Product(kind, tensors, b, k, n)
+    return Product(kind, formats.of_product(kind).random(n, k, generator).tensors(), b, k, n)  # type: ignore[misc]
 
 
 def _self_check(library: Library) -> str | None:
@@ -245,7 +239,7 @@ def compiled() -> Library | str:
 def kernel() -> Library | str:
     """The compiled kernel, checked once per process, or why it is not used (a sentence); off where VIASD_KERNELS
     leaves it or a kernel it calls out."""
-    for name in ("w4a8", "w6a8", "w8a8", "attention"):
+    for name in (*(f.kernel for f in formats.FORMATS if f.fused is not None), "attention"):
         if switched_off(name):
             return OFF
     return usable("fused", compiled)

@@ -1,6 +1,6 @@
-"""What viasd's low-bit formats share in Python (the formats themselves: w4a8.py, w6a8.py; their C driver:
-lowbit.c): the load-time check every format's kernel must pass, and the product that runs the kernel where it is
-there and the format's torch reference where it is not."""
+"""What viasd's low-bit formats share in Python (the formats themselves: w4a8.py, w6a8.py, w8a8.py; their table:
+formats.py; their C driver: lowbit.c): the call of a format's kernel, the load-time check every format's kernel must
+pass, and the product that runs the kernel where it is there and the format's torch reference where it is not."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from viasd.kernels.build import Library, build_fault
+from viasd.kernels.build import Library, address, build_fault
+from viasd.kernels.interface import NO_MEMORY, OK
 from viasd.kernels.notice import warn_once
 from viasd.kernels.switch import OFF
 
@@ -33,6 +34,24 @@ def self_check(run: Run, reference: Callable[[torch.Tensor, Any], torch.Tensor],
     if not torch.equal(run(x, weights, 1), got):
         return "gives other bits with another number of threads"
     return None
+
+
+def run(function: str, name: str, library: Library, x: torch.Tensor, weights: Any, threads: int,
+        bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x (`kernel_input`) @ W^T + bias (float32) by the format's C `function` (every low-bit kernel takes x, whether
+    it is bf16, its shape, the weights' tensors, their rows, the bias, the output and the threads), in x's dtype;
+    `name` is the kernel's in messages."""
+    if x.shape[1] != weights.k:
+        raise ValueError(f"the {name} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
+    out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
+    pointers = [address(t) for t in weights.tensors()]
+    status = getattr(library.lib, function)(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
+                                            weights.n, address(bias), address(out), threads)  # fmt: skip
+    if status == NO_MEMORY:
+        raise MemoryError(f"the {name} kernel could not allocate its scratch memory")
+    if status != OK:
+        raise ValueError(f"the {name} kernel does not take {x.shape[1]} inputs")
+    return out
 
 
 def kernel_input(x: torch.Tensor) -> torch.Tensor:

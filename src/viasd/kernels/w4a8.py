@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd.kernels import lowbit
-from viasd.kernels.build import Library, address, checked, sizes, status, usable
-from viasd.kernels.interface import NO_MEMORY, OK
+from viasd.kernels.build import Library, checked, sizes, status, usable
 
 GROUP = sizes()["VIASD_GROUP"]  # inputs per scale and minimum (weights) and per step (activations)
 NAME = "int4 x int8"  # in messages
@@ -77,6 +76,17 @@ def layout(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> FourB
     return FourBitWeights(tile_codes(codes), tiles_of(scale.half(), n), tiles_of(low.half(), n), n)
 
 
+def empty(rows: int, columns: int, device: str = "meta") -> FourBitWeights:
+    """Weights of `rows` x `columns` in the layout, uninitialized: shapes only on "meta" (a cached copy's probe:
+    packing a meta weight instead ran every packing op, about 5 ms a layer at each start), what the C repacker
+    fills on "cpu"."""
+    tiles = -(-rows // TILE)
+    groups = (tiles, columns // GROUP, TILE)
+    packed = torch.empty(tiles, columns // 8, 4 * TILE, dtype=torch.uint8, device=device)
+    scale, low = (torch.empty(groups, dtype=torch.float16, device=device) for _ in range(2))
+    return FourBitWeights(packed, scale, low, rows)
+
+
 def pack(weight: torch.Tensor) -> FourBitWeights:
     """`weight` [out, in] as 4-bit codes in groups of 32 inputs, w ~ low + code * scale (each group's range in 16
     steps), in the kernel's layout."""
@@ -127,20 +137,7 @@ def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, l
     return terms.contiguous().sum(dim=-1)
 
 
-def _run(library: Library, x: torch.Tensor, weights: FourBitWeights, threads: int,
-         bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """x (`lowbit.kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
-    if x.shape[1] != weights.k:
-        raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
-    out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
-    status = library.lib.w4a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
-                                     *(address(t) for t in weights.tensors()), weights.n, address(bias),
-                                     address(out), threads)  # fmt: skip
-    if status == NO_MEMORY:
-        raise MemoryError("the int4 x int8 kernel could not allocate its scratch memory")
-    if status != OK:
-        raise ValueError(f"the int4 x int8 kernel does not take {x.shape[1]} inputs")
-    return out
+_run = functools.partial(lowbit.run, "w4a8_linear", NAME)  # x @ W^T + bias by the kernel
 
 
 def random_weights(rows: int, columns: int, generator: torch.Generator) -> FourBitWeights:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd.kernels import lowbit, w4a8
-from viasd.kernels.build import Library, address, checked, sizes, status, usable
-from viasd.kernels.interface import NO_MEMORY, OK
+from viasd.kernels.build import Library, checked, sizes, status, usable
 
 SUB = sizes()["VIASD_SUB"]  # inputs per int8 sub-block scale
 SUPER = sizes()["VIASD_SUPER"]  # inputs per fp16 super-block scale
@@ -60,6 +59,16 @@ def pack(codes: torch.Tensor, sub: torch.Tensor, d: torch.Tensor) -> SixBitWeigh
     high = top[..., 0] | top[..., 1] << 2 | top[..., 2] << 4 | top[..., 3] << 6  # quarter q: inputs 16s + 4q + b
     return SixBitWeights(w4a8.tile_codes(codes & 15), high.reshape(top.shape[0], columns // SUB, 4 * TILE).contiguous(),
                          w4a8.tiles_of(sub.to(torch.int8), n), w4a8.tiles_of(d.half(), n), n)  # fmt: skip
+
+
+def empty(rows: int, columns: int, device: str = "meta") -> SixBitWeights:
+    """Weights of `rows` x `columns` in the layout, uninitialized (as `w4a8.empty`)."""
+    tiles = -(-rows // TILE)
+    low = torch.empty(tiles, columns // 8, 4 * TILE, dtype=torch.uint8, device=device)
+    high = torch.empty(tiles, columns // SUB, 4 * TILE, dtype=torch.uint8, device=device)
+    sub = torch.empty(tiles, columns // SUB, TILE, dtype=torch.int8, device=device)
+    return SixBitWeights(low, high, sub, torch.empty(tiles, columns // SUPER, TILE, dtype=torch.float16, device=device),
+                         rows)  # fmt: skip
 
 
 def codes_of(weights: SixBitWeights) -> torch.Tensor:
@@ -104,21 +113,7 @@ def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
     return (scale[None] * steps * dots).sum(dim=-1) - 32.0 * (scale[None] * (steps * a.sum(-1)[:, None, :])).sum(-1)
 
 
-def _run(
-    library: Library, x: torch.Tensor, weights: SixBitWeights, threads: int, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (`lowbit.kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
-    if x.shape[1] != weights.k:
-        raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
-    out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
-    pointers = [address(t) for t in weights.tensors()]
-    status = library.lib.w6a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
-                                     weights.n, address(bias), address(out), threads)  # fmt: skip
-    if status == NO_MEMORY:
-        raise MemoryError("the 6-bit x int8 kernel could not allocate its scratch memory")
-    if status != OK:
-        raise ValueError(f"the 6-bit x int8 kernel does not take {x.shape[1]} inputs")
-    return out
+_run = functools.partial(lowbit.run, "w6a8_linear", NAME)  # x @ W^T + bias by the kernel
 
 
 def random_weights(rows: int, columns: int, generator: torch.Generator) -> SixBitWeights:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd.kernels import lowbit, w4a8
-from viasd.kernels.build import Library, address, checked, status, usable
-from viasd.kernels.interface import NO_MEMORY, OK
+from viasd.kernels.build import Library, checked, status, usable
 
 GROUP = w4a8.GROUP  # inputs per scale and minimum
 NAME = "int8 x int8"  # in messages
@@ -53,6 +52,14 @@ def layout(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> Eight
     tiled = w4a8.tiles_of(codes.to(torch.int8), n)  # [T, in, 16]
     quads = tiled.reshape(tiled.shape[0], k // 4, 4, TILE).transpose(2, 3).reshape(tiled.shape[0], k // 4, 4 * TILE)
     return EightBitWeights(quads.contiguous(), w4a8.tiles_of(scale.float(), n), w4a8.tiles_of(low.float(), n), n)
+
+
+def empty(rows: int, columns: int, device: str = "meta") -> EightBitWeights:
+    """Weights of `rows` x `columns` in the layout, uninitialized (as `w4a8.empty`)."""
+    tiles = -(-rows // TILE)
+    codes = torch.empty(tiles, columns // 4, 4 * TILE, dtype=torch.int8, device=device)
+    scale, low = (torch.empty(tiles, columns // GROUP, TILE, dtype=torch.float32, device=device) for _ in range(2))
+    return EightBitWeights(codes, scale, low, rows)
 
 
 def codes_of(weights: EightBitWeights) -> torch.Tensor:
@@ -89,21 +96,7 @@ def _reference_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, l
     return terms.contiguous().sum(dim=-1)
 
 
-def _run(
-    library: Library, x: torch.Tensor, weights: EightBitWeights, threads: int, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (`lowbit.kernel_input`) @ W^T + bias (float32) by the kernel, in x's dtype."""
-    if x.shape[1] != weights.k:
-        raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs for weights of {weights.k}")
-    out = torch.empty(x.shape[0], weights.n, dtype=x.dtype)
-    pointers = [address(t) for t in weights.tensors()]
-    status = library.lib.w8a8_linear(address(x), x.dtype == torch.bfloat16, x.shape[0], x.shape[1], *pointers,
-                                     weights.n, address(bias), address(out), threads)  # fmt: skip
-    if status == NO_MEMORY:
-        raise MemoryError(f"the {NAME} kernel could not allocate its scratch memory")
-    if status != OK:
-        raise ValueError(f"the {NAME} kernel does not take {x.shape[1]} inputs")
-    return out
+_run = functools.partial(lowbit.run, "w8a8_linear", NAME)  # x @ W^T + bias by the kernel
 
 
 def random_weights(rows: int, columns: int, generator: torch.Generator) -> EightBitWeights:

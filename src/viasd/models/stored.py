@@ -266,18 +266,16 @@ def output_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- building
 
 
-# Bytes of a view's copy per byte of the file's blocks, by type (views/gguf.py's layouts): Q4_K's 144-byte blocks become
-# 128 bytes of codes and 16 fp16 scales and minimums; Q8_0's and Q5_0's 32 weights 32 code bytes and two float32s.
-_VIEW_PER_FILE_BYTE = {"Q4_K": 160 / 144, "Q8_0": 40 / 34, "Q5_0": 40 / 22, "Q5_1": 40 / 24, "Q5_K": 288 / 176}
-
-
 def view_bytes(file: GgufFile) -> int:
-    """About the memory a stored model takes once its view is made: every tensor in its kernel's layout, but the
-    token embedding where the file has an output head of its own (its rows are read from the file as asked)."""
+    """About the memory a stored model takes once its view is made: every tensor in its format's layout (the table's,
+    kernels/formats.py), but the token embedding where the file has an output head of its own (its rows are read from
+    the file as asked)."""
+    from viasd.kernels import formats
+
     separate_head = "output.weight" in file.tensors
     return int(
         sum(
-            tensor.nbytes * _VIEW_PER_FILE_BYTE.get(tensor.kind, 1.0)
+            formats.view_bytes(tensor.kind, int(np.prod(tensor.shape)), tensor.nbytes)
             for name, tensor in file.tensors.items()
             if not (separate_head and name == "token_embd.weight")
         )

@@ -24,21 +24,19 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_
 from viasd.kernels import attention, fused_layers, w6a8
 from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Norm, Product, SequenceCache
-from viasd.kernels.interface import EIGHT_BIT, FOUR_BIT, GELU_TANH, NORM_GEMMA, NORM_LLAMA, SILU, SIX_BIT
+from viasd.kernels.interface import GELU_TANH, NORM_GEMMA, NORM_LLAMA, SILU
 from viasd.kernels.notice import warn_once
 from viasd.models.stored import model_dtype
 from viasd.passes import layer_loop, sliding_store
 from viasd.passes.cache_layer import growing_cache
 from viasd.passes.layer_loop import attention_kernel
-from viasd.views.linears import Int4Int8Linear, Int6Int8Linear, Int8Int8Linear
+from viasd.views.linears import Int4Int8Linear, Int6Int8Linear, format_of
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
 PLAN = "_viasd_fused_plan"  # the attribute under which a model keeps its last plan
 LANES = attention.LANES  # hidden and intermediate sizes: whole vectors of the kernel
-PRODUCT_KINDS = {Int4Int8Linear: FOUR_BIT, Int6Int8Linear: SIX_BIT, Int8Int8Linear: EIGHT_BIT}
-INPUTS_PER_COLUMN = {FOUR_BIT: 8, SIX_BIT: 8, EIGHT_BIT: 4}  # a product's inputs per column of its first tensor
 
 
 class Plan:
@@ -64,18 +62,19 @@ class Plan:
 
 def _product(module: nn.Module) -> Product | None:
     """One low-bit product as the kernel takes it, or None for another kind of layer."""
-    kind = PRODUCT_KINDS.get(type(module))
+    kind = _product_kind(module)
     if kind is None:
         return None
     bias = None if module.bias is None else module.bias.float().contiguous()  # type: ignore[union-attr]
-    if kind == FOUR_BIT:
-        tensors: tuple[torch.Tensor, ...] = (module.packed, module.scale, module.low)
-    elif kind == SIX_BIT:
-        tensors = (module.low, module.high, module.sub, module.d)
-    else:
-        tensors = (module.codes, module.scale, module.low)
-    k, n = tensors[0].shape[1] * INPUTS_PER_COLUMN[kind], module.out_features
-    return Product(kind, tensors, bias, k, n) if all(t.is_contiguous() for t in tensors) else None
+    weights = module.weights  # its format's layout (kernels/formats.py), the tensors the kernel reads
+    tensors: tuple[torch.Tensor, ...] = weights.tensors()
+    return Product(kind, tensors, bias, weights.k, weights.n) if all(t.is_contiguous() for t in tensors) else None
+
+
+def _product_kind(module: nn.Module | None) -> int | None:
+    """The product kind the kernel takes `module` as (its format's, kernels/formats.py), or None."""
+    found = None if module is None else format_of(module)
+    return None if found is None else found.fused
 
 
 def _together(members: tuple[nn.Module, ...]) -> tuple[Product, ...] | None:
@@ -240,7 +239,7 @@ def fits(model: nn.Module, view: View | None) -> bool:
     copies = view.linears.modules
     linears = FUSED_LINEARS if getattr(config, "model_type", None) == "phi3" else LINEARS
     names = _names(config.num_hidden_layers, linears)
-    if dtype != torch.bfloat16 or not all(type(copies.get(name)) in PRODUCT_KINDS for name in names):
+    if dtype != torch.bfloat16 or not all(_product_kind(copies.get(name)) is not None for name in names):
         return False
     family = _why_not(model)
     if family is not None:  # a view the kernel would take, of a decoder it does not compute: said once

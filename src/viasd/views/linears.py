@@ -9,17 +9,19 @@ whole: one Linear at a time is read while its quantized copy is made (views/quan
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.kernels import w4a8, w6a8, w8a8
+from viasd.kernels import formats, w4a8
 from viasd.kernels.cpu import cpu_flags
-from viasd.models.stored import weight_device
+from viasd.kernels.formats import Format
+from viasd.models.stored import weight_device, weight_dtype
 from viasd.views.torch_kernels import (
     int4_weight_only,
     int4_weights,
@@ -28,12 +30,21 @@ from viasd.views.torch_kernels import (
     int8_weights,
 )
 
+if TYPE_CHECKING:
+    from viasd.views.recipe import QuantRecipe
+
 
 def flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
 _ANCHORS = torch.tensor([[1.0, -1.0]])  # the two columns that pin every row's range to [-1, 1]
+
+
+def _meta(linear: nn.Linear) -> nn.Linear:
+    """A Linear of `linear`'s shapes and weight dtype on the meta device: what a probe (`empty`) is made from."""
+    meta = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    return meta.to(weight_dtype(linear))
 
 
 def _fbgemm() -> bool:
@@ -49,6 +60,8 @@ def _fbgemm_reduce_range() -> bool:
 
 class Int8DynamicLinear(nn.Module):
     """y = x @ W^T + b with W in int8 (per output channel) and x quantized per token (row) at run time."""
+
+    format: ClassVar[Format] = formats.INT8
 
     def __init__(
         self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None
@@ -99,6 +112,13 @@ class Int8DynamicLinear(nn.Module):
         q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale, bias, None if smooth is None else smooth.to(linear.weight.dtype))
+
+    @classmethod
+    def empty(cls, linear: nn.Linear, recipe: QuantRecipe) -> Int8DynamicLinear:
+        """A module of the shapes and dtypes `linear`'s copy by `recipe` has, on the meta device (a cached copy's
+        tensors go in its place)."""
+        smooth = torch.ones(linear.in_features, device="meta") if recipe.smooth else None
+        return cls.from_linear(_meta(linear), smooth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.siblings is not None:
@@ -163,11 +183,12 @@ def join_siblings(modules: Mapping[str, nn.Module]) -> None:
         for parent in parents:
             members = [modules.get(f"{parent}.{child}" if parent else child) for child in names]
             kind = type(members[0])
-            tiled = kind is not Int4Int8Linear or all(m.out_features % w4a8.TILE == 0 for m in members)
+            found = format_of(members[0])  # type: ignore[arg-type]
             if (
-                tiled
-                and kind in (Int8DynamicLinear, Int4Int8Linear)
+                found is not None
+                and found.siblings
                 and all(type(m) is kind and getattr(m, "inv_smooth", None) is None for m in members)
+                and (not issubclass(kind, LowBitLinear) or all(m.out_features % w4a8.TILE == 0 for m in members))
             ):
                 group = Siblings(members)  # type: ignore[arg-type]
                 for member in members:
@@ -176,6 +197,8 @@ def join_siblings(modules: Mapping[str, nn.Module]) -> None:
 
 class Int8WeightOnlyLinear(nn.Module):
     """y = x @ W^T + b with W in int8 (per output channel), x as it comes (bf16)."""
+
+    format: ClassVar[Format] = formats.INT8WO
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -194,6 +217,11 @@ class Int8WeightOnlyLinear(nn.Module):
         q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scale.to(linear.weight.dtype), bias)
+
+    @classmethod
+    def empty(cls, linear: nn.Linear, recipe: QuantRecipe) -> Int8WeightOnlyLinear:
+        """A module of the shapes `linear`'s copy has, on the meta device (as `Int8DynamicLinear.empty`)."""
+        return cls.from_linear(_meta(linear))
 
     def prepare(self) -> None:
         """Check the weights for torch's kernel now (see `QuantizedLinears.prepare`), not in the first pass."""
@@ -218,6 +246,8 @@ class Int8WeightOnlyLinear(nn.Module):
 class Int4WeightOnlyLinear(nn.Module):
     """y = x @ W^T + b with W in int4 groups along the input (a scale and a zero per group), x in bf16."""
 
+    format: ClassVar[Format] = formats.INT4
+
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("packed", packed)  # torch's CPU int4 layout
@@ -241,6 +271,17 @@ class Int4WeightOnlyLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(packed, scales_zeros.to(torch.bfloat16), group_size, bias)
 
+    @classmethod
+    def empty(cls, linear: nn.Linear, recipe: QuantRecipe) -> Int4WeightOnlyLinear:
+        """A module of `linear`'s shapes, on the meta device: torch's CPU int4 packing keeps [out, in/2] bytes and
+        [in/group, out, 2] bf16 scales and zeros (packing a zero weight of the same shape instead took seconds)."""
+        empty = functools.partial(torch.empty, device="meta")
+        rows, columns = linear.out_features, linear.in_features
+        packed = empty(rows, columns // 2, dtype=torch.uint8)
+        scales_zeros = empty(columns // recipe.group_size, rows, 2, dtype=torch.bfloat16)
+        bias = None if linear.bias is None else empty(rows, dtype=linear.bias.dtype)
+        return cls(packed, scales_zeros, recipe.group_size, bias)
+
     def prepare(self) -> None:
         """Check the weights for torch's kernel now (see `QuantizedLinears.prepare`), not in the first pass."""
         self._sound()
@@ -260,28 +301,70 @@ class Int4WeightOnlyLinear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-class Int4Int8Linear(nn.Module):
-    """y = x @ W^T + b with W in int4 groups of 32 and x quantized per token and group to int8 (kernels/w4a8.py),
-    its weights in the kernel's tiles of 16 rows."""
+class LowBitLinear(nn.Module):
+    """y = x @ W^T + b with W in one of viasd's low-bit formats (`format`, kernels/formats.py) and x quantized per
+    token and group to int8 by its kernel, in the kernel's tiles of 16 rows: the buffers are the weights' tensors,
+    by the names of their layout's fields, and the bias."""
 
-    def __init__(self, weights: w4a8.FourBitWeights, bias: torch.Tensor | None):
+    format: ClassVar[Format]
+
+    def __init__(self, weights: Any, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.register_buffer("packed", weights.packed)  # [tiles, in / 8, 64] uint8, two codes per byte
-        self.register_buffer("scale", weights.scale)  # [tiles, in / 32, 16] fp16
-        self.register_buffer("low", weights.low)  # [tiles, in / 32, 16] fp16, each group's minimum
+        for key, tensor in zip(self.format.keys, weights.tensors(), strict=True):
+            self.register_buffer(key, tensor)
         self.register_buffer("bias", bias)
         self.out_features = weights.n
-        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
 
     @property
-    def weights(self) -> w4a8.FourBitWeights:
-        return w4a8.FourBitWeights(self.packed, self.scale, self.low, self.out_features)
+    def weights(self) -> Any:
+        return self.format.weights(*(getattr(self, key) for key in self.format.keys), self.out_features)  # type: ignore[misc]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weights: Any = None) -> Any:
+        """The layer's copy: `weights` (the same weight in the format's layout, e.g. a GGUF file's own) when given,
+        else its weight quantized here (where the format is made from dense weights)."""
+        name = cls.format.name
+        if linear.in_features % w4a8.GROUP:
+            raise ViasdError(f"{name}: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
+        if weights is None:
+            if cls.format.quantize is None:
+                raise ViasdError(f"{name} layers are made only from a GGUF file's blocks")
+            weights = cls.format.quantize(linear.weight)
+        device = weight_device(linear)
+        moved = type(weights)(*(t.to(device) for t in weights.tensors()), weights.n)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        cls.format.kernel_status()  # type: ignore[misc]  # build (once per machine) or load the kernel now
+        return cls(moved, bias)
+
+    @classmethod
+    def empty(cls, linear: nn.Linear, recipe: QuantRecipe) -> Any:
+        """A module of the shapes and dtypes `linear`'s copy has, on the meta device (shapes only: packing a meta
+        weight instead ran every packing op, about 5 ms a layer at each start)."""
+        return cls(cls.format.empty(linear.out_features, linear.in_features), _meta(linear).bias)  # type: ignore[misc]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b for this layer alone."""
+        return self.format.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)  # type: ignore[misc]
+
+
+class Int4Int8Linear(LowBitLinear):
+    """int4a8: W in int4 groups of 32 with an fp16 scale and minimum each (kernels/w4a8.py), from dense weights or a
+    GGUF file's 4-bit blocks; siblings compute as one product."""
+
+    format: ClassVar[Format] = formats.INT4A8
+
+    def __init__(self, weights: w4a8.FourBitWeights, bias: torch.Tensor | None):
+        super().__init__(weights, bias)
+        self.siblings: Siblings | None = None  # layers that take the same input, computed in one product
 
     @classmethod
     def stacked(cls, members: Sequence[Int4Int8Linear]) -> Int4Int8Linear:
         """One layer whose outputs are the members' outputs side by side (each a whole number of tiles). The
         members' tensors become tile slices of the stacked ones, so stacking costs no memory."""
-        keys = ("packed", "scale", "low")
+        keys = cls.format.keys
         tensors = [torch.cat([getattr(m, key) for m in members]) for key in keys]
         n = sum(m.out_features for m in members)
         fused = cls(w4a8.FourBitWeights(*tensors, n), stacked_bias(members))
@@ -293,83 +376,43 @@ class Int4Int8Linear(nn.Module):
             start = stop
         return fused
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, weights: w4a8.FourBitWeights | None = None) -> Int4Int8Linear:
-        """The layer's copy: `weights` (the same weight's codes, scales and minimums, e.g. a GGUF file's own) when
-        given, else its weight quantized here."""
-        if linear.in_features % w4a8.GROUP:
-            raise ViasdError(f"int4a8: {linear.in_features} input features are not a multiple of {w4a8.GROUP}")
-        found = weights if weights is not None else w4a8.pack(linear.weight)
-        device = weight_device(linear)
-        moved = w4a8.FourBitWeights(*(t.to(device) for t in found.tensors()), found.n)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        w4a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
-        return cls(moved, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.siblings is not None:
             return self.siblings.output(x, self)
         return self.product(x)
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T + b for this layer alone."""
-        return w4a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)
+
+class Int6Int8Linear(LowBitLinear):
+    """int6a8: W a GGUF file's 6-bit (Q6_K) weights (kernels/w6a8.py). Made only from a file's blocks: there is no
+    6-bit recipe of dense weights."""
+
+    format: ClassVar[Format] = formats.INT6A8
 
 
-class Int6Int8Linear(nn.Module):
-    """y = x @ W^T + b with W a GGUF file's 6-bit (Q6_K) weights and x quantized per token and group to int8
-    (kernels/w6a8.py), in the kernel's tiles of 16 rows. Made only from a file's blocks: there is no 6-bit recipe of
-    dense weights."""
+class Int8Int8Linear(LowBitLinear):
+    """int8a8: W a GGUF file's Q8_0, Q5_K, Q5_0 or Q5_1 weights as int8 codes in groups of 32 with a float32 scale and
+    minimum each (kernels/w8a8.py). Made only from a file's blocks (views/gguf.py)."""
 
-    def __init__(self, weights: w6a8.SixBitWeights, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.register_buffer("low", weights.low)  # [tiles, in / 8, 64] uint8, the codes' low nibbles
-        self.register_buffer("high", weights.high)  # [tiles, in / 16, 64] uint8, their top two bits
-        self.register_buffer("sub", weights.sub)  # [tiles, in / 16, 16] int8, a scale per 16 inputs
-        self.register_buffer("d", weights.d)  # [tiles, in / 256, 16] fp16, a scale per 256 inputs
-        self.register_buffer("bias", bias)
-        self.out_features = weights.n
-
-    @property
-    def weights(self) -> w6a8.SixBitWeights:
-        return w6a8.SixBitWeights(self.low, self.high, self.sub, self.d, self.out_features)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, weights: w6a8.SixBitWeights) -> Int6Int8Linear:
-        device = weight_device(linear)
-        moved = w6a8.SixBitWeights(*(t.to(device) for t in weights.tensors()), weights.n)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        w6a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
-        return cls(moved, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w6a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)
+    format: ClassVar[Format] = formats.INT8A8
 
 
-class Int8Int8Linear(nn.Module):
-    """y = x @ W^T + b with W a GGUF file's Q8_0 or Q5_K weights as int8 codes in groups of 32 with a float32 scale
-    and minimum each, and x quantized per token and group to int8 (kernels/w8a8.py), in the kernel's tiles of 16
-    rows. Made only from a file's blocks (views/gguf.py)."""
+# Every quantized layer class, one per format (`layer_class`).
+LAYERS: tuple[type[nn.Module], ...] = (
+    Int8DynamicLinear,
+    Int8WeightOnlyLinear,
+    Int4WeightOnlyLinear,
+    Int4Int8Linear,
+    Int6Int8Linear,
+    Int8Int8Linear,
+)
 
-    def __init__(self, weights: w8a8.EightBitWeights, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.register_buffer("codes", weights.codes)  # [tiles, in / 4, 64] int8
-        self.register_buffer("scale", weights.scale)  # [tiles, in / 32, 16] float32
-        self.register_buffer("low", weights.low)  # [tiles, in / 32, 16] float32, each group's minimum
-        self.register_buffer("bias", bias)
-        self.out_features = weights.n
 
-    @property
-    def weights(self) -> w8a8.EightBitWeights:
-        return w8a8.EightBitWeights(self.codes, self.scale, self.low, self.out_features)
+def layer_class(name: str) -> type[nn.Module]:
+    """The layer class of the format named `name` (kernels/formats.py); a one-line ViasdError for an unknown one."""
+    wanted = formats.named(name)
+    return next(layer for layer in LAYERS if layer.format is wanted)  # type: ignore[attr-defined]
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, weights: w8a8.EightBitWeights) -> Int8Int8Linear:
-        device = weight_device(linear)
-        moved = w8a8.EightBitWeights(*(t.to(device) for t in weights.tensors()), weights.n)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        w8a8.kernel_status()  # build (once per machine) or load the kernel now, not in the first pass
-        return cls(moved, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w8a8.product(flat(x), self.weights, self.bias).reshape(*x.shape[:-1], -1)
+def format_of(module: nn.Module) -> Format | None:
+    """The format of a quantized layer, or None for another module."""
+    return getattr(type(module), "format", None)

@@ -17,22 +17,21 @@ import torch
 from torch import nn
 
 from viasd.errors import ViasdError
-from viasd.kernels import w4a8, w6a8, w8a8
+from viasd.kernels import formats
 from viasd.models.stored import FileLinear, dense_copy, densify, file_of
 from viasd.views.linears import (
     Int4Int8Linear,
     Int4WeightOnlyLinear,
-    Int6Int8Linear,
     Int8DynamicLinear,
-    Int8Int8Linear,
     Int8WeightOnlyLinear,
     flat,
     join_siblings,
+    layer_class,
 )
 from viasd.views.recipe import QuantRecipe
 
 if TYPE_CHECKING:
-    from viasd.views.gguf import GgufWeights
+    from viasd.views.gguf import GgufWeights, OwnWeights
 
 
 def quantizable(model: nn.Module) -> dict[str, nn.Linear]:
@@ -187,16 +186,11 @@ def _from_blocks(linear: FileLinear) -> nn.Module:
     return made
 
 
-def _from_file(
-    linear: nn.Linear, own: w4a8.FourBitWeights | w6a8.SixBitWeights | w8a8.EightBitWeights | None
-) -> nn.Module:
-    """A layer's copy from its GGUF file's own blocks (`own`, in the format of the kernel that takes them); int8
-    weight-only where the file has none a kernel takes for it (int8 keeps what a tensor stored at more bits
-    holds)."""
-    if isinstance(own, w4a8.FourBitWeights):
-        return Int4Int8Linear.from_linear(linear, own)
-    if isinstance(own, w6a8.SixBitWeights):
-        return Int6Int8Linear.from_linear(linear, own)
-    if isinstance(own, w8a8.EightBitWeights):
-        return Int8Int8Linear.from_linear(linear, own)
-    return Int8WeightOnlyLinear.from_linear(linear)
+def _from_file(linear: nn.Linear, own: OwnWeights | None) -> nn.Module:
+    """A layer's copy from its GGUF file's own blocks (`own`, in the format of the kernel that takes them); the
+    fallback format (int8 weight-only) where the file has none a kernel takes for it (int8 keeps what a tensor stored
+    at more bits holds)."""
+    found = formats.of_weights(own)
+    if found is None:
+        return layer_class(formats.FALLBACK.name).from_linear(linear)  # type: ignore[attr-defined]
+    return layer_class(found.name).from_linear(linear, own)  # type: ignore[attr-defined]

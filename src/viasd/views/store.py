@@ -28,7 +28,6 @@ docs/design.md).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import re
 import sys
@@ -43,18 +42,10 @@ from torch import nn
 
 from viasd.cache import cache_folder
 from viasd.fileio import write_atomic
-from viasd.kernels import w4a8, w6a8, w8a8
+from viasd.kernels import formats
 from viasd.models.fingerprint import model_fingerprint
-from viasd.models.stored import FileLinear, has_dense_weights, weight_dtype
-from viasd.views.linears import (
-    Int4Int8Linear,
-    Int4WeightOnlyLinear,
-    Int6Int8Linear,
-    Int8DynamicLinear,
-    Int8Int8Linear,
-    Int8WeightOnlyLinear,
-    join_siblings,
-)
+from viasd.models.stored import FileLinear, has_dense_weights
+from viasd.views.linears import join_siblings, layer_class
 from viasd.views.quantize import QuantizedLinears, quantizable, quantize
 from viasd.views.recipe import QuantRecipe
 from viasd.views.tensor_file import pieces, read_tensors
@@ -75,14 +66,6 @@ SMOOTHING_TEXTS = (
     "Translate into German: The train leaves at seven and arrives before noon.",
     "A shop sells pens at 3 dollars and notebooks at 5 dollars. How much do 4 pens and 2 notebooks cost?",
 )
-_CLASSES: dict[str, type[nn.Module]] = {
-    "int8": Int8DynamicLinear,
-    "int8wo": Int8WeightOnlyLinear,
-    "int4": Int4WeightOnlyLinear,
-    "int4a8": Int4Int8Linear,
-    "int6a8": Int6Int8Linear,
-    "int8a8": Int8Int8Linear,
-}
 
 
 class DamagedCache(Exception):
@@ -158,79 +141,33 @@ def _load(path: Path, model: nn.Module, recipe: QuantRecipe) -> QuantizedLinears
     out = QuantizedLinears(recipe)
     for name in names:
         # A fresh module of the right shapes (from the model's own layer), then the file's tensors in its place.
-        # A gguf recipe's layers are int4a8 where the source file had 4-bit blocks, 6-bit where it had 6-bit ones,
-        # 8-bit where it had Q8_0 or Q5_K ones, int8 weight-only elsewhere.
+        # A gguf recipe's layers are in the format that took the source file's blocks (the one whose tensors the
+        # file holds), int8 weight-only elsewhere.
         kind = recipe.kind_of(name)
-        if recipe.gguf and f"{name}/packed" not in tensors:
-            kind = "int6a8" if f"{name}/high" in tensors else "int8a8" if f"{name}/codes" in tensors else "int8wo"
-        probe = _probe(layers[name], recipe, kind)
+        if recipe.gguf and kind == formats.INT4A8.name:
+            kind = _stored_kind(name, tensors)
+        probe = layer_class(kind).empty(layers[name], recipe)  # type: ignore[attr-defined]
         for key, expected in probe.named_buffers():
             stored = tensors.get(f"{name}/{key}")
             if stored is None or stored.shape != expected.shape or stored.dtype != expected.dtype:
                 raise DamagedCache(f"tensor {name}/{key} is missing or of another shape")
             setattr(probe, key, aligned(stored))  # as a copy made in memory is: kernels may rely on it
-        if not isinstance(probe, _CLASSES[kind]):
+        if not isinstance(probe, layer_class(kind)):
             raise DamagedCache(f"{name}: unexpected module kind")
         out.modules[name] = probe
-        out.from_file += recipe.gguf and kind in ("int4a8", "int6a8", "int8a8")
+        out.from_file += recipe.gguf and bool(formats.named(kind).blocks)
     if len(tensors) != sum(1 for m in out.modules.values() for _ in m.named_buffers()):
         raise DamagedCache("it holds tensors of layers the recipe does not quantize")
     return out
 
 
-def _probe(linear: nn.Linear, recipe: QuantRecipe, kind: str) -> nn.Module:
-    """An empty module of `kind` with the shapes and dtypes `linear`'s copy by `recipe` has."""
-    meta = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-    meta = meta.to(weight_dtype(linear))
-    smooth = torch.ones(linear.in_features, device="meta") if recipe.smooth else None
-    if kind == "int8":
-        module = Int8DynamicLinear.from_linear(meta, smooth)
-    elif kind == "int8wo":
-        module = Int8WeightOnlyLinear.from_linear(meta)
-    elif kind == "int4a8":
-        module = Int4Int8Linear(_four_bit_probe(linear.out_features, linear.in_features), meta.bias)
-    elif kind == "int6a8":
-        module = Int6Int8Linear(_six_bit_probe(linear.out_features, linear.in_features), meta.bias)
-    elif kind == "int8a8":
-        module = Int8Int8Linear(_eight_bit_probe(linear.out_features, linear.in_features), meta.bias)
-    else:
-        module = _int4_probe(linear, recipe.group_size)
-    return module
-
-
-def _four_bit_probe(rows: int, columns: int) -> w4a8.FourBitWeights:
-    """Shapes only: packing a meta weight instead ran every packing op, about 5 ms a layer at each start."""
-    empty = functools.partial(torch.empty, device="meta")
-    tiles = -(-rows // w4a8.TILE)
-    groups = (tiles, columns // w4a8.GROUP, w4a8.TILE)
-    packed = empty(tiles, columns // 8, 4 * w4a8.TILE, dtype=torch.uint8)
-    return w4a8.FourBitWeights(packed, empty(groups, dtype=torch.float16), empty(groups, dtype=torch.float16), rows)
-
-
-def _six_bit_probe(rows: int, columns: int) -> w6a8.SixBitWeights:
-    empty = functools.partial(torch.empty, device="meta")
-    tiles = -(-rows // w6a8.TILE)
-    low, high = empty(tiles, columns // 8, 64, dtype=torch.uint8), empty(tiles, columns // 16, 64, dtype=torch.uint8)
-    return w6a8.SixBitWeights(low, high, empty(tiles, columns // 16, w6a8.TILE, dtype=torch.int8),
-                              empty(tiles, columns // 256, w6a8.TILE, dtype=torch.float16), rows)  # fmt: skip
-
-
-def _eight_bit_probe(rows: int, columns: int) -> w8a8.EightBitWeights:
-    empty = functools.partial(torch.empty, device="meta")
-    tiles = -(-rows // w8a8.TILE)
-    scale, low = (empty(tiles, columns // w8a8.GROUP, w8a8.TILE, dtype=torch.float32) for _ in range(2))
-    return w8a8.EightBitWeights(empty(tiles, columns // 4, 64, dtype=torch.int8), scale, low, rows)
-
-
-def _int4_probe(linear: nn.Linear, group_size: int) -> nn.Module:
-    """An empty int4 weight-only module of `linear`'s shapes: torch's CPU int4 packing keeps [out, in/2] bytes and
-    [in/group, out, 2] bf16 scales and zeros (packing a zero weight of the same shape instead took seconds)."""
-    empty = functools.partial(torch.empty, device="meta")
-    rows, columns = linear.out_features, linear.in_features
-    packed = empty(rows, columns // 2, dtype=torch.uint8)
-    scales_zeros = empty(columns // group_size, rows, 2, dtype=torch.bfloat16)
-    bias = None if linear.bias is None else empty(rows, dtype=linear.bias.dtype)
-    return Int4WeightOnlyLinear(packed, scales_zeros, group_size, bias)
+def _stored_kind(name: str, tensors: dict[str, torch.Tensor]) -> str:
+    """The format of a gguf recipe's int4a8 layer `name` in its file: the one that took the source file's blocks,
+    whose tensors the file holds for it, else the fallback (int8 weight-only)."""
+    for found in formats.FORMATS:
+        if found.blocks and all(f"{name}/{key}" in tensors for key in found.keys):
+            return found.name
+    return formats.FALLBACK.name
 
 
 _REPORTED: set[Path] = set()  # cache folders whose fault was reported already (once per process)
@@ -272,14 +209,14 @@ def _store(path: Path, data: Callable[[], Iterable[Any]], log: Callable[[str], N
 def repacked_at_start(model: nn.Module, recipe: QuantRecipe) -> bool:
     """Whether the `gguf` view of a stored model (models/stored.py) is made from its file at every start: the C
     repacker is built and takes the block type of every layer the view quantizes."""
-    from viasd.views.gguf import REPACKED_TYPES, fast_repacking
+    from viasd.views.gguf import fast_repacking
 
     if not recipe.gguf:
         return False
     layers = [linear for name, linear in quantizable(model).items() if not recipe.keeps(name)]
     if not layers or not all(isinstance(linear, FileLinear) for linear in layers):
         return False
-    return all(linear.file_tensor.kind in REPACKED_TYPES for linear in layers) and fast_repacking()
+    return all(linear.file_tensor.kind in formats.REPACKED_TYPES for linear in layers) and fast_repacking()
 
 
 def cached_quantize(
