@@ -23,7 +23,15 @@ from viasd.drafters.hybrid import HybridDrafter
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.heads.network import DraftHead, HeadConfig
-from viasd.passes.prefix_cache import PrefixCache, copy_session, resumable_cut, resume_session
+from viasd.passes.prefix_cache import (
+    REREAD,
+    PrefixCache,
+    copy_session,
+    exact_reuse,
+    read_prompt,
+    resumable_cut,
+    resume_session,
+)
 from viasd.passes.session import KVSession
 from viasd.verify.gates import Gate
 from viasd.verify.sampling import SamplingParams
@@ -291,3 +299,149 @@ def test_served_later_turns_alone_and_batched_get_what_they_get_with_the_cache_o
     assert metric(text, "viasd_prefix_cache_reused_tokens_total") > 0
     assert 0 < metric(text, "viasd_prefix_cache_bytes") <= metric(text, "viasd_prefix_cache_capacity_bytes") == 64 << 20
     assert metric(text, "viasd_prefix_cache_evictions_total") == 0 and all(firsts)
+
+
+# ------------------------------------------------------------------- exact reuse on the fused low-bit layers
+
+
+def fused_runs() -> bool:
+    from viasd.kernels import fused_layers
+    from viasd.kernels.build import Library
+
+    return isinstance(fused_layers.kernel(), Library)
+
+
+needs_fused = pytest.mark.skipif(not fused_runs(), reason="no fused layers here")
+
+
+def int4a8_session(model) -> KVSession:
+    from viasd.views.quantize import quantize
+    from viasd.views.recipe import QuantRecipe
+    from viasd.views.view import View
+
+    return KVSession(model, View(linears=quantize(model, QuantRecipe.parse("int4a8"))))
+
+
+@needs_fused
+def test_a_prompt_read_in_pieces_after_a_resumed_prefix_holds_a_fresh_reads_bits():
+    """On the fused layers a row is the same bits in any pass, so a prompt read in pieces of at most 16 tokens is
+    a fresh read's wherever the resumed part ends: the invariant the server's and the chat's prefix reuse rest on."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16)
+    earlier = int4a8_session(model)
+    assert exact_reuse([earlier]) is None
+    first = [(5 * i) % 60 + 2 for i in range(40)]
+    assert read_prompt(earlier, first) == 0 and earlier.committed == len(first) - REREAD
+    assert earlier.routes == {"fused": 3}  # 16, 16 and 6 tokens
+    earlier.forward(first[-REREAD:])
+    for token in (7, 8, 9, 10, 11):  # decoding steps and a verification block
+        earlier.forward([token])
+    earlier.forward([12, 13, 14, 15])
+    copy = copy_session(earlier)
+    assert copy is not None
+    later = [*earlier.tokens, *[(3 * i) % 60 + 2 for i in range(23)]]
+    resumed, fresh = int4a8_session(model), int4a8_session(model)
+    cut = resumable_cut(copy, later)
+    assert cut == len(earlier.tokens)
+    resume_session(resumed, copy, cut)
+    assert read_prompt(resumed, later) == cut and read_prompt(fresh, later) == 0
+    held = len(later) - REREAD
+    assert resumed.tokens == fresh.tokens == later[:held]
+    for a, b in zip(resumed.cache.layers, fresh.cache.layers, strict=True):
+        assert torch.equal(a.keys[..., :held, :], b.keys[..., :held, :])
+        assert torch.equal(a.values[..., :held, :], b.values[..., :held, :])
+    assert torch.equal(resumed.forward(later[held:]), fresh.forward(later[held:]))
+
+
+def test_reuse_is_exact_only_on_the_fused_layers():
+    why = exact_reuse([KVSession(tiny_model())], "method 'plain'")  # float32: torch's products, not the fused layers
+    assert why is not None and "not on viasd's fused low-bit layers" in why
+    assert exact_reuse([], "method 'hf'") == "method 'hf' runs no KV session of viasd's"
+
+
+def tiny_engine(dtype: torch.dtype):
+    from viasd.engine import Engine, EngineSpec
+    from viasd.models.loading import LoadedModel
+    from viasd.views.recipe import QuantRecipe
+
+    tok = tiny_tokenizer(64)
+    loaded = LoadedModel(model=tiny_model(dtype=dtype), tokenizer=tok, name="tiny", path="tiny")
+    drafter = LoadedModel(model=tiny_model(layers=2, seed=1, dtype=dtype), tokenizer=tok, name="d", path="d")
+    spec = EngineSpec(target="tiny", drafter="d", device="cpu", quant=QuantRecipe.parse("int4a8"))
+    return Engine(spec, target=loaded, drafter=drafter)
+
+
+SERVED = ("plain", "sd", "sd:drafter=suffix")
+
+
+def serve_settings(**options):
+    from viasd.serve.settings import ServeSettings
+
+    return ServeSettings(model_id="tiny", methods=SERVED, max_tokens_limit=32, default_max_tokens=8, **options)
+
+
+def completions(client, prompts: list[str], method: str) -> list[str]:
+    """Greedy completions through the official client, one after another."""
+    out = []
+    for prompt in prompts:
+        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                           extra_body={"method": method, "ignore_eos": True})  # fmt: skip
+        out.append(answer.choices[0].text)
+    return out
+
+
+@needs_fused
+@pytest.mark.parametrize("method", SERVED)
+@pytest.mark.parametrize("active", [1, 4])  # 1: no pass batcher, a prompt read alone; 4: merged passes
+def test_on_the_fused_layers_the_server_keeps_prefixes_by_default_and_a_hit_answers_as_a_fresh_server(
+    method, active, tmp_path, monkeypatch
+):
+    """Read whole, a prompt's entries were not the bits of one resumed and read on in pieces, and sd's second turns
+    came out otherwise (this test without the pieces); read in pieces of 16 either way, they are."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from viasd.serve.app import create_app
+    from viasd.serve.settings import DEFAULT_PREFIX_CACHE_MB
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    prompts = ["t3 t4 t5 t6 t3 t4 t7 t8 t9 t10 t11 t12 t13 t14 t15 t16 t17 t18 t19", "t9 t8 t7 t9 t8"]
+    settings = serve_settings(max_active=active)
+    with TestClient(create_app(tiny_engine(torch.bfloat16), settings)) as app:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=app, max_retries=0)
+        firsts = completions(client, prompts, method)
+        # The next turns: the earlier prompt and answer, then more (longer than a piece of 16 tokens).
+        later = [f"{p}{a} t30 t31 t32 t33 t34 t35 t36 t37 t38 t39 t40 t41 t42 t43 t44 t45 t46 t47"
+                 for p, a in zip(prompts, firsts, strict=True)]  # fmt: skip
+        resumed = completions(client, later, method)
+        text = app.get("/metrics").text
+    assert metric(text, "viasd_prefix_cache_capacity_bytes") == DEFAULT_PREFIX_CACHE_MB << 20
+    assert metric(text, "viasd_prefix_cache_hits_total") >= len(later)
+    assert metric(text, "viasd_prefix_cache_reused_tokens_total") > 0
+    with TestClient(create_app(tiny_engine(torch.bfloat16), settings)) as app:  # a fresh server
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=app, max_retries=0)
+        assert completions(client, later, method) == resumed
+        assert metric(app.get("/metrics").text, "viasd_prefix_cache_hits_total") == 0
+
+
+def test_off_by_default_where_reuse_cannot_be_exact_said_in_one_line_and_on_when_asked(tmp_path, monkeypatch, caplog):
+    from fastapi.testclient import TestClient
+
+    from viasd.serve.app import create_app
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    engine = tiny_engine(torch.float32)  # float32 products: not the fused layers
+    with caplog.at_level(logging.INFO, logger="viasd.serve"), TestClient(create_app(engine, serve_settings())) as app:
+        assert "viasd_prefix_cache" not in app.get("/metrics").text
+    said = [r.getMessage() for r in caplog.records if "prefix cache" in r.getMessage()]
+    assert len(said) == 1 and "off for plain, sd, sd:drafter=suffix: the target runs as int4a8" in said[0], said
+    with TestClient(create_app(engine, serve_settings(prefix_cache_mb=8))) as app:
+        assert metric(app.get("/metrics").text, "viasd_prefix_cache_capacity_bytes") == 8 << 20
+
+
+def test_the_prefix_cache_size_is_auto_or_megabytes():
+    from viasd.errors import ViasdError
+    from viasd.serve.settings import parse_megabytes
+
+    assert parse_megabytes("auto") is None and parse_megabytes(" 64 ") == 64 and parse_megabytes("0") == 0
+    with pytest.raises(ViasdError, match="must be 'auto' or a whole number of MiB"):
+        parse_megabytes("-1")

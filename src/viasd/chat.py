@@ -31,9 +31,14 @@ from dataclasses import dataclass
 
 from viasd.decode.base import Decoder, GenerationConfig, GenerationResult
 from viasd.errors import ViasdError
-from viasd.passes.packed_attention import PACK_UP_TO
-from viasd.passes.prefix_cache import REREAD, SessionCopy, copy_session, resumable_cut, resume_session
-from viasd.passes.route import Kind
+from viasd.passes.prefix_cache import (
+    SessionCopy,
+    copy_session,
+    exact_reuse,
+    read_prompt,
+    resumable_cut,
+    resume_session,
+)
 from viasd.passes.session import KVSession
 from viasd.prompting import Message
 
@@ -49,20 +54,9 @@ def _distinct(sessions: Sequence[KVSession]) -> tuple[KVSession, ...]:
 
 
 def bit_exact_reuse(decoder: Decoder) -> str | None:
-    """None where kept KV entries are the bits a fresh read writes (the target's passes of 1 and of PACK_UP_TO tokens
-    both run viasd's fused low-bit layers, whose rows do not depend on the pass); else why not, in words."""
-    sessions = decoder.sessions()
-    if not sessions:
-        return f"method {decoder.method!r} runs no KV session of viasd's"
-    target = sessions[0]
-    for tokens in (1, PACK_UP_TO):
-        if target.route(tokens, target.base_view, 1).kind is not Kind.FUSED:
-            view = target.base_view.describe() if target.base_view is not None else "loaded"
-            return (
-                f"the target runs as {view}, not on viasd's fused low-bit layers, so kept entries would round "
-                "otherwise than a fresh read"
-            )
-    return None
+    """None where kept KV entries are the bits a fresh read writes (passes/prefix_cache.py, `exact_reuse`); else why
+    not, in words."""
+    return exact_reuse(decoder.sessions(), f"method {decoder.method!r}")
 
 
 @dataclass
@@ -188,8 +182,4 @@ class Conversation:
                 cut = resumable_cut(copy, prompt)
                 if cut:
                     resume_session(session, copy, cut)
-        target, stop = sessions[0], len(prompt) - REREAD
-        first = target.committed
-        for begin in range(first, stop, PACK_UP_TO):
-            target.forward(prompt[begin : min(begin + PACK_UP_TO, stop)])
-        return first
+        return read_prompt(sessions[0], prompt)

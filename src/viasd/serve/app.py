@@ -35,7 +35,7 @@ from viasd.engine import Engine
 from viasd.errors import ViasdError
 from viasd.methods import MethodSpec
 from viasd.passes.executor import PassExecutor
-from viasd.passes.prefix_cache import PrefixCache
+from viasd.passes.prefix_cache import PrefixCache, exact_reuse
 from viasd.prompting import PLAIN_TEMPLATE, ChatTemplate, Message, encode_messages
 from viasd.serve.drain import Drain, Drained
 from viasd.serve.errors import APIError, error_body
@@ -64,7 +64,7 @@ from viasd.serve.schemas import (
     Usage,
     field_range,
 )
-from viasd.serve.settings import ServeSettings
+from viasd.serve.settings import DEFAULT_PREFIX_CACHE_MB, ServeSettings
 from viasd.serve.structured import GrammarTokenizer, request_grammar, requested_schema
 from viasd.serve.tools import ToolUse, text_answer, tool_answer, tool_use
 from viasd.toolcalls.formats import template_format
@@ -167,6 +167,30 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
         raise APIError(400, validation_message(errors, model), code="invalid_request", param=param) from error
 
 
+def prefix_cache_for(
+    engine: Engine, settings: ServeSettings
+) -> tuple[PrefixCache | None, frozenset[str], frozenset[str] | None]:
+    """The prefix cache --prefix-cache-mb asks for (None: off), the methods whose prompts resume exactly from it
+    (passes/prefix_cache.py, `exact_reuse`) and those it serves (None: all): 'auto' keeps DEFAULT_PREFIX_CACHE_MB
+    for the exact ones alone and says in one line which methods go without it and why; a size serves every
+    method."""
+    why_not = {
+        name: exact_reuse(engine.decoder(spec).sessions(), f"method {name!r}") for name, spec in settings.parsed.items()
+    }
+    exact = frozenset(name for name, why in why_not.items() if why is None)
+    megabytes = settings.prefix_cache_mb
+    if megabytes is None:  # auto
+        off: dict[str, list[str]] = {}
+        for name, why in why_not.items():
+            if why is not None:
+                off.setdefault(why, []).append(name)
+        if off:
+            reasons = "; ".join(f"{', '.join(names)}: {why}" for why, names in off.items())
+            log.info("prefix cache: off for %s (--prefix-cache-mb sets a size for every method)", reasons)
+        return (PrefixCache(DEFAULT_PREFIX_CACHE_MB << 20) if exact else None), exact, exact
+    return (PrefixCache(megabytes << 20) if megabytes else None), exact, None
+
+
 def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor | None = None) -> FastAPI:
     """Build the app. The engine must already hold (or be able to build) a decoder for every method. With an
     executor, every model pass runs on its thread (`viasd serve`: the main thread; passes/executor.py says why)."""
@@ -174,6 +198,7 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
     for slot in range(settings.max_active):  # each generation that may run at once has decoders of its own
         for method in settings.parsed.values():
             engine.decoder(method, slot)
+    prefix_cache, exact, cached = prefix_cache_for(engine, settings)
     service = GenerationService(
         engine,
         metrics,
@@ -182,7 +207,9 @@ def create_app(engine: Engine, settings: ServeSettings, executor: PassExecutor |
         settings.max_rows,
         settings.adaptive_drafts,
         executor,
-        PrefixCache(settings.prefix_cache_mb << 20) if settings.prefix_cache_mb else None,
+        prefix_cache,
+        exact,
+        cached,
     )
     # When --shutdown-timeout is over, the requests still running are told so and their generations stopped.
     drain = Drain(settings.shutdown_timeout, on_end=lambda: service.close(wait=False))

@@ -29,7 +29,7 @@ from viasd.cli_options import (
 )
 from viasd.errors import ViasdError
 from viasd.models.catalog import DEFAULT_DRAFTER, DEFAULT_TARGET
-from viasd.serve.settings import DEFAULT_PREFIX_CACHE_MB
+from viasd.serve.settings import AUTO, DEFAULT_PREFIX_CACHE_MB
 from viasd.speculation import DEFAULT_SUFFIX_CACHE
 
 if TYPE_CHECKING:
@@ -123,10 +123,13 @@ def serve(
         typer.Option(
             metavar="<MiB>",
             help="MiB of finished requests' KV caches kept for later prompts that start the same way (a chat's "
-            "earlier turns), least recently used out; 0 (the default) turns the prefix cache off. With bf16 or "
-            "quantized weights a resumed prompt may round differently, so its text can differ from a fresh read.",
+            "earlier turns), least recently used out; 0 turns the prefix cache off. 'auto' (the default): "
+            f"{DEFAULT_PREFIX_CACHE_MB} MiB for the methods whose target runs viasd's fused low-bit layers (the "
+            "default GGUF view on a CPU), where prompts are read in pieces of 16 tokens so that a resumed prompt "
+            "gets a fresh read's text bit for bit; off for the others (a dense copy, a GPU), said in one line, "
+            "where a resumed prompt may round otherwise and its text differ.",
         ),
-    ] = str(DEFAULT_PREFIX_CACHE_MB),
+    ] = AUTO,
     suffix_cache: Annotated[
         int,
         typer.Option(

@@ -23,13 +23,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from time import perf_counter
 
-from viasd.decode.base import GenerationConfig, GenerationResult
+from viasd.decode.base import GenerationConfig, GenerationResult, Resume
 from viasd.decode.logprobs import TokenLogprob
 from viasd.engine import Engine
 from viasd.methods import MethodSpec
 from viasd.passes.batching import PassBatcher, batcher_of
 from viasd.passes.executor import PassExecutor, confine_openmp
-from viasd.passes.prefix_cache import PrefixCache
+from viasd.passes.prefix_cache import PrefixCache, read_prompt
+from viasd.passes.session import KVSession
 from viasd.serve.errors import APIError
 from viasd.serve.latency import request_times
 from viasd.serve.metrics import Metrics
@@ -65,6 +66,15 @@ def _mark_retrieved(result: asyncio.Future[GenerationResult]) -> None:
         result.exception()
 
 
+def _resume_exactly(cache: PrefixCache, method: str, sessions: Sequence[KVSession], prompt: Sequence[int]) -> None:
+    """Start the sessions from the cache, then read the target's rest of the prompt (all of it on a miss) in passes
+    of at most PACK_UP_TO tokens: where the target runs the fused layers, every position of its cache is then
+    written by such a pass over the same tokens, whether this prompt was resumed or not, so a prefix hit gets a
+    fresh read's bits and text (passes/prefix_cache.py, `read_prompt`)."""
+    cache.resume(method, sessions, prompt)
+    read_prompt(sessions[0], prompt)
+
+
 class GenerationService:
     """The queue in front of the engine: admission, the worker threads and their slots, the pass batchers,
     cancellation, metrics."""
@@ -72,7 +82,8 @@ class GenerationService:
     def __init__(self, engine: Engine, metrics: Metrics, max_queue: int, max_active: int = 1,
                  max_rows: int = 64, adaptive_drafts: bool = True,
                  executor: PassExecutor | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:  # fmt: skip
+                 prefix_cache: PrefixCache | None = None, exact: frozenset[str] = frozenset(),
+                 cached: frozenset[str] | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
@@ -80,6 +91,8 @@ class GenerationService:
         self.max_rows = max_rows
         self.adaptive_drafts = adaptive_drafts
         self.prefix_cache = prefix_cache  # finished generations' KV, resumed by later prompts that start the same way
+        self.exact = exact  # methods whose resumed prompts are a fresh read's bits (passes/prefix_cache.py)
+        self.cached = cached  # the methods the prefix cache serves (None: all)
         self.executor = executor  # with one, every pass runs on its thread and the workers keep OpenMP to themselves
         self._workers = ThreadPoolExecutor(
             max_workers=max_active,
@@ -219,9 +232,11 @@ class GenerationService:
         cache, method = self.prefix_cache, spec.name
         decoder = self.engine.decoder(spec, slot)
         logprobs = on_logprobs if config.logprobs is not None else None
-        if cache is None:
+        if cache is None or (self.cached is not None and method not in self.cached):
             return decoder.generate(prompt, config, on_text=on_text, on_logprobs=logprobs)
-        resume = functools.partial(cache.resume, method)
+        resume: Resume = functools.partial(cache.resume, method)
+        if method in self.exact:
+            resume = functools.partial(_resume_exactly, cache, method)
         result = decoder.generate(prompt, config, on_text=on_text, resume=resume, on_logprobs=logprobs)
         cache.keep(method, decoder.sessions())
         return result

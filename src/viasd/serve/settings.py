@@ -10,10 +10,12 @@ from viasd.errors import ViasdError
 from viasd.methods import MethodSpec, parse_method
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-# Off by default: a prompt resumed from kept KV is not read by the same passes as a fresh one (the view's decode
-# steps against the prompt route's own-weights passes, other block sizes), so with bf16 or quantized views its text
-# can differ from what it gets alone (seen on the real pair). 512 MiB holds about 13,000 tokens of its bf16 KV.
-DEFAULT_PREFIX_CACHE_MB = 0
+# The prefix cache's size where it is on by default: for the methods whose target runs viasd's fused low-bit layers
+# (the default GGUF view on a CPU), whose prompts are then read so that a resumed prompt is a fresh read bit for bit
+# (passes/prefix_cache.py, `exact_reuse`). Elsewhere (a dense copy, a GPU) a resumed prompt may round otherwise, so it
+# is off unless --prefix-cache-mb asks. 512 MiB holds about 13,000 tokens of the default pair's KV (both models).
+DEFAULT_PREFIX_CACHE_MB = 512
+AUTO = "auto"  # --prefix-cache-mb's default: DEFAULT_PREFIX_CACHE_MB for the methods it is exact for, off for others
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class ServeSettings:
     max_queue: int = 16  # requests that may wait while `max_active` generate; more get 503
     default_temperature: float = 1.0  # OpenAI's default when a request leaves temperature out
     shutdown_timeout: float = 30.0  # seconds requests in flight may run on after SIGTERM or Ctrl-C (serve/drain.py)
-    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB  # finished generations' KV kept for later prompts (0: off)
+    # Finished generations' KV kept for later prompts: MiB for every method (0: off), or None (AUTO): the default size
+    # for the methods a resumed prompt is exact for, none for the others.
+    prefix_cache_mb: int | None = None
     # The served methods as parsed, once, here: a request names one of them and gets its MethodSpec (`method`).
     parsed: Mapping[str, MethodSpec] = field(init=False, repr=False, compare=False)
 
@@ -57,7 +61,7 @@ class ServeSettings:
                 raise ViasdError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.shutdown_timeout < math.inf:  # NaN fails this too
             raise ViasdError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout}")
-        if self.prefix_cache_mb < 0:
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
             raise ViasdError(
                 f"--prefix-cache-mb must be >= 0 (0 turns the prefix cache off), got {self.prefix_cache_mb}"
             )
@@ -79,12 +83,16 @@ class ServeSettings:
         return self.parsed.get(name or self.default_method)
 
 
-def parse_megabytes(text: str) -> int:
-    """--prefix-cache-mb's '512' -> 512: a whole number of MiB >= 0 (0: off), refused in one line otherwise."""
+def parse_megabytes(text: str) -> int | None:
+    """--prefix-cache-mb's '512' -> 512: a whole number of MiB >= 0 (0: off), or 'auto' -> None; refused in one line
+    otherwise."""
     value = text.strip()
+    if value.lower() == AUTO:
+        return None
     if not (value.isascii() and value.isdigit()):  # ASCII digits only: no sign, point, exponent, NaN or '²'
         raise ViasdError(
-            f"--prefix-cache-mb must be a whole number of MiB >= 0 (0 turns the prefix cache off), got {text!r}"
+            "--prefix-cache-mb must be 'auto' or a whole number of MiB >= 0 (0 turns the prefix cache off), "
+            f"got {text!r}"
         )
     return int(value)
 
