@@ -27,6 +27,8 @@ from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
 from viasd.methods import parse_method
 from viasd.models.loading import LoadedModel
+from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.passes.prefix_cache import REREAD, read_prompt
 from viasd.verify.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -133,6 +135,28 @@ def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(metho
     if method.endswith("+head"):  # the tiny target has no head: the next-best drafter, said in one line
         assert isinstance(decoder.drafter, HybridDrafter) and isinstance(decoder.drafter.lookup, SuffixDrafter)
         assert "next-best drafter" in capsys.readouterr().err
+
+
+def test_a_round_after_a_prompt_read_in_pieces_verifies_at_most_the_fused_passes_rows(monkeypatch):
+    """A prompt read in pieces (a prefix cache's resume, `viasd chat`) leaves its last 2 tokens to the first round:
+    the copy drafts 14, not 15, so that round's pass is 16 rows, the longest the fused layers run."""
+    engine = _engine()
+    run = [(7 * i + 3) % 60 + 2 for i in range(40)]
+    prompt = [run[0], *run, 2, *run[:20]]  # the prompt's tail matches 20 tokens of the run
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    decoder = engine.decoder("sd:drafter=suffix")
+    lengths = []
+    propose = decoder.drafter.propose
+
+    def recording(context, k, *args):
+        proposal = propose(context, k, *args)
+        lengths.append(len(proposal))
+        return proposal
+
+    monkeypatch.setattr(decoder.drafter, "propose", recording)
+    out = decoder.generate(prompt, config, resume=lambda sessions, tokens: read_prompt(sessions[0], tokens))
+    assert lengths[0] == PACK_UP_TO - REREAD  # not MAX_REACH: 2 + 15 rows would leave the fused layers
+    assert out.tokens == engine.generate(prompt, "plain", config).tokens
 
 
 def test_a_seeded_sampling_request_gets_what_it_gets_alone_whatever_came_before():

@@ -16,7 +16,7 @@ from viasd.decode.stats import GenerationStats
 from viasd.drafters.base import Drafter, Proposal, reach_of
 from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, common_prefix_length, upload_ids
-from viasd.speculation import DEFAULT_GAMMA
+from viasd.speculation import DEFAULT_GAMMA, MAX_REACH
 from viasd.verify.acceptance import verify_block
 from viasd.verify.resident import block_outcomes, first_rejection, host_values
 from viasd.verify.sampling import SamplingParams, adjusted, checked_token, warp_probs
@@ -108,8 +108,16 @@ class SpeculativeDecoder(Decoder):
             context = prompt + sink.tokens
             load = load_on(self.target, self.view, params)  # served among others: the draft length follows the load
             gamma = self.gamma if load is None else load.draft_length(self.gamma, stats, drafting)
-            # A copy drafter's long match drafts past gamma (a long run being copied: drafters/suffix.py).
-            gamma = max(gamma, reach_of(self.drafter, context, params))
+            # A copy drafter's long match drafts past gamma (a long run being copied: drafters/suffix.py). A round
+            # whose pass would fit the fused layers (MAX_REACH + 1 rows, the tokens the target has yet to read
+            # included: 2 after a prompt read in pieces, passes/prefix_cache.py) stays within them; a round that
+            # reads a whole prompt is one long pass anyway.
+            reach = reach_of(self.drafter, context, params)
+            if reach > gamma:
+                unread = len(context) - common_prefix_length(self.session.tokens, context)
+                if unread <= MAX_REACH + 1:
+                    reach = min(reach, MAX_REACH + 1 - unread)
+                gamma = max(gamma, reach)
             k = draft_length(gamma, sink.remaining, len(context), self.context_limit)
             if k:
                 before = self.drafter.pass_seconds
