@@ -184,6 +184,21 @@ def test_the_engines_store_carries_one_generation_to_the_next_and_can_be_off():
         EngineSpec(suffix_cache=-1)
 
 
+def test_side_by_side_each_method_copies_only_its_own_answers_and_none_from_a_forgotten_warm_up():
+    """The bench's engine: one method's answer to a task never drafts another method's run of it (the second would
+    copy it whole), nor does a warm-up's generation of a timed task's prompt."""
+    engine = _engine(suffix_per_method=True)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    engine.generate(list(range(2, 30)), "sd:drafter=suffix", config)
+    engine.generate([3, 4], "sd:drafter=suffix", config)  # its reset kept the first generation
+    own, other = engine.suffix_store("sd:drafter=suffix"), engine.suffix_store("sd:drafter=suffix+head")
+    assert own is not None and own.held >= 28 and other is not None and other.held == 0
+    engine.forget_finished()
+    assert own.held == 0 and engine.suffix_store("sd:drafter=suffix") is own  # the drafters' store, emptied
+    shared = _engine()  # elsewhere (generate, chat, serve) every method of an engine shares one store
+    assert shared.suffix_store("a") is shared.suffix_store("b")
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

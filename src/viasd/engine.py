@@ -47,7 +47,7 @@ class Engine:
         self._heads: dict[str | None, HeadFile] = {}
         self._stored: tuple[QuantRecipe | None] | None = None  # the target's view as its file stores it, once known
         self._said_dense = False
-        self._suffix_store: SuffixStore | None = None
+        self._suffix_stores: dict[str, SuffixStore] = {}
 
     def _load(self, name: str) -> LoadedModel:
         from viasd.passes.prepare import prepare
@@ -169,14 +169,23 @@ class Engine:
             self.setup_seconds["draft head"] = time.perf_counter() - start
         return self._heads[path]
 
-    def suffix_store(self) -> SuffixStore | None:
-        """Finished generations' tokens (prompt and answer) that every suffix drafter of this engine copies from as
-        well, made on first use; None where --suffix-cache is 0."""
-        if self._suffix_store is None and self.spec.suffix_cache > 0:
+    def suffix_store(self, method: str = "") -> SuffixStore | None:
+        """Finished generations' tokens (prompt and answer) that this engine's suffix drafters copy from as well,
+        made on first use; None where --suffix-cache is 0. One store for every method, or with
+        `suffix_per_method` (the bench) one per method, so that no method drafts from another's answer to a task."""
+        if self.spec.suffix_cache <= 0:
+            return None
+        key = method if self.spec.suffix_per_method else ""
+        if key not in self._suffix_stores:
             from viasd.drafters.suffix import SuffixStore
 
-            self._suffix_store = SuffixStore(self.spec.suffix_cache)
-        return self._suffix_store
+            self._suffix_stores[key] = SuffixStore(self.spec.suffix_cache)
+        return self._suffix_stores[key]
+
+    def forget_finished(self) -> None:
+        """Empty every suffix store: what was generated so far is no longer copied from (the bench's warm-up)."""
+        for store in self._suffix_stores.values():
+            store.clear()
 
     @property
     def drafter(self) -> LoadedModel:

@@ -28,6 +28,8 @@ class EngineSpec:
     drafter_quant: QuantRecipe | None = None  # run the drafter as its quantized view
     # Tokens of finished generations the suffix drafters also copy from (0: off; drafters/suffix.py).
     suffix_cache: int = DEFAULT_SUFFIX_CACHE
+    # One suffix store per method (the bench: a method never drafts from another's answer to the same task).
+    suffix_per_method: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.quant, QuantRecipe) and self.quant not in (AS_STORED, DENSE):

@@ -6,6 +6,7 @@ fast. The command is registered in `viasd.cli`, which wraps it in `user_errors`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import sys
@@ -303,6 +304,7 @@ def bench(
         quant=quant,
         drafter_quant=drafter_quant,
     )
+    spec = dataclasses.replace(spec, suffix_per_method=True)  # methods side by side: none copies another's answer
     settings: dict[str, Any] = {
         "methods": method_list,
         "target": target,
@@ -389,6 +391,7 @@ def bench(
         return engine.decoder(specs[name])
 
     def warmed(done: Any) -> None:
+        engine.forget_finished()  # the warm-up generated timed tasks' own answers: no method may copy them
         env["warmup"] = done.to_dict()
         err.print(warmup_line(done.to_dict()), highlight=False, soft_wrap=True)
 

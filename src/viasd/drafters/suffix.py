@@ -165,6 +165,13 @@ class SuffixStore:
                 _, dropped = self._sequences.popitem(last=False)
                 self._held -= len(dropped.tokens)
 
+    def clear(self) -> None:
+        """Forget every kept sequence (the bench, after its warm-up generated the timed tasks' own answers)."""
+        with self._lock:
+            self._sequences.clear()
+            self._held = 0
+            self.version += 1
+
     def matches(self, tail: Sequence[int]) -> list[tuple[int, list[int], int]]:
         """(match length, the sequence, end) of the tail's matches in every kept sequence."""
         with self._lock:

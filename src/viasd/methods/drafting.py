@@ -37,7 +37,7 @@ def suffix_drafter(parts: Parts, spec: MethodSpec, short: bool = True) -> Suffix
     the variant's reach a round; `short`: prompt lookup's 1- and 2-gram matches where there is none."""
     from viasd.drafters.suffix import SuffixDrafter
 
-    return SuffixDrafter(first_set(spec.get("reach"), DEFAULT_REACH), parts.suffix_store(), short=short)
+    return SuffixDrafter(first_set(spec.get("reach"), DEFAULT_REACH), parts.suffix_store(spec.name), short=short)
 
 
 def hybrid_drafter(

@@ -67,8 +67,8 @@ class Parts(Protocol):
         """The target's draft head (`path`, else the one trained here, else a shipped one), read once."""
         ...
 
-    def suffix_store(self) -> SuffixStore | None:
-        """Finished generations' tokens the engine's suffix drafters copy from too (None: off)."""
+    def suffix_store(self, method: str = "") -> SuffixStore | None:
+        """Finished generations' tokens the suffix drafters of `method` copy from too (None: off)."""
         ...
 
 
