@@ -18,7 +18,16 @@ from viasd.decode.plain import PlainDecoder
 from viasd.errors import ViasdError
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.gguf_file import GgufFile
-from viasd.models.stored import BlockEmbedding, FileLinear, build, densify, has_dense_weights, is_stored, output_rows
+from viasd.models.stored import (
+    BlockEmbedding,
+    FileLinear,
+    FileTensor,
+    build,
+    densify,
+    has_dense_weights,
+    is_stored,
+    output_rows,
+)
 from viasd.views.gguf import GgufWeights
 from viasd.views.quantize import quantize
 from viasd.views.recipe import QuantRecipe
@@ -280,3 +289,26 @@ def test_a_recipe_made_from_dense_weights_takes_a_stored_model_one_layer_at_a_ti
     for name, module in from_dense.modules.items():
         for mine, theirs in zip(from_stored.modules[name].buffers(), module.buffers(), strict=True):
             assert torch.equal(mine, theirs), name
+
+
+def test_a_stored_models_fingerprint_is_remembered_for_its_file_and_made_again_when_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The next start reads the fingerprint from the cache instead of sampling the file's rows; a file changed in
+    place, or a cache that cannot be written, gets the fingerprint of what the file holds now."""
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "cache"))
+    dense, stored = pair(tmp_path, "qwen2")
+    want = model_fingerprint(dense)
+    assert model_fingerprint(stored) == want
+    path = tmp_path / "model.gguf"
+    with monkeypatch.context() as patched:
+        patched.setattr(FileTensor, "sample", lambda self, count=64: pytest.fail("sampled the file again"))
+        assert model_fingerprint(build(GgufFile(path), dense.config, torch.float32)) == want
+    with torch.no_grad():
+        dense.model.norm.weight.add_(1.0)  # the same name, another final norm
+    write_gguf(dense, path, "qwen2")
+    changed = model_fingerprint(dense)
+    assert changed != want and model_fingerprint(build(GgufFile(path), dense.config, torch.float32)) == changed
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "file" / "cache"))  # no folder can be made there
+    assert model_fingerprint(build(GgufFile(path), dense.config, torch.float32)) == changed
