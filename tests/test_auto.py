@@ -169,3 +169,39 @@ def test_a_probe_is_not_reused_on_another_cpu_or_with_other_kernels(monkeypatch)
     other_kernels = auto.probe_key(model, {}, names)
     monkeypatch.setenv("VIASD_KERNELS", "-attention")
     assert len({key, other_cpu, other_kernels, auto.probe_key(model, {}, names)}) == 4
+
+
+def test_exact_via_is_a_candidate_where_a_routing_profile_fits_the_target_and_relaxed_via_never(tmp_path, monkeypatch):
+    """A profile calibrated for this target as it runs makes `via-exact` a candidate (its probe and its output are
+    the exact methods'); a profile made for another model does not, and the relaxed `via` never is."""
+    from viasd.models.fingerprint import model_fingerprint
+    from viasd.profile import RoutingProfile, save_profile
+    from viasd.verify.gates import Gate
+    from viasd.views.layer_skip import LayerMask
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(auto, "PROBE_PROMPTS", ("t3 t4 t5", "t9 t8 t7 t6"))
+    monkeypatch.setattr(auto, "RUNOFF_PROMPTS", ("t5 t6 t7 t8", "t2 t3"))
+    assert "via-exact" in auto.candidates(True, via=True) and not any(
+        name.split(":")[0] == "via" for name in auto.candidates(True, via=True, head=True)
+    )
+    assert auto.candidates(True, via=True, head=True)[-1] == "via-exact:drafter=lookup+head"
+    made = engine()
+    fits, other = tmp_path / "fits.json", tmp_path / "other.json"
+    layers = len(made.target.model.model.layers)
+    for path, model in ((fits, made.target.model), (other, tiny_model("qwen2", seed=7))):
+        target = {"name": "t", "fingerprint": model_fingerprint(model)}
+        mask = LayerMask.skipping(layers, [1])
+        save_profile(RoutingProfile(target, None, [mask], [None], Gate("kl", (0.1, 1.0))), path)
+    chosen = {}
+    for path in (fits, other):
+        tok = tiny_tokenizer(64)
+        spec = EngineSpec(target="t", drafter="d", profile=str(path))
+        one = Engine(
+            spec, target=made.target, drafter=LoadedModel(tiny_model("qwen2", layers=2, seed=1), tok, "d", "d")
+        )
+        chosen[path] = one.decoder("auto").choice
+        config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+        assert one.generate(PROMPT, "auto", config).tokens == one.generate(PROMPT, "plain", config).tokens
+    assert "via-exact" in chosen[fits]["tokens_per_second"]
+    assert not any(name.startswith("via") for name in chosen[other]["tokens_per_second"])

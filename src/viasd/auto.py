@@ -71,6 +71,7 @@ def candidates(
     quantized_target: bool = False,
     head: bool = False,
     drafter_gguf: bool = False,
+    via: bool = False,
 ) -> list[str]:
     """The exact methods worth probing: plain first, the drafter's methods only when the drafter fits. Quantized
     drafters are int4a8 views where viasd's int4a8 kernel runs (`int4a8_is_fast`), else int4 (the drafter's)
@@ -80,7 +81,10 @@ def candidates(
     draft head (`head`) drafts with it, alone, after prompt lookup and after suffix drafting (long copies past
     gamma); those need no drafter model. A drafter whose
     GGUF file has such blocks (`drafter_gguf`) drafts with them too, and where drafters are quantized none drafts
-    as its dense copy: slower than its views on a CPU, and a copy in memory the probe would make for nothing."""
+    as its dense copy: slower than its views on a CPU, and a copy in memory the probe would make for nothing. Where
+    a routing profile fits the target as it runs (`via`), exact VIA-SD (its slim tier only drafts or stops drafts,
+    the full target decides every token) drafts as the head's fastest candidate does; the relaxed `via`, which lets
+    the slim tier settle tokens, is never a candidate."""
     names = ["plain", "lookup"]
     small, own = ("int4a8", "gguf" if gguf else "int4a8") if int4a8 else ("int4", "int8")
     if int4a8 and drafter_gguf:
@@ -91,6 +95,8 @@ def candidates(
         names += [f"sd:drafter_quant={small}", f"sd:drafter=hybrid:drafter_quant={small}"] if quantize else ["sd"]
     if head:  # suffix drafting with the head: 2.09x plain on edits where lookup+head ran 1.91x, 1.33x on prose (1.29x)
         names += ["sd:drafter=head", "sd:drafter=lookup+head", "sd:drafter=suffix+head"]
+    if via:
+        names.append("via-exact:drafter=lookup+head" if head else "via-exact")
     return names
 
 

@@ -68,6 +68,21 @@ def self_speculative(parts: Parts, spec: MethodSpec) -> Decoder:
     return _speculative(parts, spec, drafter, first_set(spec.get("stop"), 0.0))  # stop not measured for self
 
 
+def _profile_fits(parts: Parts) -> bool:
+    """Whether the routing profile `via` would use (--profile, else the shipped one for where the target runs) was
+    calibrated for this target as it runs: its fingerprint and view; known without loading the drafter."""
+    from viasd.models.fingerprint import model_fingerprint
+
+    try:
+        profile = parts.profile_as_read()
+    except ViasdError:
+        return False
+    target = parts.target
+    if profile.target.get("fingerprint") != model_fingerprint(target.model):
+        return False
+    return profile.target_quant == parts.target_recipe()
+
+
 def auto(parts: Parts, spec: MethodSpec) -> Decoder:
     """The fastest exact method here, by a probe at first use (cached); see viasd.auto."""
     from viasd.auto import AutoDecoder, candidates, choose, int4a8_is_fast, probe_key
@@ -88,7 +103,7 @@ def auto(parts: Parts, spec: MethodSpec) -> Decoder:
     drafter_gguf = fast and fits is not False and source_gguf(drafter, drafter) is not None
     drafter_gguf = drafter_gguf and has_own_blocks(drafter, drafter)
     names = candidates(fits, int4a8=fast, gguf=gguf, quantized_target=quantized_target, head=head is not None,
-                       drafter_gguf=drafter_gguf)  # fmt: skip
+                       drafter_gguf=drafter_gguf, via=fits is not False and _profile_fits(parts))  # fmt: skip
     if fits is False:
         print(
             f"auto: the drafter {parts.spec.drafter!r} does not share this target's tokenizer; "
