@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from viasd.decode.llama_server import BINARY_VARIABLE, completion_request, find_binary, start_server
+from viasd.decode.llama_server import (
+    BINARY_VARIABLE,
+    completion_request,
+    find_binary,
+    server_arguments,
+    start_server,
+)
 from viasd.errors import ViasdError
 from viasd.verify.sampling import SamplingParams
 
@@ -37,6 +43,20 @@ def test_requests_set_every_sampler_viasd_does_not_run_to_neutral():
     sampled = completion_request([1], 4, SamplingParams(temperature=0.7, top_p=0.9, seed=2**40 + 5), True)
     assert sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9 and sampled["seed"] == 5
     assert sampled["ignore_eos"] is True
+
+
+def test_llama_cpps_ngram_drafters_are_its_spec_types_without_a_draft_model():
+    from viasd.methods import parse_method
+    from viasd.speculation import NGRAM_TYPES
+
+    for kind in NGRAM_TYPES:
+        assert parse_method(f"llama-server:draft={kind}").options["draft"] == kind
+        arguments = server_arguments(Path("m.gguf"), 2, 4096, 8080, None, None, kind)
+        assert arguments[arguments.index("--spec-type") + 1] == kind and "-md" not in arguments
+    plain = server_arguments(Path("m.gguf"), 2, 4096, 8080, None, None)
+    assert "--spec-type" not in plain and "-md" not in plain
+    with pytest.raises(ViasdError, match=r"draft.*ngram-map-k"):  # the refusal lists the types there are
+        parse_method("llama-server:draft=ngram-tree")
 
 
 def test_gamma_needs_llama_cpps_draft_model(tmp_path):
@@ -72,6 +92,8 @@ def test_llama_server_generates_with_viasd_prompts_with_and_without_its_draft_mo
     # speculation verifies blocks with other rounding than its single steps, so later tokens may differ from its own
     # plain text (seen on this pair): only the start is asserted.
     assert alone.tokens[:4] == plain.tokens[:4] == drafted.tokens[:4]
+    copied = engine.generate(ids, "llama-server:draft=ngram-map-k", GenerationConfig(max_new_tokens=24))
+    assert copied.tokens[:4] == plain.tokens[:4]  # its n-gram drafter, no draft model
     assert drafted.stats.drafted > 0 and 0 <= drafted.stats.accepted <= drafted.stats.drafted
     short = engine.generate(ids, "llama-server", GenerationConfig(max_new_tokens=5, ignore_eos=True))
     assert len(short.tokens) == 5 and short.finish_reason == "length" and short.stats.target_calls == 5

@@ -85,3 +85,8 @@ def check_suffix_cache(tokens: int, name: str = "the suffix cache") -> int:
 def longest_match(shortest: int) -> int:
     """The longest n-gram prompt lookup tries first, for a shortest match of `shortest` tokens."""
     return max(LONGEST_MATCH, shortest)
+
+
+# llama-server's n-gram speculative types (its `--spec-type`), which draft by copying earlier text with no draft model:
+# the `llama-server` method's draft= choices beside `model` and `none` (decode/llama_server.py).
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

@@ -1,5 +1,6 @@
 """llama.cpp's own server (`llama-server`) behind the Decoder interface: llama.cpp's plain decoding and its own
-speculative decoding with a draft model (`-md`), the baseline llama.cpp users run.
+speculative decoding, with a draft model (`-md`) or by one of its n-gram drafters (`--spec-type ngram-...`: copies
+from earlier text, the answer to viasd's prompt lookup and suffix drafting), the baselines llama.cpp users run.
 
 The binary is the user's (on PATH, or named by the VIASD_LLAMA_SERVER environment variable); viasd starts it once
 per decoder on a free local port with the cores torch uses, and stops it when the decoder goes. Each generation
@@ -57,15 +58,24 @@ def find_binary() -> Path:
 
 
 def server_arguments(
-    gguf: Path, threads: int, context: int, port: int, draft: Path | None, draft_max: int | None
+    gguf: Path,
+    threads: int,
+    context: int,
+    port: int,
+    draft: Path | None,
+    draft_max: int | None,
+    ngram: str | None = None,
 ) -> list[str]:
-    """llama-server's command line (after the binary): one slot, the prompt cache off by request, no web UI."""
+    """llama-server's command line (after the binary): one slot, the prompt cache off by request, no web UI; a draft
+    model (`draft`, at most `draft_max` tokens a round) or an n-gram drafter (`ngram`, one of NGRAM_TYPES)."""
     arguments = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context)]
     arguments += ["--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui"]
     if draft is not None:
         arguments += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)]
         if draft_max is not None:
             arguments += ["--spec-draft-n-max", str(draft_max)]
+    elif ngram is not None:
+        arguments += ["--spec-type", ngram]
     return arguments
 
 
@@ -158,10 +168,12 @@ class LlamaServer:
         self._stopper()
 
 
-def start_server(gguf: Path, threads: int, context: int, draft: Path | None, draft_max: int | None) -> LlamaServer:
-    """llama-server on `gguf` (with `draft` as its draft model), ready to answer."""
+def start_server(
+    gguf: Path, threads: int, context: int, draft: Path | None, draft_max: int | None, ngram: str | None = None
+) -> LlamaServer:
+    """llama-server on `gguf` (with `draft` as its draft model, or drafting by the n-gram type `ngram`), ready."""
     port = _free_port()
-    return LlamaServer(find_binary(), server_arguments(gguf, threads, context, port, draft, draft_max), port)
+    return LlamaServer(find_binary(), server_arguments(gguf, threads, context, port, draft, draft_max, ngram), port)
 
 
 class LlamaServerDecoder(Decoder):
@@ -178,20 +190,21 @@ class LlamaServerDecoder(Decoder):
         tokenizer: PreTrainedTokenizerBase,
         server: LlamaServer,
         context: int,
-        speculative: bool,
+        draft: str | None,
         method: str | None = None,
     ) -> None:
         super().__init__(target, tokenizer)
         self.server = server
         self.context = context
-        self.speculative = speculative
+        self.draft = draft  # how llama.cpp drafts: "model" (-md), an n-gram type, or None (plain decoding)
+        self.speculative = draft is not None
         if method:
             self.method = method
 
     def describe(self) -> dict[str, Any]:
         return {
             "target_view": "llama-server on the GGUF file",
-            "draft": "its own draft model (-md)" if self.speculative else "none",
+            "draft": {None: "none", "model": "its own draft model (-md)"}.get(self.draft, f"its {self.draft} drafter"),
         }
 
     def _decode(self, prompt: list[int], sink: OutputSink, params: SamplingParams, stats: GenerationStats) -> None:

@@ -46,7 +46,7 @@ def llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:
 
 def llama_server(parts: Parts, spec: MethodSpec) -> Decoder:
     """llama.cpp's own server on the target's GGUF file (draft=model: with the drafter's GGUF file as its draft
-    model), with the threads torch uses."""
+    model; draft=ngram-...: one of its n-gram drafters), with the threads torch uses."""
     import torch
 
     from viasd.decode.base import context_limit
@@ -64,5 +64,8 @@ def llama_server(parts: Parts, spec: MethodSpec) -> Decoder:
             raise ViasdError(f"llama-server:draft=model reads the drafter's GGUF file: {drafter!r} is not one")
     target = parts.target
     context = min(context_limit(target.model) or 8192, 8192)
-    server = start_server(parts.gguf(), torch.get_num_threads(), context, draft, spec.get("gamma"))
-    return LlamaServerDecoder(target.model, target.tokenizer, server, context, draft is not None, spec.name)
+    kind = spec.get("draft")
+    ngram = kind if kind not in (None, "none", "model") else None
+    server = start_server(parts.gguf(), torch.get_num_threads(), context, draft, spec.get("gamma"), ngram)
+    how = "model" if draft is not None else ngram
+    return LlamaServerDecoder(target.model, target.tokenizer, server, context, how, spec.name)

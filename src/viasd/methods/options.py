@@ -15,6 +15,7 @@ from viasd.speculation import (
     HYBRID_MATCH,
     LOOKUP_MATCH,
     MAX_GAMMA,
+    NGRAM_TYPES,
     check_budget,
     check_gamma,
     check_match,
@@ -180,8 +181,9 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "draft",
-            _choice("none", "model"),
-            "llama-server's own speculation: model (the drafter's GGUF file as its draft model, -md) or none",
+            _choice("none", "model", *NGRAM_TYPES),
+            "llama-server's own speculation: model (the drafter's GGUF file as its draft model, -md), one of its "
+            f"n-gram drafters ({', '.join(NGRAM_TYPES)}), or none",
         ),
     )
 }
