@@ -245,6 +245,32 @@ def test_self_and_via_share_the_routing_profile_the_engine_read(tmp_path, monkey
     assert engine.routing_profile() is engine.routing_profile(str(path)) and reads == [str(path)]
 
 
+def test_via_drafting_without_the_small_model_never_loads_it_and_checks_it_where_it_drafts(tmp_path, monkeypatch):
+    """`via-exact:drafter=lookup` runs with no drafter model (none is loaded for the profile's check); `via-exact`,
+    which drafts with it, loads it and refuses one the profile was not calibrated with."""
+    from viasd.models.fingerprint import model_fingerprint
+    from viasd.profile import RoutingProfile, save_profile
+    from viasd.verify.gates import Gate
+    from viasd.views.layer_skip import LayerMask
+
+    tok = tiny_tokenizer(64)
+    target, drafter = tiny_model("llama", layers=4), tiny_model("llama", layers=2, seed=1)
+    entry = {"name": "t", "fingerprint": model_fingerprint(target)}
+    path = tmp_path / "cut.json"
+    other = {"name": "d", "fingerprint": "0" * 16}  # calibrated with another drafter
+    save_profile(RoutingProfile(entry, other, [LayerMask.skipping(4, [2])], [None], Gate("kl", (0.1, 1.0))), path)
+    engine = Engine(EngineSpec(target="t", drafter="d", profile=str(path)), target=LoadedModel(target, tok, "t", "t"))
+    loads = []
+    monkeypatch.setattr(Engine, "_load", lambda self, name: loads.append(name) or LoadedModel(drafter, tok, "d", "d"))
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    prompt = [1, 5, 9, 1, 5]
+    out = engine.generate(prompt, "via-exact:drafter=lookup", config)
+    assert out.tokens == engine.generate(prompt, "plain", config).tokens and loads == []
+    with pytest.raises(ViasdError, match="calibrated with drafter 'd', not this drafter"):
+        engine.decoder("via-exact")
+    assert loads == ["d"]
+
+
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="torch's int8 CPU kernel")
 def test_making_a_view_is_setup_time_never_a_generations(tmp_path, monkeypatch):
     """A view's copies are loaded and put in their kernel's form when the method is built (and reported as setup

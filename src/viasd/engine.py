@@ -42,7 +42,8 @@ class Engine:
         self._drafter_checked = False
         self._decoders: dict[tuple[str, int], Decoder] = {}
         self._profiles: dict[str, RoutingProfile] = {}  # by path, read once
-        self._checked_profiles: set[str] = set()  # those checked against the models (self_mask needs no drafter)
+        # (path, with its drafter) of the profiles checked against the models (self_mask needs no drafter)
+        self._checked_profiles: set[tuple[str, bool]] = set()
         self._views: dict[tuple[int, QuantRecipe], View] = {}
         self._heads: dict[str | None, HeadFile] = {}
         self._stored: tuple[QuantRecipe | None] | None = None  # the target's view as its file stores it, once known
@@ -264,13 +265,16 @@ class Engine:
 
     def routing_profile(self, path: str | None = None) -> RoutingProfile:
         """A routing profile for VIA-SD, checked against the loaded models: `path`, else --profile, else the
-        one shipped for the default pair."""
+        one shipped for the default pair. Its drafter is checked where the small drafter is loaded (a method that
+        drafts with it loads it first); one that drafts otherwise (the head, lookup) never loads it for the check."""
         found = self._profile_path(path)
         profile = self.profile_as_read(path)
-        if str(found) not in self._checked_profiles:
-            # A profile whose drafter is the target's own view needs no second model.
-            profile.check_models(self.target.model, None if profile.self_drafter else self.drafter.model)
-            self._checked_profiles.add(str(found))
+        # A profile whose drafter is the target's own view needs no second model.
+        drafter = None if profile.self_drafter or self._drafter is None else self._drafter.model
+        key = (str(found), drafter is not None)
+        if key not in self._checked_profiles:
+            profile.check_models(self.target.model, drafter)
+            self._checked_profiles.add(key)
         return profile
 
     def profile_as_read(self, path: str | None = None) -> RoutingProfile:

@@ -52,6 +52,13 @@ def via(parts: Parts, spec: MethodSpec) -> Decoder:
             f"{spec.base} verifies against the target its routing profile was calibrated on ({on}): it takes no "
             f"--quant {parts.spec.quant.name}"
         )
+    read = parts.profile_as_read(spec.get("profile"))
+    recipe = first_set(drafter_recipe(parts, spec), read.drafter_quant)
+    drafter: Drafter
+    if read.self_drafter:  # the profile's drafter is the target's own view
+        drafter = model_drafter(parts.target.model, parts.quantized(parts.target, recipe), name="self")
+    else:  # built first: the profile checks the small drafter only where this drafts with it (loaded by then)
+        drafter = variant_drafter(parts, spec, recipe)
     profile = parts.routing_profile(spec.get("profile"))
     overrides = {
         "gamma": first_set(spec.get("gamma"), parts.spec.gamma),
@@ -72,12 +79,6 @@ def via(parts: Parts, spec: MethodSpec) -> Decoder:
             own = kinds[kind]  # its gate was calibrated on that view alone: verify exactly rather than guess
             kinds[kind] = RoundPolicy(Gate.exact(), own.gamma, own.cap, stop=own.stop)
             print(f"via: {exc}; {kind} requests are verified by the full target instead", file=sys.stderr)
-    recipe = first_set(drafter_recipe(parts, spec), profile.drafter_quant)
-    drafter: Drafter
-    if profile.self_drafter:  # the profile's drafter is the target's own view
-        drafter = model_drafter(target.model, parts.quantized(target, recipe), name="self")
-    else:
-        drafter = variant_drafter(parts, spec, recipe)
     return TieredDecoder(
         target.model,
         target.tokenizer,
