@@ -53,6 +53,8 @@ def test_llama_cpps_ngram_drafters_are_its_spec_types_without_a_draft_model():
         assert parse_method(f"llama-server:draft={kind}").options["draft"] == kind
         arguments = server_arguments(Path("m.gguf"), 2, 4096, 8080, None, None, kind)
         assert arguments[arguments.index("--spec-type") + 1] == kind and "-md" not in arguments
+    longer = server_arguments(Path("m.gguf"), 2, 4096, 8080, None, 64, "ngram-map-k")
+    assert longer[longer.index("--spec-draft-n-max") + 1] == "64"
     plain = server_arguments(Path("m.gguf"), 2, 4096, 8080, None, None)
     assert "--spec-type" not in plain and "-md" not in plain
     with pytest.raises(ViasdError, match=r"draft.*ngram-map-k"):  # the refusal lists the types there are
@@ -66,7 +68,7 @@ def test_gamma_needs_llama_cpps_draft_model(tmp_path):
 
     target = LoadedModel(tiny_model("llama"), tiny_tokenizer(64), "dir", str(tmp_path))
     engine = Engine(EngineSpec(target=str(tmp_path)), target=target)
-    with pytest.raises(ViasdError, match=r"option 'gamma' needs draft=model"):
+    with pytest.raises(ViasdError, match=r"option 'gamma' needs draft=model or an n-gram type"):
         engine.decoder("llama-server:gamma=4")
 
 

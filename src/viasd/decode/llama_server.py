@@ -67,7 +67,7 @@ def server_arguments(
     ngram: str | None = None,
 ) -> list[str]:
     """llama-server's command line (after the binary): one slot, the prompt cache off by request, no web UI; a draft
-    model (`draft`, at most `draft_max` tokens a round) or an n-gram drafter (`ngram`, one of NGRAM_TYPES)."""
+    model (`draft`) or an n-gram drafter (`ngram`, one of NGRAM_TYPES), at most `draft_max` tokens a round."""
     arguments = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(context)]
     arguments += ["--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-webui"]
     if draft is not None:
@@ -76,6 +76,8 @@ def server_arguments(
             arguments += ["--spec-draft-n-max", str(draft_max)]
     elif ngram is not None:
         arguments += ["--spec-type", ngram]
+        if draft_max is not None:
+            arguments += ["--spec-draft-n-max", str(draft_max)]
     return arguments
 
 

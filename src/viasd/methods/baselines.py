@@ -55,8 +55,8 @@ def llama_server(parts: Parts, spec: MethodSpec) -> Decoder:
 
     _refuse_views(parts, "llama-server runs the GGUF file's own quantization: it takes no --quant")
     draft = None
-    if spec.get("gamma") is not None and spec.get("draft") != "model":
-        raise ViasdError(f"method {spec.name!r}: option 'gamma' needs draft=model")
+    if spec.get("gamma") is not None and spec.get("draft") in (None, "none"):
+        raise ViasdError(f"method {spec.name!r}: option 'gamma' needs draft=model or an n-gram type")
     if spec.get("draft") == "model":
         drafter = parts.spec.drafter
         draft = source_gguf(drafter, drafter)
