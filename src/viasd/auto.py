@@ -82,9 +82,9 @@ def candidates(
     gamma); those need no drafter model. A drafter whose
     GGUF file has such blocks (`drafter_gguf`) drafts with them too, and where drafters are quantized none drafts
     as its dense copy: slower than its views on a CPU, and a copy in memory the probe would make for nothing. Where
-    a routing profile fits the target as it runs (`via`), exact VIA-SD (its slim tier only drafts or stops drafts,
-    the full target decides every token) drafts as the head's fastest candidate does; the relaxed `via`, which lets
-    the slim tier settle tokens, is never a candidate."""
+    a routing profile fits the target as it runs (`via`), exact VIA-SD (`via-exact`: the full target decides every
+    token, in rounds of the profile's gamma, cap and stop) drafts as the head's candidates do; the relaxed `via`,
+    whose slim tier settles tokens, is never a candidate."""
     names = ["plain", "lookup"]
     small, own = ("int4a8", "gguf" if gguf else "int4a8") if int4a8 else ("int4", "int8")
     if int4a8 and drafter_gguf:
