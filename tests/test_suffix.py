@@ -110,17 +110,13 @@ def _engine(**spec) -> Engine:
     )
 
 
-@pytest.mark.parametrize("method", ["sd:drafter=suffix", "sd:drafter=suffix:reach=9", "sd:drafter=suffix+head"])
-def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(method, capsys, monkeypatch):
-    engine = _engine()
-    run = [(7 * i + 3) % 60 + 2 for i in range(40)]
-    prompt = [run[0], *run, 2, *run[:20]]  # the prompt's tail matches 20 tokens of the run
-    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    decoder = engine.decoder(method)
-    assert decoder.gamma == 4
-    reach = 9 if "reach" in method else 15  # the match is 20 tokens long
-    assert reach_of(decoder.drafter, prompt, GREEDY) == reach  # the first round drafts past gamma
-    lengths = []
+RUN = [(7 * i + 3) % 60 + 2 for i in range(40)]
+COPY_PROMPT = [RUN[0], *RUN, 2, *RUN[:20]]  # its tail matches 20 tokens of the run
+
+
+def _draft_lengths(decoder, monkeypatch) -> list[int]:
+    """The lengths of the drafts `decoder`'s drafter proposes from now on, round by round."""
+    lengths: list[int] = []
     propose = decoder.drafter.propose
 
     def recording(context, k, *args):
@@ -129,6 +125,19 @@ def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(metho
         return proposal
 
     monkeypatch.setattr(decoder.drafter, "propose", recording)
+    return lengths
+
+
+@pytest.mark.parametrize("method", ["sd:drafter=suffix", "sd:drafter=suffix:reach=9", "sd:drafter=suffix+head"])
+def test_suffix_methods_give_plain_decodings_tokens_with_drafts_past_gamma(method, capsys, monkeypatch):
+    engine = _engine()
+    prompt = COPY_PROMPT
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    decoder = engine.decoder(method)
+    assert decoder.gamma == 4
+    reach = 9 if "reach" in method else 15  # the match is 20 tokens long
+    assert reach_of(decoder.drafter, prompt, GREEDY) == reach  # the first round drafts past gamma
+    lengths = _draft_lengths(decoder, monkeypatch)
     out = engine.generate(prompt, method, config)
     assert out.tokens == engine.generate(prompt, "plain", config).tokens
     assert lengths[0] == reach and max(lengths) > decoder.gamma
@@ -141,19 +150,10 @@ def test_a_round_after_a_prompt_read_in_pieces_verifies_at_most_the_fused_passes
     """A prompt read in pieces (a prefix cache's resume, `viasd chat`) leaves its last 2 tokens to the first round:
     the copy drafts 14, not 15, so that round's pass is 16 rows, the longest the fused layers run."""
     engine = _engine()
-    run = [(7 * i + 3) % 60 + 2 for i in range(40)]
-    prompt = [run[0], *run, 2, *run[:20]]  # the prompt's tail matches 20 tokens of the run
+    prompt = COPY_PROMPT
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
     decoder = engine.decoder("sd:drafter=suffix")
-    lengths = []
-    propose = decoder.drafter.propose
-
-    def recording(context, k, *args):
-        proposal = propose(context, k, *args)
-        lengths.append(len(proposal))
-        return proposal
-
-    monkeypatch.setattr(decoder.drafter, "propose", recording)
+    lengths = _draft_lengths(decoder, monkeypatch)
     out = decoder.generate(prompt, config, resume=lambda sessions, tokens: read_prompt(sessions[0], tokens))
     assert lengths[0] == PACK_UP_TO - REREAD  # not MAX_REACH: 2 + 15 rows would leave the fused layers
     assert out.tokens == engine.generate(prompt, "plain", config).tokens
