@@ -46,7 +46,11 @@ def viasd(*args: str, stdin: str | None = None, timeout: float = 600) -> subproc
             None,
             "--port must be in [0, 65535] (0 picks a free one), got -1",
         ),
-        (["serve", "--target", NO_MODEL, "--prefix-cache-mb", "-1"], None, "--prefix-cache-mb must be a whole number"),
+        (
+            ["serve", "--target", NO_MODEL, "--prefix-cache-mb", "-1"],
+            None,
+            "--prefix-cache-mb must be 'auto' or a whole number",
+        ),
         (["serve", "--target", NO_MODEL, "--prefix-cache-mb", "abc"], None, "MiB >= 0 (0 turns the prefix cache off)"),
         (["serve", "--target", NO_MODEL, "--prefix-cache-mb", "1.5"], None, "got '1.5'"),
         (["serve", "--target", NO_MODEL, "--suffix-cache", "-1"], None, "--suffix-cache must be a number of tokens"),
