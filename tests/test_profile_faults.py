@@ -54,6 +54,19 @@ def test_a_kind_may_name_its_own_slim_view_and_the_others_keep_the_profiles(tmp_
     assert load_profile(_write(tmp_path, {**_valid(), "kinds": {"code": CODE_POLICY}})).own_views() == []
 
 
+def test_a_kind_whose_policy_is_exact_says_so_in_one_word_and_round_trips(tmp_path: Path) -> None:
+    """`"gate": "exact"` in a file sends every drafted token of that kind to the full target (its one threshold, -inf,
+    is not JSON); an infinite or other word is still refused."""
+    exact = {**CODE_POLICY, "gate": "exact"}
+    profile = load_profile(_write(tmp_path, {**_valid(), "kinds": {"code": exact}}))
+    assert profile.policy("code").gate.always_full and not profile.policy("prose").gate.always_full
+    assert profile.to_dict()["kinds"]["code"]["gate"] == "exact"
+    assert load_profile(_write(tmp_path, profile.to_dict())).policy("code") == profile.policy("code")
+    for bad in ("lenient", {"signal": "kl", "thresholds": [float("-inf")]}):
+        with pytest.raises(ViasdError, match="routing profile"):
+            load_profile(_write(tmp_path, {**_valid(), "kinds": {"code": {**CODE_POLICY, "gate": bad}}}))
+
+
 def _write(tmp_path: Path, data: dict[str, Any] | str) -> Path:
     path = tmp_path / "profile.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data, allow_nan=True))

@@ -44,6 +44,7 @@ MAX_CAP = 1 << 20  # tokens committed without the full target (beyond any genera
 # Gate thresholds: signals are >= 0, so a negative threshold only sends tokens up (calibration writes -1 for "no
 # accept tier"); an infinite one would accept every token unchecked.
 MIN_THRESHOLD = -1.0
+EXACT = "exact"  # a gate, as a profile file names it, that sends every drafted token to the full target
 
 
 @dataclass
@@ -147,7 +148,7 @@ class RoutingProfile:
         data = asdict(self)
         del data["source"]
         data["masks"] = [m.to_dict() for m in self.masks]
-        data["gate"] = {"signal": self.gate.signal, "thresholds": list(self.gate.thresholds)}
+        data["gate"] = _gate_dict(self.gate)
         data["quant"] = [None if q is None else q.name for q in self.quant]
         data["kinds"] = {kind: _policy_dict(own) for kind, own in self.kinds.items()}
         if not data["kinds"]:
@@ -316,7 +317,10 @@ def _masks(value: Any) -> list[LayerMask]:
 
 
 def _gate(value: Any, name: str = "gate") -> Gate:
-    """The gate: a known signal and a list of finite thresholds, none under MIN_THRESHOLD."""
+    """The gate: a known signal and a list of finite thresholds, none under MIN_THRESHOLD; or `"exact"` (EXACT):
+    every drafted token goes to the full target (a kind whose relaxed gate cost too much quality, such as code)."""
+    if value == EXACT:
+        return Gate.exact()
     gate = _object(value, name)
     signal = gate.get("signal", "kl")
     if signal not in SIGNALS:
@@ -356,10 +360,15 @@ def _kinds(value: Any) -> dict[str, dict[str, Any]]:
     return kinds
 
 
+def _gate_dict(gate: Gate) -> dict[str, Any] | str:
+    """A gate in its JSON form: its signal and thresholds, or EXACT (its one threshold, -inf, is not JSON)."""
+    return EXACT if gate.always_full else {"signal": gate.signal, "thresholds": list(gate.thresholds)}
+
+
 def _policy_dict(own: dict[str, Any]) -> dict[str, Any]:
     """A per-kind round policy in its JSON form."""
     gate: Gate = own["gate"]
-    data = {**own, "gate": {"signal": gate.signal, "thresholds": list(gate.thresholds)}}
+    data = {**own, "gate": _gate_dict(gate)}
     if "quant" in own:
         data["quant"] = [None if q is None else q.name for q in own["quant"]]
     return data

@@ -1,0 +1,26 @@
+"""VIA-SD on the default target as it runs by default (its file's blocks), with the shipped routing profile: code goes
+to the full target (the relaxed gate lost HumanEval points), so a HumanEval request gets the fast mode's tokens,
+while prose keeps the relaxed gate and commits tokens the full target never checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from viasd.bench.tasks import humaneval_task, load_humaneval_problems
+from viasd.decode.base import GenerationConfig
+from viasd.engine import Engine, EngineSpec
+
+pytestmark = pytest.mark.real
+
+
+def test_via_gives_code_the_fast_modes_tokens_and_leaves_prose_relaxed():
+    engine = Engine(EngineSpec())
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    for problem in load_humaneval_problems()[:2]:
+        ids = engine.encode([{"role": "user", "content": humaneval_task(problem).turns[0]}])
+        plain, via = engine.generate(ids, "plain", config), engine.generate(ids, "via", config)
+        assert via.stats.task_kind == "code" and via.stats.unchecked_tokens == 0
+        assert via.tokens == plain.tokens, problem["task_id"]
+    prose = engine.encode([{"role": "user", "content": "Why is the sky blue? Answer in three sentences."}])
+    relaxed = engine.generate(prose, "via", config)
+    assert relaxed.stats.task_kind == "prose" and relaxed.stats.unchecked_tokens > 0
