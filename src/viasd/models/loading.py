@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 from viasd.errors import ViasdError
 from viasd.models.catalog import find_default_model
 from viasd.models.fetch import ensure_default_model, read_gguf, repair_command
+from viasd.models.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +104,7 @@ def _load_directory(
     directory: Path, dtype: torch.dtype, device_map: str | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A Hugging Face directory: config.json, weights, tokenizer files."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if not (directory / "config.json").is_file():
         raise ViasdError(f"cannot load model from {directory}: the directory has no config.json")
@@ -111,7 +112,7 @@ def _load_directory(
         str(directory),
         lambda: AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, device_map=device_map),
     )
-    tokenizer = _guarded(str(directory), lambda: AutoTokenizer.from_pretrained(str(directory)))
+    tokenizer = _guarded(str(directory), lambda: load_tokenizer(directory))
     return model, tokenizer
 
 
@@ -132,7 +133,7 @@ def _stored(
     """The model of the GGUF file at `path` with its weights left in the file's blocks (models/stored.py) and its
     tokenizer, config and tokenizer from the directory `description()` gives; None (after one line saying why) where
     it must load as its dense copy instead: another device, a device map, or a family not built from blocks."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from viasd.models.gguf_file import GgufError, GgufFile
     from viasd.models.memory import available_bytes, too_large
@@ -152,7 +153,7 @@ def _stored(
     directory = description()
     config = _guarded(str(path), lambda: AutoConfig.from_pretrained(str(directory)))
     model = _guarded(str(path), lambda: build(file, config, dtype, device))
-    tokenizer = _guarded(str(path), lambda: AutoTokenizer.from_pretrained(str(directory)))
+    tokenizer = _guarded(str(path), lambda: load_tokenizer(directory))
     return model, tokenizer
 
 
