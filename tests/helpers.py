@@ -18,9 +18,9 @@ from transformers import DynamicCache
 
 from tiny import tiny_model
 from viasd.drafters.base import Drafter, Proposal
+from viasd.kernels.packed_attention import PACK_UP_TO
 from viasd.passes import loop as short_pass
 from viasd.passes.facts import gather
-from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.passes.route import Schedule, Stack, decide
 from viasd.passes.session import KVSession, new_cache
 from viasd.verify.sampling import SamplingParams

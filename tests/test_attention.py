@@ -1,4 +1,4 @@
-"""Packed grouped-query attention (passes/packed_attention.py): the same attention as transformers' sdpa, computed in
+"""Packed grouped-query attention (kernels/packed_attention.py): the same attention as transformers' sdpa, computed in
 one query block per key/value head for short passes on a CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from tiny import tiny_model
-from viasd.passes.packed_attention import NAME, PACK_UP_TO, use_packed_attention
+from viasd.kernels.packed_attention import NAME, PACK_UP_TO, use_packed_attention
 
 
 def passes(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:

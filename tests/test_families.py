@@ -21,9 +21,9 @@ from viasd.decode.speculative import SpeculativeDecoder
 from viasd.drafters.model_drafter import ModelDrafter
 from viasd.drafters.prompt_lookup import PromptLookupDrafter
 from viasd.kernels import notice
+from viasd.kernels.packed_attention import use_packed_attention
 from viasd.passes import fused, loop
 from viasd.passes.loop import Segment
-from viasd.passes.packed_attention import use_packed_attention
 from viasd.passes.prepare import prepare
 from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, new_cache

@@ -12,8 +12,8 @@ from tiny import LOOP_ARCHITECTURES, tiny_model
 from viasd.kernels import attention as short_attention
 from viasd.kernels import notice
 from viasd.kernels.build import Library
+from viasd.kernels.packed_attention import PACK_UP_TO
 from viasd.passes import loop as short_pass
-from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.passes.prepare import prepare
 from viasd.passes.session import KVSession, new_cache
 from viasd.views.layer_skip import LayerMask, skipping

@@ -180,5 +180,6 @@ def test_the_route_imports_none_of_the_stacks_it_chooses_between():
         "viasd",
         "viasd.passes",
         "viasd.passes.route",
-        "viasd.passes.packed_attention",
+        "viasd.kernels",
+        "viasd.kernels.packed_attention",
     }

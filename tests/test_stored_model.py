@@ -3,6 +3,9 @@ the file, without its dense weights, until a method asks for them."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -14,10 +17,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from helpers import random_blocks
 from tiny import tiny_model, tiny_tokenizer
 from viasd.decode.base import GenerationConfig
+from viasd.decode.hf_assisted import HFAssistedDecoder
 from viasd.decode.plain import PlainDecoder
 from viasd.errors import ViasdError
 from viasd.models.fingerprint import model_fingerprint
 from viasd.models.gguf_file import GgufFile
+from viasd.models.network import transformers_model
 from viasd.models.stored import (
     BlockEmbedding,
     FileLinear,
@@ -133,6 +138,47 @@ def test_densify_gives_a_stored_model_the_dense_weights_once_and_says_so(
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
         assert torch.equal(stored(ids).logits, dense(ids).logits)
+
+
+def test_a_stored_model_is_built_and_run_without_transformers_model_classes(tmp_path: Path):
+    """The start's import floor: a model built from a file is viasd's own modules (models/network.py), so neither
+    building, preparing nor running it imports transformers' model code (torch's compiler comes with it: seconds)."""
+    dense, _ = pair(tmp_path, "qwen2")
+    dense.config.save_pretrained(tmp_path / "described")
+    code = f"""
+import json, sys, torch
+from transformers import AutoConfig
+from viasd.models.gguf_file import GgufFile
+from viasd.models.stored import build
+from viasd.passes.prepare import prepare
+config = AutoConfig.from_pretrained({str(tmp_path / "described")!r})
+model = prepare(build(GgufFile({str(tmp_path / "model.gguf")!r}), config, torch.bfloat16))
+model(input_ids=torch.tensor([{PROMPT}]))
+heavy = ("transformers.modeling_utils", "transformers.masking_utils", "torch._dynamo", "accelerate")
+classes = [m for m in sys.modules if ".models." in m and ".modeling_" in m and not m.endswith(".modeling_auto")]
+print(json.dumps([type(model).__module__, sorted(m for m in sys.modules if m.startswith(heavy)) + classes]))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    module, imported = json.loads(run.stdout.splitlines()[-1])
+    assert module == "viasd.models.network"
+    assert imported == []
+
+
+def test_transformers_model_of_a_stored_models_weights_computes_what_it_does(tmp_path: Path):
+    """hf-assisted runs transformers' own generate: it gets transformers' model, sharing the stored model's dense
+    weights, with the same logits and greedy tokens."""
+    _, stored = pair(tmp_path, "llama")
+    assert densify(stored, "hf-assisted runs the dense target")
+    theirs = transformers_model(stored)
+    assert type(theirs).__name__ == "LlamaForCausalLM" and transformers_model(theirs) is theirs
+    assert theirs.lm_head.weight.data_ptr() == stored.lm_head.weight.data_ptr()  # shared, not copied
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        assert torch.equal(theirs(ids).logits, stored(ids).logits)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    tok = tiny_tokenizer(96)
+    want = PlainDecoder(stored, tok).generate(PROMPT, config).tokens
+    assert HFAssistedDecoder(theirs, tok, theirs, gamma=3).generate(PROMPT, config).tokens == want
 
 
 @pytest.mark.parametrize("tied", [False, True])

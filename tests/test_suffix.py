@@ -25,9 +25,9 @@ from viasd.drafters.suffix import (
 )
 from viasd.engine import Engine, EngineSpec
 from viasd.errors import ViasdError
+from viasd.kernels.packed_attention import PACK_UP_TO
 from viasd.methods import parse_method
 from viasd.models.loading import LoadedModel
-from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.passes.prefix_cache import REREAD, read_prompt
 from viasd.verify.sampling import SamplingParams
 
@@ -216,7 +216,7 @@ def test_suffix_options_are_refused_where_they_mean_nothing(text, message):
 
 def test_the_longest_suffix_draft_is_verified_on_the_fused_passes():
     """reach + 1 rows is the verification pass: at most the longest pass the fused layers run (block-invariant)."""
-    from viasd.passes.packed_attention import PACK_UP_TO
+    from viasd.kernels.packed_attention import PACK_UP_TO
     from viasd.speculation import DEFAULT_REACH, MAX_REACH
 
     assert MAX_REACH + 1 == PACK_UP_TO and DEFAULT_REACH <= MAX_REACH

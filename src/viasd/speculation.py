@@ -28,10 +28,10 @@ MAX_MATCH = 16
 # per prompt token; twice that, for answers that use half their budget.
 HYBRID_BUDGET = 0.08
 # The most tokens a suffix drafter copies in a round from a long match (drafters/suffix.py): a match of m tokens
-# drafts up to m, past gamma. The verification pass then reads reach + 1 tokens: at most 16 (passes/packed_attention.py,
-# PACK_UP_TO), the longest pass viasd's fused layers run, whose rows are the same bits in any block; a longer one
-# runs torch's attention, rounds otherwise, and a greedy output could part from plain decoding's (a bench of drafts
-# of 16 did, on 3 of 13 edit tasks).
+# drafts up to m, past gamma. The verification pass then reads reach + 1 tokens: at most 16
+# (kernels/packed_attention.py, PACK_UP_TO), the longest pass viasd's fused layers run, whose rows are the same bits
+# in any block; a longer one runs torch's attention, rounds otherwise, and a greedy output could part from plain
+# decoding's (a bench of drafts of 16 did, on 3 of 13 edit tasks).
 MAX_REACH = 15
 DEFAULT_REACH = MAX_REACH
 # Tokens of finished generations (prompts and answers) an engine's suffix drafters also copy from: about 40 requests

@@ -8,7 +8,7 @@ it writes are torch's bits; the attention is computed per query row in float32 i
 agrees with torch to bf16 rounding (correctly rounded, where torch's is not always) and gives each row the same
 bits whatever block the row came in. `reference` is the same operation in torch's operations: the model's own
 arithmetic (transformers' Llama and Qwen2 rotary embedding, with each key/value head's query heads packed into one
-block of queries, passes/packed_attention.py).
+block of queries, kernels/packed_attention.py).
 
 Both write the pass's keys (rotated) and values into a layer's stores ([1, kv_heads, capacity, dim], positions
 past .. past + M) and attend over positions 0 .. past + M: passes/loop.py reserves the room in the cache layer.
@@ -20,13 +20,18 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's has the same code
 
 from viasd.kernels.build import Library, address, checked, sizes, status, usable
 from viasd.kernels.interface import NO_MEMORY, OK
 
 # Head dims (multiples of LANES, up to MAX_DIM) and query heads per key/value head (up to MAX_GROUP) it takes.
 MAX_DIM, MAX_GROUP, LANES = sizes()["VIASD_MAX_HEAD_DIM"], sizes()["VIASD_MAX_GROUP"], sizes()["VIASD_LANES"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding's partner of each dimension: (-second half, first half), as transformers' Llama has it."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,14 @@ def _refuse_views(parts: Parts, why: str) -> None:
 
 def hf_assisted(parts: Parts, spec: MethodSpec) -> Decoder:
     from viasd.decode.hf_assisted import HFAssistedDecoder
+    from viasd.models.network import transformers_model
 
     _refuse_views(parts, "hf-assisted runs transformers' own models: it takes no quantized view (--quant)")
     target = parts.target
     gamma = first_set(spec.get("gamma"), parts.spec.gamma)  # None keeps transformers' own draft policy
-    return HFAssistedDecoder(target.model, target.tokenizer, parts.drafter.model, gamma, spec.name)
+    # transformers' generate runs it: a model of viasd's own modules (one built from a file) gets its classes
+    drafter = transformers_model(parts.drafter.model)
+    return HFAssistedDecoder(transformers_model(target.model), target.tokenizer, drafter, gamma, spec.name)
 
 
 def llama_cpp(parts: Parts, spec: MethodSpec) -> Decoder:

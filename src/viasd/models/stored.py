@@ -1,4 +1,4 @@
-"""A model as its GGUF file stores it: the transformers model's structure, with no dense copy of its weights.
+"""A model as its GGUF file stores it: transformers' structure of its model, with no dense copy of its weights.
 
 Every Linear layer's and the token embedding's weights stay in the file's blocks (mapped read-only, `GgufFile`); the
 norms and biases, a few MB, are read into the model's dtype. Passes run the file's blocks through viasd's kernels (the
@@ -7,9 +7,10 @@ rows it needs. Nothing makes the dense copy unless a pass asks for the model's o
 `quant=none`, `via`, `hf-assisted`, a recipe quantized from dense weights): then it is made from the file, once per
 layer, and one line says so (`densify` makes all of it at once, as those methods do when they are built).
 
-The structure's parameters are those of the model transformers would make from the file, in the same order, so that
-a model fingerprint (models/fingerprint.py) is the same either way: profiles and draft heads made for the dense model
-fit the stored one.
+The structure is viasd's own modules (models/network.py) for the families they build, else transformers' model
+classes: either way its parameters are those of the model transformers would make from the file, in the same order,
+so that a model fingerprint (models/fingerprint.py) is the same: profiles and draft heads made for the dense model fit
+the stored one.
 """
 
 from __future__ import annotations
@@ -295,16 +296,22 @@ def build(file: GgufFile, config: PretrainedConfig, dtype: torch.dtype, device: 
     """The model of `config` with its weights in `file`'s blocks (see the module's docstring); norms and biases read
     into `dtype`. A file that lacks a tensor the model needs, or has one of another shape, is refused in one line."""
     import gguf
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+
+    from viasd.models import network
 
     embedding = file.tensors.get("token_embd.weight")
     if embedding is not None and len(embedding.shape) == 2 and embedding.shape[0] > config.vocab_size:
         # transformers counts the tokenizer's tokens; a file's embedding may have more rows (Qwen pads its heads to a
         # multiple of 256): the model's logits are the file's rows, as llama.cpp computes them.
         config.vocab_size = int(embedding.shape[0])
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if network.why_not(config) is None:  # viasd's own modules: no transformers model classes imported
+        model: nn.Module = network.CausalLM(config, device="meta")
+    else:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(file.architecture)
     layers = int(config.num_hidden_layers)
     if arch is None:

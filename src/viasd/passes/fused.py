@@ -26,6 +26,7 @@ from viasd.kernels.build import Library
 from viasd.kernels.fused_layers import Layers, LayerWeights, Norm, Product, SequenceCache
 from viasd.kernels.interface import GELU_TANH, NORM_GEMMA, NORM_LLAMA, SILU
 from viasd.kernels.notice import warn_once
+from viasd.models import network
 from viasd.models.stored import model_dtype
 from viasd.passes import layer_loop, sliding_store
 from viasd.passes.cache_layer import growing_cache
@@ -283,11 +284,17 @@ CHECK_MODEL = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 256, "n
 def _check_model() -> tuple[nn.Module, View]:
     """The check's model in an int4a8 view: layer 0's q|k|v and gate|up one product each (siblings), layer 1's as
     separate products and its down projection 6-bit (a GGUF file's Q6_K layout)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config
 
     with torch.random.fork_rng(devices=[]):  # the random initialisation leaves torch's generator as it was
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**CHECK_MODEL)).to(torch.bfloat16).eval()
+        model = network.CausalLM(Qwen2Config(**CHECK_MODEL))
+        for module in model.modules():  # as transformers initialises a model: weights of 0.02, biases 0, norms 1
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        model = model.to(torch.bfloat16).eval()
     linears = quantize(model, QuantRecipe.parse("int4a8"))
     layer = model.model.layers[1]
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):

@@ -33,10 +33,12 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from viasd.kernels.notice import warn_once
+from viasd.kernels.packed_attention import NAME as PACKED
+from viasd.models import network
+from viasd.models.network import is_own
 from viasd.passes import fused, layer_loop
 from viasd.passes.cache_argument import cache_argument
 from viasd.passes.cache_layer import GrowingLayer
-from viasd.passes.packed_attention import NAME as PACKED
 from viasd.passes.route import Leg, Stack
 
 # The transformers classes whose forward the loop mirrors, by architecture (checked by name: a release that renames
@@ -51,6 +53,8 @@ MIRRORED = {
     # Gemma 3's text decoder: feed-forward norms, q/k norms, a rotary embedding per layer type, sliding layers
     "gemma3_text": ("Gemma3DecoderLayer", "Gemma3Attention", "Gemma3MLP", "Gemma3RMSNorm"),
 }
+# viasd's own modules for the families it builds from a file's blocks (models/network.py), mirrored as those are.
+OWN = (network.DecoderLayer.__name__, network.Attention.__name__, network.MLP.__name__, network.RMSNorm.__name__)
 FEED_FORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3's, besides Llama's two
 
 
@@ -88,6 +92,8 @@ def why_not(model: nn.Module) -> str | None:
             return f"they have no {field}"
     if getattr(config, "_attn_implementation", None) != PACKED:
         return f"the model attends by {getattr(config, '_attn_implementation', None)!r}, not packed sdpa"
+    if is_own(model):  # viasd's own modules (models/network.py): the classes below, for every family
+        classes = OWN
     layer_class, attention_class, mlp_class, norm_class = classes
     want = (layer_class, attention_class, mlp_class, norm_class, norm_class)
     for layer in inner.layers:

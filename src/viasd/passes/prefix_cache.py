@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from viasd.kernels.packed_attention import PACK_UP_TO
 from viasd.passes.cache_layer import GrowingLayer
-from viasd.passes.packed_attention import PACK_UP_TO
 from viasd.passes.route import Stack
 from viasd.passes.session import KVSession, common_prefix_length, new_cache
 from viasd.views.view import View

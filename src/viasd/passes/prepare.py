@@ -1,7 +1,7 @@
 """Preparing a loaded model for viasd's passes: once, after loading, before the first pass.
 
 On a CPU: grouped-query attention of short passes packs each key/value head's query heads into one block
-(passes/packed_attention.py), and bf16 Linear layers compute short passes through viasd's kernels where torch's bf16
+(kernels/packed_attention.py), and bf16 Linear layers compute short passes through viasd's kernels where torch's bf16
 products are slow: CPUs without bf16 matrix instructions, and those with AVX-512 BF16 but no AMX
 (kernels/bf16_linear.py). Both keep the model's modules, weights and names; other devices are left as
 they are. A model on a CPU also has the process keep the memory its passes free (passes/allocator.py). Whether
@@ -15,10 +15,10 @@ from __future__ import annotations
 from torch import nn
 
 from viasd.kernels.bf16_linear import use_bf16_kernel
+from viasd.kernels.packed_attention import use_packed_attention
 from viasd.passes import fused
 from viasd.passes.allocator import keep_freed_memory
 from viasd.passes.loop import remember_covers
-from viasd.passes.packed_attention import use_packed_attention
 
 
 def prepare(model: nn.Module) -> nn.Module:

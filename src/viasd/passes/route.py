@@ -3,7 +3,8 @@
 A pass (a session's `forward` or `forward_slim`: a prompt, a decoding step, a verification block) runs as one of
 these routes (docs/design.md draws them):
 
-* `model`: the model's own forward (transformers), alone: any architecture, view, length or hook.
+* `model`: the model's own forward (transformers', or viasd's modules for a model built from a file), alone: any
+  architecture, view, length or hook.
 * `loop`: viasd's loop over the model's modules, layer by layer (passes/loop.py), alone.
 * `fused`: viasd's loop with every decoder layer in one C call (passes/fused.py), alone.
 * `batched`: a segment of a ragged pass (loop or fused) that a batcher merges with other generations' passes.
@@ -27,13 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from viasd.passes.packed_attention import PACK_UP_TO
+from viasd.kernels.packed_attention import PACK_UP_TO
 
 
 class Stack(Enum):
     """Which code runs a leg's decoder layers."""
 
-    MODEL = "model"  # the model's own forward (transformers)
+    MODEL = "model"  # the model's own forward (transformers', or models/network.py's)
     LOOP = "loop"  # viasd's loop, layer by layer, over the model's modules (passes/loop.py, passes/layer_loop.py)
     FUSED = "fused"  # viasd's loop, all layers in one C call (passes/fused.py)
 

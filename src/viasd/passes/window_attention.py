@@ -5,7 +5,7 @@ there (`attend`), or by viasd's attention kernel with a window (`attend_by_kerne
 The cache layer is transformers' `DynamicSlidingWindowLayer` (sessions keep it: passes/session.py crops it by its
 own rules), so the keys a pass sees are the ones it hands out, and the mask is the model's: a query at position p
 sees the keys at positions p - window < j <= p. With each key/value head's query heads packed into one block
-(passes/packed_attention.py), the arithmetic is the model's own: its packed attention, its mask, or none where
+(kernels/packed_attention.py), the arithmetic is the model's own: its packed attention, its mask, or none where
 transformers skips it (one query whose keys all lie in the window).
 """
 

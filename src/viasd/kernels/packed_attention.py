@@ -60,15 +60,15 @@ def packed_sdpa(
 
 def use_packed_attention(model: nn.Module) -> bool:
     """Switch a CPU model that uses transformers' `sdpa` attention to `packed_sdpa`; whether it was switched."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     config = getattr(model, "config", None)
     parameter = next(model.parameters(), None)
     if config is None or parameter is None or parameter.device.type != "cpu":
         return False
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     # Transformers finds attention functions and their mask builders by name, in registries of its own.
     AttentionInterface.register(NAME, packed_sdpa)
     AttentionMaskInterface.register(NAME, sdpa_mask)
