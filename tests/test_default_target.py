@@ -15,7 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 from helpers import PROMPT, qwen2_with_gguf
 from tiny import tiny_model, tiny_tokenizer
 from viasd import auto
-from viasd.bench.command import _target_quant_name
+from viasd.bench.command import _target_quant_name, run_profile
 from viasd.cli_options import engine_spec
 from viasd.decode.base import GenerationConfig
 from viasd.engine import Engine, EngineSpec
@@ -179,6 +179,16 @@ def test_the_bench_records_the_target_as_run_for_resume(tmp_path):
     assert _target_quant_name(EngineSpec(target=str(path), quant=DENSE)) is None  # as runs before the default
     assert _target_quant_name(EngineSpec(target=str(tmp_path))) is None
     assert _target_quant_name(EngineSpec(target=str(path), quant=QuantRecipe.parse("int8"))) == "int8"
+
+
+def test_the_bench_names_the_profile_via_runs_on_the_targets_blocks(tmp_path):
+    """A run's summary names the routing profile `via` uses: the one calibrated on the file's blocks where the target
+    runs as them (before, it named the int4a8 one whatever the target ran as)."""
+    _, path, _ = qwen2_with_gguf(tmp_path)
+    on_blocks = run_profile(_target_quant_name(EngineSpec(target=str(path))), "cpu")
+    assert on_blocks is not None and on_blocks.name.endswith(".gguf.json")
+    dense = run_profile(_target_quant_name(EngineSpec(target=str(path), quant=DENSE)), "cpu")
+    assert dense is not None and dense.name.endswith(".int4a8.json")  # int4a8 runs fast here (the fixture)
 
 
 def test_via_and_llama_cpp_refuse_an_explicit_quant_but_not_the_default(tmp_path):

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from viasd.models.tokenizer import load_tokenizer
 
@@ -391,3 +391,29 @@ def _conversation(turns: Sequence[str]) -> list[dict[str, str]]:
             messages.append({"role": "assistant", "content": "Here is my answer."})
         messages.append({"role": "user", "content": turn})
     return messages
+
+
+def test_a_directorys_vocabulary_fingerprint_is_remembered_until_its_files_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair check's vocabulary hash is read from the cache at the next start; a tokenizer.json changed in place
+    gets the hash of what it holds now, and a tokenizer made in memory is hashed as before."""
+    from viasd.models import loading
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "cache"))
+    directory = write_tiny_directory(tmp_path / "tok", qwen_config())
+    want = loading.vocabulary_fingerprint(load_tokenizer(directory))
+    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 1
+    again = load_tokenizer(directory)
+    monkeypatch.setattr(again, "get_vocab", lambda: pytest.fail("hashed the vocabulary again"))
+    assert loading.vocabulary_fingerprint(again) == want
+    serialized = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = serialized["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids swapped: another map
+    (directory / "tokenizer.json").write_text(json.dumps(serialized, ensure_ascii=False), encoding="utf-8")
+    changed = loading.vocabulary_fingerprint(load_tokenizer(directory))
+    assert changed != want
+    in_memory = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer())
+    assert loading.vocabulary_fingerprint(in_memory) == want  # the file's first map, hashed again
+    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 2  # none for the one made in memory

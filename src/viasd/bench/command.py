@@ -94,6 +94,20 @@ def _target_quant_name(spec: EngineSpec) -> str | None:
     return recipe.name if recipe else None
 
 
+def run_profile(target_quant: str | None, device: str | None) -> Path | None:
+    """The profile `via` without profile= uses where the run's target will run as `target_quant` says
+    (`_target_quant_name`; Engine.default_profile once loaded): the one of the file's blocks where it runs as them."""
+    import torch
+
+    from viasd.auto import int4a8_is_fast
+    from viasd.models.loading import resolve_device
+    from viasd.profile import default_profile_path
+    from viasd.views.recipe import QuantRecipe
+
+    stored = target_quant is not None and QuantRecipe.parse(target_quant).gguf
+    return default_profile_path(int4a8_is_fast(torch.device(resolve_device(device))), stored)
+
+
 def default_out_dir(now: dt.datetime | None = None) -> Path:
     stamp = (now or dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"bench-{stamp}"
@@ -234,9 +248,7 @@ def bench(
     ] = False,
 ) -> None:
     """Benchmark decoding methods side by side: speed, tier statistics and quality, on Spec-Bench and HumanEval."""
-    import torch
 
-    from viasd.auto import int4a8_is_fast
     from viasd.bench.edits import EDIT_SOURCE
     from viasd.bench.memory import PeakMemory
     from viasd.bench.report import (
@@ -255,8 +267,6 @@ def bench(
     from viasd.engine import Engine
     from viasd.fileio import file_sha256
     from viasd.methods import parse_method_list
-    from viasd.models.loading import resolve_device
-    from viasd.profile import default_profile_path
     from viasd.verify.sampling import SamplingParams
 
     err = Console(stderr=True)
@@ -291,8 +301,6 @@ def bench(
     results_path = out_dir / RESULTS_JSONL
     if results_path.exists() and not resume:
         raise ViasdError(f"{out_dir} already holds a run: pass --resume to continue it, or another --out")
-    # What `via` without profile= uses where the target will run (Engine.default_profile, once loaded).
-    profile_path = profile or default_profile_path(int4a8_is_fast(torch.device(resolve_device(device))))
     spec = engine_spec(
         target,
         drafter,
@@ -305,6 +313,8 @@ def bench(
         drafter_quant=drafter_quant,
     )
     spec = dataclasses.replace(spec, suffix_per_method=True)  # methods side by side: none copies another's answer
+    target_quant = _target_quant_name(spec)
+    profile_path = profile or run_profile(target_quant, device)
     settings: dict[str, Any] = {
         "methods": method_list,
         "target": target,
@@ -320,7 +330,7 @@ def bench(
         "top_k": top_k,
         "seed": seed,
         "gamma": gamma,
-        "quant": _target_quant_name(spec),
+        "quant": target_quant,
         "drafter_quant": spec.drafter_quant.name if spec.drafter_quant else None,
         "chat": chat,
         "questions": str(questions_file),

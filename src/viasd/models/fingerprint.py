@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -31,18 +31,23 @@ MEMO_VERSION = 1
 
 
 def _remembered(model: nn.Module, path: Path) -> str:
-    """`_fingerprint` of a model stored in the file at `path`, remembered in `<cache>/fingerprints/` under the file's
-    identity (path, inode, size, modification time) and its config: a file changed in place gets a new entry. The
-    memo is only a shortcut, so a cache that cannot be read or written computes the fingerprint as before."""
+    """`_fingerprint` of a model stored in the file at `path`, remembered under the file's identity and its config."""
+    config = _config_text(model)
+    return remembered([path], config, lambda: _fingerprint(model, config))
+
+
+def remembered(files: list[Path], extra: str, compute: Callable[[], str]) -> str:
+    """`compute()`, a 16-digit hex fingerprint of what `files` hold, remembered in `<cache>/fingerprints/` under the
+    files' identities (path, inode, size, modification time) and `extra`: a file changed in place gets a new entry.
+    The memo is only a shortcut, so a cache that cannot be read or written (or a file gone) computes it as before."""
     from viasd.cache import cache_folder
     from viasd.fileio import write_atomic
 
-    config = _config_text(model)
     try:
-        info = path.stat()
+        stats = [(str(path.resolve()), path.stat()) for path in files]
     except OSError:
-        return _fingerprint(model, config)
-    identity = json.dumps([MEMO_VERSION, str(path.resolve()), info.st_ino, info.st_size, info.st_mtime_ns, config])
+        return compute()
+    identity = json.dumps([MEMO_VERSION, [(p, i.st_ino, i.st_size, i.st_mtime_ns) for p, i in stats], extra])
     memo = cache_folder("fingerprints") / hashlib.sha256(identity.encode()).hexdigest()[:32]
     try:
         known = memo.read_text().strip()
@@ -50,7 +55,7 @@ def _remembered(model: nn.Module, path: Path) -> str:
             return known
     except OSError:
         pass
-    found = _fingerprint(model, config)
+    found = compute()
     with contextlib.suppress(OSError):
         write_atomic(memo, found)
     return found
