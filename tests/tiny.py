@@ -17,7 +17,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from viasd.passes.packed_attention import use_packed_attention
+from viasd.kernels.packed_attention import use_packed_attention
 
 ARCHITECTURES = ("llama", "qwen2", "gemma", "gemma2", "qwen3", "llama3", "mistral", "phi3", "gemma3")
 # The families viasd's loop runs (passes/loop.py `MIRRORED`); "llama3" is Llama with Llama 3's rope scaling.
@@ -113,7 +113,7 @@ def tiny_model(
 
     sliding_window: the attention window of the sliding layers (Gemma2 and Gemma3: every other layer, 128 unless
     given; Mistral: all, 4096 unless given).
-    packed: attend as loaded CPU models do (`viasd.passes.packed_attention`); False: transformers' own sdpa.
+    packed: attend as loaded CPU models do (`viasd.kernels.packed_attention`); False: transformers' own sdpa.
     """
     kwargs = dict(
         vocab_size=vocab_size,
