@@ -26,6 +26,7 @@ def ensure_dense_directory(name: str, cache_dir: str | os.PathLike[str] | None =
     directory."""
     import torch
 
+    from viasd.models.network import transformers_model
     from viasd.models.stored import densify
 
     entry = find_default_model_entry(name)
@@ -45,7 +46,7 @@ def ensure_dense_directory(name: str, cache_dir: str | os.PathLike[str] | None =
         work_dir = Path(tempfile.mkdtemp(prefix=f".{entry.name}.partial-", dir=final.parent))
         try:
             with torch.no_grad():
-                loaded.model.save_pretrained(work_dir / "model")
+                transformers_model(loaded.model).save_pretrained(work_dir / "model")  # its classes write it
             loaded.tokenizer.save_pretrained(work_dir / "model")
             _swap_in(work_dir / "model", final, work_dir)
         finally:
