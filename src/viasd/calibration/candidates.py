@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from viasd.calibration.teacher import TeacherSequence, model_logits
 from viasd.errors import ViasdError
@@ -19,19 +20,27 @@ from viasd.views.quantize import QuantizedLinears
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
+if TYPE_CHECKING:
+    from viasd.calibration.head_drafts import HeadSource
+
 Quantizer = Callable[[LoadedModel, QuantRecipe], QuantizedLinears]
+HEAD = "head"  # the drafter candidate that is the target's draft head (calibration/head_drafts.py)
 
 
 def parse_drafter(name: str) -> tuple[bool, QuantRecipe | None]:
     """A drafter candidate's name -> (the target's own view?, quantization recipe or None)."""
     kind, _, recipe = name.partition(":")
+    if name == HEAD:
+        return False, None
     if kind not in ("model", "self") or (kind == "self" and not recipe):
-        raise ViasdError(f"drafter candidate {name!r}: write model, model:RECIPE or self:RECIPE (e.g. self:int8)")
+        raise ViasdError(f"drafter candidate {name!r}: write model, model:RECIPE, self:RECIPE (e.g. self:int8) or head")
     return kind == "self", QuantRecipe.parse(recipe) if recipe else None
 
 
 def drafter_name(profile: RoutingProfile) -> str:
-    """A profile's drafter as a candidate name (model, model:RECIPE or self:RECIPE)."""
+    """A profile's drafter as a candidate name (model, model:RECIPE, self:RECIPE or head)."""
+    if profile.head_drafter:
+        return HEAD
     recipe = profile.drafter_quant
     return f"{'self' if profile.self_drafter else 'model'}{':' + recipe.name if recipe else ''}"
 
@@ -65,6 +74,10 @@ class DraftSource:
         base = [model_fingerprint(self.loaded.model)]
         return base if self.name == "model" else [*base, self.name]
 
+    def timed(self) -> tuple[nn.Module, View | None]:
+        """What the cost table times: the model and the view it drafts as."""
+        return self.loaded.model, self.view
+
     def logits(self, seq: TeacherSequence) -> torch.Tensor:
         with applied(self.loaded.model, self.view):
             return model_logits(self.loaded.model, seq.ids, seq.start)
@@ -76,6 +89,26 @@ class DraftSource:
         if self.is_self:
             entry["self"] = True
         return entry
+
+
+def drafter_source(
+    name: str,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    quantized: Quantizer,
+    base: QuantizedLinears | None = None,
+    depths: int = 8,
+) -> DraftSource | HeadSource:
+    """The drafter candidate `name`: the target's draft head (`head`: the one `via` would draft with, recorded to
+    `depths` drafts per round, deeper ones read as the deepest; timed on the target as `base`), else the drafter
+    model or a model's view."""
+    if name != HEAD:
+        return DraftSource.make(name, target, drafter, quantized)
+    from viasd.calibration.head_drafts import HeadSource
+    from viasd.heads.find import find_head
+
+    found = find_head(target.model)
+    return HeadSource.make(target.model, found.head, found.digest, depths, View(linears=base) if base else None)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -257,9 +257,19 @@ class PassTimer:
         return elapsed
 
 
+class StepTimer(Protocol):
+    """Times a drafter's step over n new tokens (PassTimer's for a model; calibration/head_drafts.py's for a head)."""
+
+    def drafter_step(self, n: int) -> float: ...
+
+
+# A drafter to time: a model and the view it drafts as, or what makes a timer of its own from the head and tail tokens.
+Timed = tuple[nn.Module, ViewLike] | Callable[[list[int], list[int]], StepTimer]
+
+
 def measure_costs(
     target: nn.Module,
-    drafter: nn.Module | Mapping[str, tuple[nn.Module, ViewLike]],
+    drafter: nn.Module | Mapping[str, Timed],
     slims: Sequence[ViewLike],
     tokens: Sequence[int],
     lengths: Sequence[int],
@@ -272,8 +282,8 @@ def measure_costs(
 
     The full target is `target` as `full_view` (None: as loaded). The slim pass runs as in decoding: on the full
     target's session, attending to its KV of the prefix.
-    `drafter` is one model (kind `drafter`) or named candidates, each a model and the view it drafts as
-    (kinds `drafter:<name>`).
+    `drafter` is one model (kind `drafter`) or named candidates, each a model and the view it drafts as, or a
+    maker of its own timer (kinds `drafter:<name>`).
     """
     lengths = sorted(set(lengths))
     if not lengths or lengths[0] < 1:
@@ -288,7 +298,10 @@ def measure_costs(
         if isinstance(drafter, nn.Module)
         else {f"drafter:{name}": pair for name, pair in drafter.items()}
     )
-    drafters = {kind: PassTimer(model, head, tail, view) for kind, (model, view) in candidates.items()}
+    drafters: dict[str, StepTimer] = {
+        kind: PassTimer(what[0], head, tail, what[1]) if isinstance(what, tuple) else what(head, tail)
+        for kind, what in candidates.items()
+    }
 
     def run(kind: str, n: int) -> float:
         if kind in drafters:

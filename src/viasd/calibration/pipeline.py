@@ -18,7 +18,7 @@ import os
 import time
 
 from viasd.calibration.candidate_records import records_for
-from viasd.calibration.candidates import DraftSource, Quantizer, SlimCandidate, quantize_plainly
+from viasd.calibration.candidates import Quantizer, SlimCandidate, drafter_source, quantize_plainly
 from viasd.calibration.continuations import continuations, teacher_sequences
 from viasd.calibration.costs import measure_costs
 from viasd.calibration.mask_step import search_masks
@@ -85,7 +85,7 @@ def calibrate_pair(
         slims.append(SlimCandidate.make(LayerMask.full(num_layers), recipe, target, quantized))
         if searched:
             slims.append(SlimCandidate.make(searched[0][0].mask, recipe, target, quantized))
-    sources = [DraftSource.make(name, target, drafter, quantized) for name in settings.drafters]
+    sources = [drafter_source(name, target, drafter, quantized, base) for name in settings.drafters]
 
     log(f"gate records of {len(slims)} slim view(s) with {len(sources)} drafter(s)")
     records = {
@@ -99,7 +99,7 @@ def calibrate_pair(
     longest = max(sequences, key=lambda s: len(s.ids))
     table = measure_costs(
         model,
-        {source.name: (source.loaded.model, source.view) for source in sources},
+        {source.name: source.timed() for source in sources},
         [slim.view for slim in slims],
         longest.ids,
         lengths,

@@ -39,42 +39,52 @@ class RecordedPasses:
     """A round's outcomes read from one sequence's records at position `at` (see `decode.round.RoundParts`).
 
     stop: the policy's draft stop threshold; the drafts end where the drafter's recorded confidence says the
-    model drafter would stop (`drafters.base.stopped_length`, the rule the drafter itself follows).
+    model drafter would stop (`drafters.base.stopped_length`, the rule the drafter itself follows). Draft i of a
+    round reads the records of depth i + 1 (a draft head's chain; a model drafter's are the same at every depth).
     """
 
     def __init__(self, records: GateRecords, signal: str, stop: float = 0.0) -> None:
         self.records = records
-        self.values = records.signal(signal)
+        self.by_depth = [records.at_depth(d) for d in range(1, len(records.depths) + 2)]
+        self.values = [r.signal(signal) for r in self.by_depth]
         self.stop = stop
         self.at = 0
         self.k = 0
 
+    def _depth(self, i: int) -> int:
+        """Index into `by_depth` of draft i of the round."""
+        return min(i, len(self.by_depth) - 1)
+
     def draft(self, k: int) -> tuple[list[bool], float | None]:
-        j, r = self.at, self.records
-        tops = r.draft_top[j : j + k]  # older records may lack the drafter's confidence (then no stop applies)
+        j = self.at
+        k = min(k, len(self.records) - j)
+        own = [self.by_depth[self._depth(i)] for i in range(k)]
+        # older records may lack the drafter's confidence (then no stop applies)
+        tops = [r.draft_top[j + i] for i, r in enumerate(own) if j + i < len(r.draft_top)]
         if len(tops) == k:
             k = stopped_length(tops, self.stop)
             tops = tops[:k]
         self.k = k
-        return r.draft_ok[j : j + k], (min(tops) if tops else None)
+        return [own[i].draft_ok[j + i] for i in range(k)], (min(tops) if tops else None)
 
     def judged(self) -> bool:
         return True  # the records are a model drafter's, with its distributions
 
     def signals(self) -> list[float]:
-        return self.values[self.at : self.at + self.k]
+        return [self.values[self._depth(i)][self.at + i] for i in range(self.k)]
 
     def check(self, i: int, tier: int) -> bool | None:
         # Greedy: the draft stands when it is the view's top token, else the view's top token replaces it.
         at = self.at + i
-        return None if self.records.slim_agrees[tier - 1][at] else self.records.slim_ok[tier - 1][at]
+        agrees = self.by_depth[self._depth(i)].slim_agrees[tier - 1][at]
+        return None if agrees else self.records.slim_ok[tier - 1][at]
 
     def bonus(self, tier: int) -> bool:
         return self.records.slim_ok[tier - 1][self.at + self.k]
 
     def verify(self) -> tuple[list[bool], int]:
         kept = 0
-        while kept < self.k and self.records.draft_ok[self.at + kept]:
+        while kept < self.k and self.by_depth[self._depth(kept)].draft_ok[self.at + kept]:
             kept += 1
         return [True] * (kept + 1), kept  # the full target's own token is its choice by definition
 

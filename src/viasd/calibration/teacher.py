@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from viasd.errors import ViasdError
 from viasd.passes.facts import gather
+from viasd.passes.features import head_inputs
 from viasd.passes.loop import leg_pass
 from viasd.passes.route import decide
 from viasd.views.view import View, ViewLike, applied, as_view
@@ -45,13 +46,16 @@ class TeacherSequence:
 
     `start` is the first position whose prediction is scored (the first generated token: the prompt is
     prefilled by the full target in decoding, the slim verifier never processes it). `full_logits` holds
-    the target's float32 logits at positions start..N-1 (on the CPU); `cache` its KV over all N positions.
+    the target's float32 logits at positions start..N-1 (on the CPU); `cache` its KV over all N positions;
+    `features` the rows its output head read at positions start - 1..N-1 (float32, CPU), which a draft head drafts
+    from (the prompt's last row included: decoding's first round drafts from it).
     """
 
     ids: list[int]
     start: int
     full_logits: torch.Tensor
     cache: DynamicCache
+    features: torch.Tensor | None = None
 
     @property
     def scored(self) -> int:
@@ -94,15 +98,18 @@ def model_logits(model: nn.Module, ids: Sequence[int], start: int) -> torch.Tens
 
 
 def teacher_force(model: nn.Module, ids: Sequence[int], start: int, view: ViewLike = None) -> TeacherSequence:
-    """The full target's pass (as `view`, None: as loaded) over `ids`: logits from `start` on, and the KV cache of
-    every position."""
+    """The full target's pass (as `view`, None: as loaded) over `ids`: logits from `start` on, the features from
+    `start` - 1 on, and the KV cache of every position."""
     if not 0 < start < len(ids):
         raise ViasdError(f"teacher forcing: start {start} must be inside the sequence (1..{len(ids) - 1})")
     cache = DynamicCache(config=model.config)
     view = as_view(view)
-    with torch.inference_mode(), applied(model, view):
-        logits = _pass(model, view, cache, ids, len(ids) - start)
-    return TeacherSequence(list(ids), start, logits, cache)
+    with torch.inference_mode(), applied(model, view), head_inputs(model) as seen:
+        logits = _pass(model, view, cache, ids, len(ids) - start + 1)
+    features = torch.cat(seen).float().cpu() if seen else None
+    if features is not None and features.shape[0] != logits.shape[0]:
+        features = None  # a route that read its rows in pieces the hook did not see whole: no features
+    return TeacherSequence(list(ids), start, logits[1:], cache, features)
 
 
 def _snapshot(cache: DynamicCache) -> tuple[list[Any], list[dict[str, Any]]]:

@@ -14,15 +14,17 @@ from viasd.profile import RoutingProfile
 
 
 def always_right(records: Sequence[GateRecords]) -> list[GateRecords]:
-    """The records of a slim verifier that always agrees with the target (the drafter unchanged)."""
-    return [
-        dataclasses.replace(
+    """The records of a slim verifier that always agrees with the target (the drafter unchanged, at every depth)."""
+
+    def right(seq: GateRecords) -> GateRecords:
+        return dataclasses.replace(
             seq,
             slim_ok=[[True] * len(seq) for _ in seq.slim_ok],
             slim_agrees=[list(seq.draft_ok) for _ in seq.slim_agrees],
+            depths=[right(deeper) for deeper in seq.depths],
         )
-        for seq in records
-    ]
+
+    return [right(seq) for seq in records]
 
 
 def at_half_cost(costs: Costs) -> Costs:
