@@ -122,6 +122,11 @@ class RoutingProfile:
         """Whether the drafter is the target's own view (no second model)."""
         return bool(self.drafter and self.drafter.get("self"))
 
+    @property
+    def head_drafter(self) -> str | None:
+        """The digest of the target's draft head the profile was calibrated with (no second model), or None."""
+        return (self.drafter or {}).get("head")
+
     def policy(self, kind: str | None = None, **overrides: Any) -> RoundPolicy:
         """The round policy the profile describes for requests of task kind `kind` (its `kinds` entry, or the
         profile's own settings where it has none), with some settings overridden (gamma=, cap=, pregate=, stop=;
@@ -192,7 +197,7 @@ class RoutingProfile:
         for mask in self.masks:
             if mask.num_layers != len(target.get_decoder().layers):
                 raise ViasdError("the routing profile's masks do not match the target's layer count")
-        if self.self_drafter:
+        if self.self_drafter or self.head_drafter:
             return
         if drafter is not None and self.drafter and self.drafter.get("fingerprint") != model_fingerprint(drafter):
             raise ViasdError(
@@ -282,7 +287,7 @@ def _model_entry(value: Any, role: str) -> dict[str, Any]:
     """The target or drafter entry: name and fingerprint as text, the drafter's quant a recipe name, self a flag."""
     if not isinstance(value, dict):
         raise ViasdError(f"routing profile: {role} must be a JSON object, got {_shown(value)}")
-    for key in ("name", "fingerprint"):
+    for key in ("name", "fingerprint", "head"):
         if key in value and not isinstance(value[key], str):
             raise ViasdError(f"routing profile: {role}.{key} must be text, got {_shown(value[key])}")
     if role == "target" and not isinstance(value.get("fingerprint"), str):

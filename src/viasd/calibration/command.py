@@ -116,7 +116,9 @@ def calibrate(
         str,
         typer.Option(
             help="Drafter candidates: model (the drafter as loaded), model:RECIPE (its quantized view), self:RECIPE "
-            "(the target's own quantized view); comma-separated. The fastest with the gate wins."
+            "(the target's own quantized view), head (the target's draft head, which via then drafts with, prompt "
+            "lookup first where it matches); comma-separated. The fastest with the gate wins. With --reselect: head "
+            "re-selects the profile for the head (its pass costs measured here)."
         ),
     ] = "model",
     iterations: Annotated[int, typer.Option(help="Search trials per skip ratio.")] = 60,
@@ -279,8 +281,9 @@ def calibrate(
 def _describe(profile: Any) -> str:
     predicted = profile.calibration["predicted"]
     quant = f" + {profile.slim_quant(0).name}" if profile.slim_quant(0) else ""
-    drafter = profile.drafter_quant
-    drafter_text = f"drafter {'self' if profile.self_drafter else 'model'}{':' + drafter.name if drafter else ''}, "
+    from viasd.calibration.candidates import drafter_name
+
+    drafter_text = f"drafter {drafter_name(profile)}, "
     return (
         f"{profile.masks[0].describe()}{quant}, {drafter_text}"
         f"gate {profile.gate.signal} {list(profile.gate.thresholds)}, "

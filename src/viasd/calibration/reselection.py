@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from viasd.calibration.candidate_records import records_for
-from viasd.calibration.candidates import DraftSource, Quantizer, SlimCandidate, drafter_name, quantize_plainly
+from viasd.calibration.candidates import HEAD, Quantizer, SlimCandidate, drafter_name, drafter_source, quantize_plainly
 from viasd.calibration.continuations import Pairs, continuations, teacher_sequences
 from viasd.calibration.costs import CostTable, measure_costs
 from viasd.calibration.policy_choice import select_under, with_policy
@@ -71,7 +72,7 @@ def records_of(
     base = calibrated_view(profile, target, quantized)
     sequences = teacher_sequences(target, pairs, base)
     chunk = int(profile.search.get("chunk", 8))
-    source = DraftSource.make(drafter_name(profile), target, drafter, quantized)
+    source = drafter_source(drafter_name(profile), target, drafter, quantized, base)
     slims = [SlimCandidate.make(m, profile.slim_quant(i), target, quantized, base) for i, m in enumerate(profile.masks)]
     return records_for(target, source, sequences, slims, chunk, work, True, progress)
 
@@ -104,19 +105,53 @@ def reselect(
     """`profile` with its round policy selected again under `settings` (quality budget, tier shares, gammas, caps,
     pre-gates, stop thresholds), from its own masks, measured costs and regenerated gate records."""
     settings.check()
-    profile.check_models(target.model, None if profile.self_drafter else drafter.model)
+    profile.check_models(target.model, None if profile.self_drafter or profile.head_drafter else drafter.model)
     costs = profile.calibration.get("costs", {})
     table = CostTable.from_dict(costs)
     index = int(costs.get("slim_mask_index", 0))
-    records = profile_records(profile, target, drafter, WorkFile(work_file), log, progress, quantized)
+    work = WorkFile(work_file)
+    switched: dict[str, object] = {}
+    if settings.drafters == (HEAD,) and not profile.head_drafter:
+        headed = _with_head(profile, table, target, drafter, work, log, progress, quantized, settings)
+        profile, table, index, costs = headed
+        switched = {"costs": costs, "drafters": [HEAD]}
+    records = profile_records(profile, target, drafter, work, log, progress, quantized)
     log("replaying rounds to pick gate thresholds, gamma, cap, pre-gate and draft stop threshold")
     selection = select_under(records, table, index, settings, costs.get("drafter"))
     calibration = {
         **profile.calibration,
+        **switched,
         **selection_fields(records, selection, settings),
         "reselected": {"from_sha256": source_sha256, "date": utc_now()},
     }
     return with_policy(dataclasses.replace(profile, calibration=calibration), selection)
+
+
+def _with_head(
+    profile: RoutingProfile,
+    table: CostTable,
+    target: LoadedModel,
+    drafter: LoadedModel,
+    work: WorkFile,
+    log: Log,
+    progress: bool,
+    quantized: Quantizer,
+    settings: CalibrationSettings,
+) -> tuple[RoutingProfile, CostTable, int, dict[str, Any]]:
+    """`profile` with the target's draft head as its drafter, and the pass costs of the head, the full target and
+    the profile's first slim view measured here together (the head's cost is not in the profile's table)."""
+    from viasd.heads.find import find_head
+
+    found = find_head(target.model)
+    headed = dataclasses.replace(profile, drafter={"name": HEAD, "head": found.digest}, kinds={})
+    texts, new_tokens = profile_prompts(profile)
+    base = calibrated_view(profile, target, quantized)
+    pairs = continuations(target, drafter, texts, new_tokens, work, True, progress, base=base)
+    log("measuring the draft head's, the full target's and the slim view's pass costs on this machine")
+    measured = kind_costs(headed, table, target, drafter, pairs, settings.seed, quantized)
+    costs = {**measured.to_dict(), "slim_mask_index": 0, "drafter": HEAD}
+    kinds = {kind: own for kind, own in profile.kinds.items() if own["gate"].always_full}  # exact kinds stay exact
+    return dataclasses.replace(headed, kinds=kinds), measured, 0, costs
 
 
 def kind_costs(
@@ -130,14 +165,14 @@ def kind_costs(
 ) -> CostTable:
     """The pass costs of `viewed`'s drafter, full target and slim view at the lengths of `table`, measured now in one
     interleaved run (as calibration measures them) along the longest of the kind's sequences."""
-    source = DraftSource.make(drafter_name(viewed), target, drafter, quantized)
     base = calibrated_view(viewed, target, quantized)
+    source = drafter_source(drafter_name(viewed), target, drafter, quantized, base)
     slim = SlimCandidate.make(viewed.masks[0], viewed.slim_quant(0), target, quantized, base)
     longest = max((prompt + continuation for prompt, continuation in pairs), key=len)
     model = target.model
     return measure_costs(
         model,
-        {source.name: (source.loaded.model, source.view)},
+        {source.name: source.timed()},
         [slim.view],
         longest,
         table.lengths,

@@ -69,11 +69,13 @@ def drafter_recipe(parts: Parts, spec: MethodSpec) -> QuantRecipe | None:
     return first_set(spec.get("drafter_quant"), parts.spec.drafter_quant)
 
 
-def variant_drafter(parts: Parts, spec: MethodSpec, recipe: QuantRecipe | None = None) -> Drafter:
-    """The drafter a variant names: the small model (default; as its quantized view by `recipe`), prompt lookup,
-    the hybrid of both, the target's draft head, or lookup with the head. Without a head that fits, the next-best
-    drafter, said in one line."""
-    kind = spec.get("drafter") or "model"
+def variant_drafter(
+    parts: Parts, spec: MethodSpec, recipe: QuantRecipe | None = None, default: str = "model"
+) -> Drafter:
+    """The drafter a variant names (else `default`): the small model (as its quantized view by `recipe`), prompt
+    lookup, the hybrid of both, the target's draft head, or lookup with the head. Without a head that fits, the
+    next-best drafter, said in one line."""
+    kind = spec.get("drafter") or default
     match, copy, budget = spec.get("match"), spec.get("copy"), spec.get("budget")
     # The suffix drafter's seed match (3 tokens) is a hybrid's shortest; without one its other part drafts.
     copier = suffix_drafter(parts, spec, short=False) if kind in SUFFIX_DRAFTERS else None

@@ -57,6 +57,8 @@ def via(parts: Parts, spec: MethodSpec) -> Decoder:
     drafter: Drafter
     if read.self_drafter:  # the profile's drafter is the target's own view
         drafter = model_drafter(parts.target.model, parts.quantized(parts.target, recipe), name="self")
+    elif read.head_drafter:  # the target's draft head, with prompt lookup where it matches (as `auto` drafts)
+        drafter = variant_drafter(parts, spec, recipe, default="lookup+head")
     else:  # built first: the profile checks the small drafter only where this drafts with it (loaded by then)
         drafter = variant_drafter(parts, spec, recipe)
     profile = parts.routing_profile(spec.get("profile"))
