@@ -163,7 +163,8 @@ def test_a_profile_with_a_head_drafter_needs_no_drafter_model(tmp_path):
 
 
 def test_reselect_for_the_head_then_via_drafts_with_lookup_and_the_head(tmp_path, monkeypatch):
-    """`viasd calibrate --reselect P --drafters head`: a profile whose drafter is the target's head (its digest),
+    """`viasd calibrate --drafters model,head` weighs both drafters; `viasd calibrate --reselect P --drafters head`
+    makes a profile whose drafter is the target's head (its digest),
     with the head's pass costs measured and per-depth records; `via-exact` with it drafts with the head (and lookup)
     and gives plain greedy's tokens, and no drafter model is checked against it."""
     from typer.testing import CliRunner
@@ -196,6 +197,15 @@ def test_reselect_for_the_head_then_via_drafts_with_lookup_and_the_head(tmp_path
     engine = Engine(EngineSpec(target=str(dirs["target"]), drafter=str(dirs["drafter"]), dtype="fp32", device="cpu"))
     fingerprint = model_fingerprint(engine.target.model)
     save_head(trained_head_path(fingerprint), random_head(64, 64, scale=0.2, dtype=torch.float32), fingerprint, "v", {})
+    both = tmp_path / "both.json"
+    made = runner.invoke(app, ["calibrate", *common, "--output", str(both), "--skip-ratio", "0.34", "--iterations",
+                               "2", "--prompts", "2", "--search-prompts", "1", "--new-tokens", "12", "--gammas", "2,3",
+                               "--caps", "8,16", "--drafters", "model,head", "--no-progress"])  # fmt: skip
+    assert made.exit_code == 0, made.output
+    chosen = load_profile(both)
+    assert {c["drafter"] for c in chosen.search["candidates"]} == {"model", "head"}
+    assert set(chosen.calibration["costs"]["seconds"]) >= {"drafter:model", "drafter:head", "full"}
+    assert (chosen.head_drafter is not None) == (chosen.calibration["costs"]["drafter"] == "head")
     result = runner.invoke(
         app, ["calibrate", *common, "--reselect", str(first), "--drafters", "head", "-o", str(headed)]
     )

@@ -7,7 +7,7 @@ import os
 import platform
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -16,6 +16,9 @@ from viasd.calibration.candidates import DraftSource, SlimCandidate
 from viasd.calibration.records import GateRecords, summarize_records
 from viasd.calibration.selection import Selection, policy_dict
 from viasd.calibration.settings import CalibrationSettings
+
+if TYPE_CHECKING:
+    from viasd.calibration.head_drafts import HeadSource
 
 
 def machine_info(device: torch.device | str, dtype: torch.dtype) -> dict[str, Any]:
@@ -55,7 +58,9 @@ def selection_fields(
 
 
 def candidate_summaries(
-    selections: Mapping[tuple[int, int], Selection], sources: Sequence[DraftSource], slims: Sequence[SlimCandidate]
+    selections: Mapping[tuple[int, int], Selection],
+    sources: Sequence[DraftSource | HeadSource],
+    slims: Sequence[SlimCandidate],
 ) -> list[dict[str, Any]]:
     """Each (drafter, slim view) candidate's best policy and its predictions, keyed as `selections` is:
     (index in `sources`, index in `slims`)."""
