@@ -628,7 +628,16 @@ def test_via_uses_the_shipped_int4a8_profile_only_where_its_kernel_runs():
     assert on_blocks is not None and on_blocks.name == GGUF_PROFILE
     blocks = load_profile(on_blocks)
     assert blocks.target["fingerprint"] == general.target["fingerprint"] and blocks.target_quant is not None
-    assert blocks.target_quant.gguf and blocks.drafter["fingerprint"] == general.drafter["fingerprint"]
+    # It drafts with the target's shipped draft head; the profile it was re-selected from (the 0.5B drafter) ships too.
+    from viasd.heads.file import load_head
+    from viasd.heads.find import SHIPPED
+    from viasd.profile import shipped_profile_path
+
+    (shipped_head,) = SHIPPED.glob("*.safetensors")
+    assert blocks.target_quant.gguf and blocks.head_drafter == load_head(shipped_head).digest
+    modelled = shipped_profile_path("qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.gguf.json")
+    assert modelled is not None and load_profile(modelled).drafter["fingerprint"] == general.drafter["fingerprint"]
+    assert load_profile(modelled).masks == blocks.masks
 
 
 def test_a_kinds_own_policy_on_a_slim_view_of_its_own(tmp_path):

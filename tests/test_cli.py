@@ -178,14 +178,17 @@ def test_cli_sd_prints_the_same_greedy_text_as_plain_on_the_default_pair():
 
 @pytest.mark.real
 def test_cli_via_says_what_share_of_its_tokens_the_target_never_checked():
-    """Prose takes the relaxed gate and says what share it committed unchecked; code (the shipped profile's exact
-    policy for it) is routed as code and leaves nothing unchecked."""
+    """Prose takes the relaxed gate, says so, and gives the share it committed unchecked where there is one (the
+    shipped profile's slim view settles few drafts: none on some prompts); code (the shipped profile's exact policy
+    for it) is routed as code and leaves nothing unchecked."""
     prompt = "Explain in detail how photosynthesis works, step by step."
     prose = viasd("generate", prompt, "--method", "via", "-n", "48")
     assert prose.returncode == 0, prose.stderr
+    assert "routed as prose" in prose.stderr, prose.stderr
     words = prose.stderr.split()
-    share = words[words.index("never") - 3]  # "..., 62% of tokens never checked by the target"
-    assert share.endswith("%") and 0 < int(share[:-1]) <= 100, prose.stderr
+    if "never" in words:
+        share = words[words.index("never") - 3]  # "..., 2% of tokens never checked by the target"
+        assert share.endswith("%") and 0 <= int(share[:-1]) <= 100, prose.stderr
     code = viasd("generate", "Write a Python function that checks whether a string is a palindrome.", "--method", "via",
                  "-n", "48")  # fmt: skip
     assert code.returncode == 0, code.stderr

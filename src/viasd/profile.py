@@ -34,9 +34,11 @@ FORMAT = "viasd-routing-profile/1"
 DEFAULT_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.json"
 # The default pair's profile for CPUs where viasd's int4a8 kernel runs: int4a8 views as slim verifier and drafter.
 INT4A8_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.int4a8.json"
-# The default pair's profile calibrated on the target as its GGUF file stores it (`viasd calibrate --quant gguf`):
-# via verifies against the file's blocks, its slim verifier those blocks with layers skipped.
-GGUF_PROFILE = "qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.gguf.json"
+# The default target's profile on its GGUF file's blocks (`viasd calibrate --quant gguf`, then `--reselect P --drafters
+# head`): via verifies against the file's blocks, its slim verifier those blocks with layers skipped, and drafts with
+# the target's shipped draft head (and prompt lookup). The one it was re-selected from, with the 0.5B drafter
+# (qwen2.5-coder-0.5b__qwen2.5-coder-1.5b.gguf.json), stays shipped beside it for `via:profile=` its path.
+GGUF_PROFILE = "head__qwen2.5-coder-1.5b.gguf.json"
 MAX_PROFILE_BYTES = 4 * 1024 * 1024  # the shipped profiles are 11-22 kB
 MAX_DEPTH = 32  # nesting of JSON objects and lists (the shipped profiles: 8)
 MAX_LAYERS = 4096  # decoder layers of a mask (a mask holds two flags per layer)
