@@ -544,9 +544,8 @@ def test_a_profile_with_impossible_settings_is_refused_in_one_line(tmp_path, cha
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_calibrate_and_reselect_from_the_command_line(tmp_path):
-    """`viasd calibrate` on models in directories, then `--reselect` of its profile: the documented way to re-derive
-    a profile's round policy reproduces it, and other selection options change only what they govern."""
+def pair_on_disk(tmp_path) -> tuple[dict[str, object], list[str]]:
+    """A tiny target (6 layers) and drafter saved in folders, and the command-line options that name them."""
     tok = tiny_tokenizer(64)
     dirs = {}
     # Llama: transformers reloads the tiny word-level tokenizer as it is (for qwen2 it substitutes its own class).
@@ -555,6 +554,13 @@ def test_calibrate_and_reselect_from_the_command_line(tmp_path):
         model.save_pretrained(dirs[name])
         tok.save_pretrained(dirs[name])
     common = ["--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--dtype", "fp32", "--device", "cpu"]
+    return dirs, common
+
+
+def test_calibrate_and_reselect_from_the_command_line(tmp_path):
+    """`viasd calibrate` on models in directories, then `--reselect` of its profile: the documented way to re-derive
+    a profile's round policy reproduces it, and other selection options change only what they govern."""
+    _, common = pair_on_disk(tmp_path)
     first = tmp_path / "p.json"
     runner = CliRunner()
     made = runner.invoke(app, ["calibrate", *common, "--output", str(first), "--skip-ratio", "0.34", "--iterations",

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from test_calibrate import pair_on_disk
 from test_head import PROMPT, random_head
 from tiny import tiny_model, tiny_tokenizer
 from viasd.calibration.costs import GREEDY
@@ -177,13 +178,7 @@ def test_reselect_for_the_head_then_via_drafts_with_lookup_and_the_head(tmp_path
     from viasd.profile import load_profile
 
     monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path / "cache"))
-    tok = tiny_tokenizer(64)
-    dirs = {}
-    for name, model in (("target", tiny_model("llama", layers=6)), ("drafter", tiny_model("llama", layers=2, seed=1))):
-        dirs[name] = tmp_path / name
-        model.save_pretrained(dirs[name])
-        tok.save_pretrained(dirs[name])
-    common = ["--target", str(dirs["target"]), "--drafter", str(dirs["drafter"]), "--dtype", "fp32", "--device", "cpu"]
+    dirs, common = pair_on_disk(tmp_path)
     first, headed = tmp_path / "p.json", tmp_path / "h.json"
     runner = CliRunner()
     made = runner.invoke(app, ["calibrate", *common, "--output", str(first), "--skip-ratio", "0.34", "--iterations",
