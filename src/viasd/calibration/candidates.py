@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from viasd.calibration.head_drafts import HEAD, HeadSource
 from viasd.calibration.teacher import TeacherSequence, model_logits
 from viasd.errors import ViasdError
 from viasd.models.fingerprint import model_fingerprint
@@ -20,11 +21,7 @@ from viasd.views.quantize import QuantizedLinears
 from viasd.views.recipe import QuantRecipe
 from viasd.views.view import View, applied
 
-if TYPE_CHECKING:
-    from viasd.calibration.head_drafts import HeadSource
-
 Quantizer = Callable[[LoadedModel, QuantRecipe], QuantizedLinears]
-HEAD = "head"  # the drafter candidate that is the target's draft head (calibration/head_drafts.py)
 
 
 def parse_drafter(name: str) -> tuple[bool, QuantRecipe | None]:
@@ -104,7 +101,6 @@ def drafter_source(
     model or a model's view."""
     if name != HEAD:
         return DraftSource.make(name, target, drafter, quantized)
-    from viasd.calibration.head_drafts import HeadSource
     from viasd.heads.find import find_head
 
     found = find_head(target.model)

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from viasd.calibration.candidates import HEAD
 from viasd.calibration.costs import GREEDY, wait_for
 from viasd.calibration.teacher import TeacherSequence
 from viasd.drafters.head import CATCH_UP, HeadDrafter
@@ -31,6 +30,8 @@ from viasd.models.fingerprint import model_fingerprint
 from viasd.models.stored import OutputRows
 from viasd.passes.session import KVSession
 from viasd.views.view import ViewLike
+
+HEAD = "head"  # the drafter candidate that is the target's draft head
 
 
 def chain_states(

@@ -9,9 +9,10 @@ import os
 from typing import Any
 
 from viasd.calibration.candidate_records import records_for
-from viasd.calibration.candidates import HEAD, Quantizer, SlimCandidate, drafter_name, drafter_source, quantize_plainly
+from viasd.calibration.candidates import Quantizer, SlimCandidate, drafter_name, drafter_source, quantize_plainly
 from viasd.calibration.continuations import Pairs, continuations, teacher_sequences
 from viasd.calibration.costs import CostTable, measure_costs
+from viasd.calibration.head_drafts import HEAD
 from viasd.calibration.policy_choice import select_under, with_policy
 from viasd.calibration.progress import Log, silent
 from viasd.calibration.provenance import selection_fields, utc_now
