@@ -35,7 +35,12 @@ HEAD = "head"  # the drafter candidate that is the target's draft head
 
 
 def chain_states(
-    step: Any, embed: Any, features: torch.Tensor, ids: torch.Tensor, start: int, depth: int
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    features: torch.Tensor,
+    ids: torch.Tensor,
+    start: int,
+    depth: int,
 ) -> torch.Tensor:
     """States [N - start, hidden] of the chains of `depth` steps that predict the tokens after positions start..N-1.
 
@@ -56,8 +61,8 @@ def chain_states(
 
 
 def context_additions(ids: list[int], own: set[int]) -> tuple[list[int], list[int]]:
-    """The tokens of `ids` the head's vocabulary lacks, and the first position each appears at (first-seen order);
-    only those seen by the last position scored count for a row (`row_mask` cuts the later ones)."""
+    """The tokens of `ids` the head's vocabulary lacks, and the first position each appears at (first-seen order): a
+    row scores only those its context has shown (`HeadSource.logits` masks the others)."""
     added: dict[int, int] = {}
     for position, token in enumerate(ids):
         if token not in own and token not in added:
@@ -112,7 +117,7 @@ class HeadSource:
         unseen = torch.tensor(first)[None, :] > positions[:, None] if added else None
 
         def embed(tokens: torch.Tensor) -> torch.Tensor:
-            return drafter._embedded(tokens).float()
+            return drafter.embedded(tokens).float()
 
         out = []
         with torch.inference_mode():

@@ -161,7 +161,7 @@ class HeadDrafter:
             if bool(flags.any()):
                 assert store.rows is not None
                 rows[flags] = store.rows[begin:end][flags].to(self.dtype)
-            embedded = self._embedded(context[begin + 1 : end + 1])
+            embedded = self.embedded(context[begin + 1 : end + 1])
             cache.extend(rows, flags, embedded, context[begin + 1 : end + 1])
             self.forward_passes += 1
         assert cache.last_state is not None
@@ -171,7 +171,7 @@ class HeadDrafter:
         self, state: torch.Tensor, token: torch.Tensor, chain: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """The state after drafting `token` [1] from `state`."""
-        embedded = self._embedded(token)[0]
+        embedded = self.embedded(token)[0]
         self.forward_passes += 1
         if self.cache is not None:
             return self.cache.draft(state, embedded, chain)
@@ -216,9 +216,9 @@ class HeadDrafter:
 
     def embed(self, token: int) -> torch.Tensor:
         """The target's embedding of `token`, in the dtype the head computes in."""
-        return self._embedded([token])[0]
+        return self.embedded([token])[0]
 
-    def _embedded(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+    def embedded(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         """The target's embeddings of `tokens` [len, hidden] in the head's dtype (a stored embedding's rows read from
         its blocks, as a pass reads them)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.rows_device)
