@@ -4,6 +4,7 @@ of a round, and the replay reads a round's i-th draft at depth i + 1."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -189,6 +190,11 @@ def test_reselect_for_the_head_then_via_drafts_with_lookup_and_the_head(tmp_path
         app, ["calibrate", *common, "--reselect", str(first), "--drafters", "head", "-o", str(headed)]
     )
     assert missing.exit_code != 0 and "no draft head for this target" in missing.output
+    timing = ["costs", *common, "--views", "full,skip=0.34", "--head", "--tokens", "1,2,4", "--context", "8",
+              "--repeats", "1", "--out"]  # fmt: skip
+    random_timed = runner.invoke(app, [*timing, str(tmp_path / "random.json")])
+    assert random_timed.exit_code == 0 and "timing a random one" in random_timed.output  # no head: the same work
+    assert "no trained weights" in json.loads((tmp_path / "random.json").read_text())["weights"]["head"]
     engine = Engine(EngineSpec(target=str(dirs["target"]), drafter=str(dirs["drafter"]), dtype="fp32", device="cpu"))
     fingerprint = model_fingerprint(engine.target.model)
     save_head(trained_head_path(fingerprint), random_head(64, 64, scale=0.2, dtype=torch.float32), fingerprint, "v", {})
@@ -221,3 +227,22 @@ def test_reselect_for_the_head_then_via_drafts_with_lookup_and_the_head(tmp_path
     assert exact.tokens == plain.tokens
     assert "head" in exact.stats.sources and "lookup" in exact.stats.sources
     assert engine.decoder(f"via:profile={headed}").drafter.describe().startswith("hybrid")
+    via = ["generate", "t3 t4 t5", *common, "--method", f"via:profile={headed}", "-n", "4", "--json"]
+    ran = runner.invoke(app, via)
+    assert ran.exit_code == 0, ran.output
+    assert "drafter" not in json.loads(ran.stdout)  # no drafter model loaded, none named
+    # `viasd costs --head` times the head as the profile's drafter; `viasd project` reads that table for it.
+    costs, out = tmp_path / "costs.json", tmp_path / "projection.json"
+    timed = runner.invoke(app, [*timing[:-1], "--views", "full,profile", "--profile", str(headed), "--out", str(costs)])
+    assert timed.exit_code == 0, timed.output
+    record = json.loads(costs.read_text())
+    head = record["tables"][-1]
+    assert (head["role"], head["model"], list(head["views"])) == ("drafter", f"{dirs['target']} head", ["head"])
+    assert len(head["views"]["head"]) == 3 and min(head["views"]["head"]) > 0
+    assert record["weights"]["head"] == "as found for the target"
+    projected = runner.invoke(app, ["project", *common, "--costs", str(costs), "--profile", str(headed), "--out",
+                                    str(out), "--no-prefill"])  # fmt: skip
+    assert projected.exit_code == 0, projected.output
+    report = json.loads(out.read_text())
+    assert report["costs"]["drafter_view"] == "head" and report["costs"]["drafter"].endswith(" head")
+    assert report["costs"]["slim_views"] == ["profile"] and report["methods"]["via"]["decided"]

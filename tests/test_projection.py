@@ -126,6 +126,22 @@ def test_costs_come_from_the_nearest_measured_context_and_missing_tables_are_nam
         costs_from_record({"tokens": [1], "seconds": {"kernels": {}}}, ["x"])
 
 
+def test_a_draft_heads_costs_come_from_its_own_table_and_it_reads_no_prompt():
+    """With a drafter model's table and the head's in one file, `head` picks the head's; the head starts from the
+    target's feature, so reading the prompt costs it nothing, where a drafter model pays c_d(P) - c_d(1)."""
+    from viasd.calibration.projection import prompt_parts
+
+    record = costs_record()
+    record["tables"].append({"role": "drafter", "model": "t head", "context": 128, "views": {"head": [0.01, 0.02]}})
+    head, used = costs_from_record(record, ["skip=0.45"], drafter="head")
+    model, _ = costs_from_record(record, ["skip=0.45"])
+    assert head.drafter == (0.01, 0.02) and used["drafter"] == "t head" and model.drafter == (0.1, 0.2)
+    assert not head.drafter_reads_prompt and model.drafter_reads_prompt
+    assert prompt_parts("via", 50, 4, head)["draft"] == 0.0
+    assert prompt_parts("via", 50, 4, model)["draft"] == pytest.approx(model.drafter_pass(50) - model.step)
+    assert prompt_parts("sd", 50, 4, head)["verify"] == prompt_parts("sd", 50, 4, model)["verify"]
+
+
 def save_pair(tmp_path):
     tok = tiny_tokenizer(64)
     dirs = {}
@@ -194,6 +210,8 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
     dirs = save_pair(tmp_path)
     target, drafter = (load_model(str(dirs[n]), device="cpu", dtype="fp32").model for n in ("target", "drafter"))
     texts = ["t3 t4 t5 t6 t7 t3 t4", "t9 t12 t8 t2 t30 t9"]
+    # The search --reselect repeats (a small one: the tiny records need no more).
+    search = {"quality_budget": 0.05, "gammas": [3, 4], "caps": [8], "pregates": [0.0], "stops": [0.0, 0.5]}
     profile = RoutingProfile(
         target={"name": "tiny", "fingerprint": model_fingerprint(target)},
         drafter={"name": "tiny-drafter", "fingerprint": model_fingerprint(drafter)},
@@ -202,7 +220,7 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
         gamma=3,
         cap=8,
         search={"chunk": 8},
-        calibration={"prompts": texts, "new_tokens": 12},
+        calibration={"prompts": texts, "new_tokens": 12, **search},
     )
     path = tmp_path / "p.json"
     save_profile(profile, path)
@@ -242,6 +260,21 @@ def test_projection_from_a_profile_against_a_bench_run(tmp_path):
     plain = report["methods"]["plain"]
     assert plain["tokens_per_second"] < 1 / single  # reading the prompt costs more than one single-token pass
     assert plain["seconds"] > plain["tokens"] * single
+    # --reselect: the policies picked for these costs under the profile's recorded search; without the prompt terms
+    # the projection is the selection's own replay, so sd re-selected is at least sd as the bench runs it (gamma 4,
+    # stop 0.5: in the search), and via stays within the budget.
+    fixed = [*args[:-4], "--no-prefill", "--out", str(out)]
+    assert runner.invoke(app, fixed).exit_code == 0
+    before = json.loads(out.read_text())["methods"]
+    picked = runner.invoke(app, [*fixed, "--reselect"])
+    assert picked.exit_code == 0, picked.output
+    report = json.loads(out.read_text())
+    assert report["reselected"]["quality_budget"] == 0.05 and "policies re-selected" in picked.output
+    assert report["reselected"]["gammas"] == [3, 4] and report["policies"]["via"]["gamma"] in (3, 4)
+    assert report["methods"]["sd"]["tokens_per_second"] >= before["sd"]["tokens_per_second"] - 1e-9
+    assert report["methods"]["via"]["error_rate"] <= 0.05
+    refused = runner.invoke(app, ["project", "--costs", str(costs), "--acceptance", "0.8", "--slim", "x", "--reselect"])
+    assert refused.exit_code == 2 and "give --profile" in refused.output
 
 
 def test_the_first_drafter_step_of_a_round_feeds_what_the_replay_charges():
@@ -304,6 +337,7 @@ def test_a_profile_names_the_cost_views_of_its_slim_tiers_and_drafter():
     assert profile_views(made([skip], ["int8"], None)) == ("profile+int8", "full")
     own = made([full], ["int8"], {"name": "t", "fingerprint": "f", "self": True, "quant": "int8"})
     assert profile_views(own) == ("int8", None)  # the command asks for --drafter-view then
+    assert profile_views(made([skip], [None], {"name": "head", "head": "abc"})) == ("profile", "head")
 
 
 def test_the_bench_sd_method_is_found_or_named(tmp_path):

@@ -186,7 +186,7 @@ def generate(
             "finish_reason": result.finish_reason,
             "stats": result.stats.to_dict(),
         }
-        if method_spec.uses_drafter:
+        if len(engine.loaded_models) > 1:  # the drafter model drafted (not a head profile's `via`, nor lookup)
             out["drafter"] = drafter
         print(json.dumps(out, ensure_ascii=False))
         return

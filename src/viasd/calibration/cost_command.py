@@ -5,7 +5,8 @@ Views are named as on the command line: `full` (the model as loaded), a quantiza
 profile's slim mask), or a combination joined by `+` (`skip=0.25+int8`). `--shape` (and `--drafter-shape`) time
 a randomly initialised model of a named real shape (models/shapes.py) instead of loading one: timing needs no
 trained weights, and the weights are made on the device, so no checkpoint is fetched. `--context` takes several
-cache lengths, each timed in turn. `--out` writes the figures as JSON, which `viasd project` reads. `--kernels`
+cache lengths, each timed in turn. `--head` times the target's draft head drafting as the drafter view `head`.
+`--out` writes the figures as JSON, which `viasd project` reads. `--kernels`
 times the matrix kernels alone. Registered in cli.py; heavy imports happen inside the command.
 """
 
@@ -100,6 +101,13 @@ def costs(
             "built-in prompts (the model's own continuations); 0: no."
         ),
     ] = 0,
+    head: Annotated[
+        bool,
+        typer.Option(
+            help="Also time the target's draft head drafting, as drafter view `head` (with --shape: a random head of "
+            "the shipped design at that shape's width, as for a target without a head)."
+        ),
+    ] = False,
     kernels: Annotated[
         bool,
         typer.Option(
@@ -146,7 +154,7 @@ def costs(
             drafter_views = "full"
         models = (target, drafter, shape, drafter_shape, views, drafter_views)
         record["tables"] = _model_tables(err, *models, lengths, contexts, keep, repeats, profile, dtype, device,
-                                         record, agreement)  # fmt: skip
+                                         record, agreement, head)  # fmt: skip
         for entry in record["tables"]:
             title = f"{entry['role']} {entry['model']}" + (
                 f" @ context {entry['context']}" if len(contexts) > 1 else ""
@@ -193,8 +201,10 @@ def _model_tables(
     device: str | None,
     record: dict[str, Any],
     agreement: int,
+    head: bool = False,
 ) -> list[dict[str, Any]]:
-    """One table per model (target, then drafter) and context: {role, model, context, views: {view: seconds}}."""
+    """One table per model (target, then drafter, then the target's draft head) and context: {role, model, context,
+    views: {view: seconds}}."""
     import random
 
     from rich.progress import Progress
@@ -283,7 +293,51 @@ def _model_tables(
             small = engine.drafter
             record["weights"]["drafter"] = "as loaded"
         found += tables(small, "drafter", _list(drafter_views, str, "--drafter-views"), 1)
+    if head:
+        found += _head_tables(err, engine, shape is not None, lengths, contexts, repeats, record)
     return found
+
+
+def _head_tables(
+    err: Any, engine: Any, random_weights: bool, lengths: list[int], contexts: list[int], repeats: int, record: Any
+) -> list[dict[str, Any]]:
+    """The target's draft head as a drafter (view `head`), per context: one proposal after n folded tokens, as `via`
+    and `sd` draft with it, on the target as it runs by default (a stored file's own blocks)."""
+    import random
+
+    import torch
+
+    from viasd.calibration.costs import median_timings
+    from viasd.calibration.head_drafts import HeadTimer
+    from viasd.drafters.head import HeadDrafter
+    from viasd.heads.attention import AttentionHead
+    from viasd.heads.find import find_head
+    from viasd.heads.network import DraftHead, HeadConfig
+
+    loaded = engine.target
+    model = loaded.model
+    drafting: DraftHead | AttentionHead | None = None
+    try:
+        drafting = None if random_weights else find_head(model).head
+        record["weights"]["head"] = "as found for the target"
+    except ViasdError:
+        err.print("no draft head for this target: timing a random one of the shipped design (the same work)")
+    if drafting is None:  # a step does the same work whatever the weights hold
+        vocab = min(HeadConfig.vocab, int(model.config.vocab_size))
+        config = HeadConfig(hidden=int(model.config.hidden_size), vocab=vocab)
+        drafting = DraftHead(config, torch.arange(config.vocab)).to(next(model.parameters()).device)
+        record["weights"]["head"] = RANDOM_WEIGHTS
+    view = engine.quantized(loaded, engine.target_recipe())
+    vocab = int(model.config.vocab_size)
+    out = []
+    for ctx in contexts:
+        ids = [random.Random(0).randrange(vocab) for _ in range(ctx + max(lengths))]
+        with err.status(f"timing the draft head of {loaded.name} x {len(lengths)} lengths, context {ctx}"):
+            step = HeadTimer(HeadDrafter(drafting, model), model, ids[:ctx], ids[ctx:], view).drafter_step
+            medians = median_timings([("head", n) for n in lengths], lambda _, n, step=step: step(n), repeats)
+        seconds = {"head": [medians[("head", n)] for n in lengths]}
+        out.append({"role": "drafter", "model": f"{loaded.name} head", "context": ctx, "views": seconds})
+    return out
 
 
 def _agreement_sequences(engine: Any, loaded: Any, count: int) -> list[tuple[list[int], int]]:

@@ -60,12 +60,14 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Costs:
-    """Median seconds of a pass over L new tokens, per length in `lengths`; one `slim` series per slim tier."""
+    """Median seconds of a pass over L new tokens, per length in `lengths`; one `slim` series per slim tier.
+    `drafter_reads_prompt`: False for a draft head, which starts from the target's feature and reads no prompt."""
 
     lengths: tuple[int, ...]
     drafter: tuple[float, ...]
     full: tuple[float, ...]
     slim: tuple[tuple[float, ...], ...] = ()
+    drafter_reads_prompt: bool = True
 
     def _at(self, values: Sequence[float], n: int) -> float:
         """Linear interpolation between measured lengths; beyond the ends the end segments continue."""

@@ -86,6 +86,13 @@ def project(
     prefill: Annotated[
         bool, typer.Option(help="Count reading the prompt (profile records know their prompts' lengths).")
     ] = True,
+    reselect: Annotated[
+        bool,
+        typer.Option(
+            help="With --profile: re-select via's round policy, and sd's gamma and stop, for these costs as `viasd "
+            "calibrate` selects them (under the profile's recorded budget and search): does the slim tier pay here?"
+        ),
+    ] = False,
     bench: Annotated[
         Path | None, typer.Option(help="A `viasd bench` run directory: set its measured speedups beside these.")
     ] = None,
@@ -136,6 +143,8 @@ def project(
         return
     if costs is None:
         raise ViasdError("--costs: a JSON file written by `viasd costs --out` is needed")
+    if reselect and profile is None:
+        raise ViasdError("--reselect re-selects a profile's round policy: give --profile")
     if acceptance is not None:
         shares = _numbers(tiers, "--tiers")
         rates = _numbers(tier_acceptance, "--tier-acceptance") if tier_acceptance else None
@@ -179,6 +188,15 @@ def project(
     if sd_stop is None:
         sd_stop = 0.0 if acceptance is not None else DEFAULT_STOP
     sd = RoundPolicy(Gate.exact(), gamma=sd_gamma, stop=check_stop(sd_stop, "--sd-stop"))
+    reselected = None
+    if reselect and routing is not None:
+        from viasd.calibration.selection import select_policy
+
+        settings = recorded_search(routing.calibration)
+        with err.status("re-selecting the round policies for these costs"):
+            chosen = select_policy(workload.records, cost_model, **settings)
+        via, sd = chosen.policy, chosen.sd_policy
+        reselected = {**settings, "feasible": chosen.feasible, "candidates": chosen.candidates}
     result = project(workload, cost_model, sd, via)
     rows = _bench_rows(bench, bench_sd) if bench is not None else {}
     measured = {name: float(row["speedup"]) for name, row in rows.items()}
@@ -191,6 +209,8 @@ def project(
         "policies": {"sd": {"gamma": sd.gamma, "stop": sd.stop}, "via": _policy(via)},
         "methods": {name: m.to_dict() for name, m in result.items()},
     }
+    if reselected is not None:
+        report["reselected"] = reselected
     if measured:
         report["bench"] = {
             "run": str(bench),
@@ -206,16 +226,47 @@ def project(
 
 def profile_views(routing: Any) -> tuple[str, str | None]:
     """A profile's slim views and drafter as `viasd costs` names them: `profile` for its layer mask, its
-    quantization recipe, or both joined by `+` (`profile+int8`), per tier; the drafter's recipe, or `full`
-    (None for the target's own view drafting: that table is the target's, not a drafter's)."""
+    quantization recipe, or both joined by `+` (`profile+int8`), per tier; the drafter's recipe, `full`, or `head`
+    for the target's draft head (None for the target's own view drafting: that table is the target's, not a
+    drafter's)."""
+    from viasd.calibration.head_drafts import HEAD
+
     slims = []
     for tier, mask in enumerate(routing.masks):
         recipe = routing.slim_quant(tier)
         parts = ([] if mask.is_full else ["profile"]) + ([recipe.name] if recipe else [])
         slims.append("+".join(parts) or "full")
     quant = routing.drafter_quant
+    if routing.head_drafter:
+        return ",".join(slims), HEAD
     drafter = None if routing.self_drafter else quant.name if quant else "full"
     return ",".join(slims), drafter
+
+
+def _tier_shares(decided: dict[str, int] | None) -> str:
+    """The shares of draft tokens each tier decided, e.g. `0% / 4% / 96%` ("-" for plain, which drafts none)."""
+    total = sum((decided or {}).values())
+    if not decided or not total:
+        return "-"
+    return " / ".join(f"{decided.get(tier, 0) / total:.0%}" for tier in ("accept", "slim", "full"))
+
+
+def recorded_search(calibration: dict[str, Any]) -> dict[str, Any]:
+    """The search a profile's policy was selected under (`calibration`'s budget, gammas, caps, pre-gates and stops),
+    as `select_policy` takes it; calibrate's defaults for what an older profile did not record."""
+    from viasd.calibration.settings import CalibrationSettings
+
+    defaults = CalibrationSettings()
+    try:
+        return {
+            "quality_budget": float(calibration.get("quality_budget", defaults.quality_budget)),
+            "gammas": tuple(int(v) for v in calibration.get("gammas", defaults.gammas)),
+            "caps": tuple(int(v) for v in calibration.get("caps", defaults.caps)),
+            "pregates": tuple(float(v) for v in calibration.get("pregates", defaults.pregates)),
+            "stops": tuple(float(v) for v in calibration.get("stops", defaults.stops)),
+        }
+    except (TypeError, ValueError) as exc:
+        raise ViasdError(f"the profile's recorded search settings are malformed: {exc}") from None
 
 
 def _policy(policy: Any) -> dict[str, Any]:
@@ -302,12 +353,19 @@ def _print(report: dict[str, Any], result: dict[str, Any], measured: dict[str, f
         highlight=False,
     )
     console.print(f"statistics: {report['statistics']}", highlight=False)
+    if "reselected" in report:
+        via, sd = report["policies"]["via"], report["policies"]["sd"]
+        console.print(
+            f"policies re-selected for these costs (quality budget {report['reselected']['quality_budget']}): sd "
+            f"gamma {sd['gamma']}, stop {sd['stop']}; via {via}",
+            highlight=False,
+        )
     console.print(
         f"{report['sequences']} sequences; prompt {'counted' if report['prompt_counted'] else 'not counted'}",
         highlight=False,
     )
     table = Table(title="projected")
-    columns = ["method", "tokens/s", "speedup over plain", "tokens per target call", "errors"]
+    columns = ["method", "tokens/s", "speedup over plain", "tokens per target call", "errors", "accept / slim / full"]
     if measured:
         columns += ["measured speedup", "projected / measured"]
     for column in columns:
@@ -317,6 +375,7 @@ def _print(report: dict[str, Any], result: dict[str, Any], measured: dict[str, f
         errors = m.counts.get("error_rate")
         row = [name, f"{m.tokens_per_second:.2f}", f"{m.speedup:.2f}x", f"{per_call:.2f}"]
         row.append("-" if errors is None else f"{errors:.3f}")
+        row.append(_tier_shares(m.counts.get("decided")))
         if measured:
             got = measured.get(name)
             if got is None:

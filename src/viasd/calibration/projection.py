@@ -14,8 +14,9 @@ target's pass, c_d the drafter's:
     sd:    the replayed rounds + c_f(P + gamma) - c_f(1 + gamma) + c_d(P) - c_d(1)
     via:   the replayed rounds + c_f(P - 1) + c_d(P) - c_d(1)
 (sd's first round reads the prompt with its first block; via prefills the prompt with the full target first;
-the drafter reads the prompt in its first step). Per-round Python work is left out. Speedups are geometric
-means over sequences of each sequence's tokens/s over plain decoding's, as `viasd bench` reports them.
+the drafter reads the prompt in its first step; a draft head reads none, so its c_d(P) - c_d(1) is 0). Per-round
+Python work is left out. Speedups are geometric means over sequences of each sequence's tokens/s over plain
+decoding's, as `viasd bench` reports them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from viasd.calibration.costs import Costs
+from viasd.calibration.head_drafts import HEAD
 from viasd.calibration.records import GateRecords
 from viasd.calibration.replay import PARTS, replay
 from viasd.decode.round import RoundPolicy
@@ -93,7 +95,7 @@ def prompt_parts(method: str, prompt: int, gamma: int, costs: Costs) -> dict[str
     part: the drafter's and the target's."""
     if prompt <= 0:
         return {"draft": 0.0, "verify": 0.0}
-    drafter = costs.drafter_pass(prompt) - costs.step
+    drafter = costs.drafter_pass(prompt) - costs.step if costs.drafter_reads_prompt else 0.0
     if method == "sd":
         return {"draft": drafter, "verify": costs.full_pass(prompt + gamma) - costs.full_pass(1 + gamma)}
     return {"draft": drafter, "verify": costs.full_pass(prompt - 1)}
@@ -225,7 +227,8 @@ def costs_from_record(
     contexts = sorted({int(t["context"]) for t in targets})
     chosen = contexts[0] if context is None else min(contexts, key=lambda c: (abs(c - context), c))
     target = next(t for t in targets if int(t["context"]) == chosen)
-    small = min(drafters, key=lambda t: (abs(int(t["context"]) - chosen), int(t["context"])))
+    holding = [t for t in drafters if drafter in t.get("views", {})] or drafters  # the head's table or a model's
+    small = min(holding, key=lambda t: (abs(int(t["context"]) - chosen), int(t["context"])))
 
     def series(table: Mapping[str, Any], view: str, role: str) -> tuple[float, ...]:
         if view not in table["views"]:
@@ -242,6 +245,7 @@ def costs_from_record(
         series(small, drafter, "drafter"),
         series(target, full, "target"),
         tuple(series(target, view, "target") for view in slims),
+        drafter_reads_prompt=drafter != HEAD,
     )
     info = {
         "target": target["model"],
