@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from viasd.bench.tasks import humaneval_task, load_humaneval_problems
+from viasd.bench.tasks import default_questions_path, humaneval_task, load_humaneval_problems, load_specbench
 from viasd.decode.base import GenerationConfig
 from viasd.engine import Engine, EngineSpec
 
@@ -26,3 +26,16 @@ def test_via_gives_code_the_fast_modes_tokens_and_leaves_prose_relaxed():
     relaxed = engine.generate(prose, "via", config)
     assert relaxed.stats.task_kind == "prose" and relaxed.stats.slim_calls > 0
     assert engine.loaded_models == [engine.target]
+
+
+def test_via_reads_the_prompt_as_plain_decoding_does():
+    """Until a token settles below the full target, `via`'s greedy tokens are plain decoding's, bit for bit: its first
+    round goes to the full target, which reads the prompt as plain decoding does. On this long summarization prompt
+    the first token differed when `via` read the prompt's last token in viasd's loop (other rounding) instead."""
+    engine = Engine(EngineSpec())
+    task = next(t for t in load_specbench(default_questions_path()) if t.key == "specbench/318")
+    ids = engine.encode([{"role": "user", "content": task.turns[0]}])
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    plain, via = engine.generate(ids, "plain", config), engine.generate(ids, "via", config)
+    assert via.stats.task_kind == "prose" and via.stats.unchecked_tokens == 0
+    assert via.tokens == plain.tokens

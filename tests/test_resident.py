@@ -243,7 +243,7 @@ def test_each_decision_reads_the_device_once_and_nothing_else_does(params, devic
     with host_reads(monkeypatch) as reads:
         out = via_decoder(target, tok, ModelDrafter(small), gate=Gate("kl", (0.05, math.inf))).generate(PROMPT, config)
     s = out.stats
-    full_verdicts = s.target_calls - 1  # the prompt's prefill decides nothing
+    full_verdicts = s.target_calls  # the first round's pass reads the prompt and verifies its drafts
     assert len(reads.reads) == s.sources["model"].rounds + s.slim_calls + full_verdicts
     assert s.slim_calls > 0 and full_verdicts > 0 and s.tiers["accept"].decided + s.tiers["slim"].decided > 0
     assert set(reads.reads) == {"tolist"}  # every read is one host_values transfer

@@ -11,10 +11,9 @@ the decoder follows.
 Per sequence of T tokens after a prompt of P tokens (the prompt terms only with `prefill`), with c_f the full
 target's pass, c_d the drafter's:
     plain: c_f(P) + (T - 1) c_f(1)                  (without the prompt: T c_f(1))
-    sd:    the replayed rounds + c_f(P + gamma) - c_f(1 + gamma) + c_d(P) - c_d(1)
-    via:   the replayed rounds + c_f(P - 1) + c_d(P) - c_d(1)
-(sd's first round reads the prompt with its first block; via prefills the prompt with the full target first;
-the drafter reads the prompt in its first step; a draft head reads none, so its c_d(P) - c_d(1) is 0). Per-round
+    sd, via: the replayed rounds + c_f(P + gamma) - c_f(1 + gamma) + c_d(P) - c_d(1)
+(the first round of both goes to the full target, which reads the prompt with its first block; the drafter reads
+the prompt in its first step; a draft head reads none, so its c_d(P) - c_d(1) is 0). Per-round
 Python work is left out. Speedups are geometric means over sequences of each sequence's tokens/s over plain
 decoding's, as `viasd bench` reports them.
 """
@@ -90,15 +89,13 @@ def plain_seconds(tokens: int, prompt: int, costs: Costs) -> float:
     return costs.full_pass(prompt) + (tokens - 1) * costs.full_pass(1)
 
 
-def prompt_parts(method: str, prompt: int, gamma: int, costs: Costs) -> dict[str, float]:
+def prompt_parts(prompt: int, gamma: int, costs: Costs) -> dict[str, float]:
     """What reading the prompt adds to a drafting method's replayed rounds (the module docstring's terms), by
     part: the drafter's and the target's."""
     if prompt <= 0:
         return {"draft": 0.0, "verify": 0.0}
     drafter = costs.drafter_pass(prompt) - costs.step if costs.drafter_reads_prompt else 0.0
-    if method == "sd":
-        return {"draft": drafter, "verify": costs.full_pass(prompt + gamma) - costs.full_pass(1 + gamma)}
-    return {"draft": drafter, "verify": costs.full_pass(prompt - 1)}
+    return {"draft": drafter, "verify": costs.full_pass(prompt + gamma) - costs.full_pass(1 + gamma)}
 
 
 def project(
@@ -117,7 +114,7 @@ def project(
         parts = dict.fromkeys(PARTS, 0.0)
         for seq, prompt in zip(workload.records, workload.prompts, strict=True):
             played = replay([seq], policy, costs)
-            reading = prompt_parts(method, prompt, policy.gamma, costs)
+            reading = prompt_parts(prompt, policy.gamma, costs)
             for part in PARTS:
                 parts[part] += played.parts[part] + reading.get(part, 0.0)
             seconds.append(played.seconds + sum(reading.values()))

@@ -4,7 +4,8 @@
 models: a committed token is True when it is the target's greedy choice at its position, so the replay
 counts errors as well as rounds, passes and tiers, exactly as the decoder would on that sequence.
 
-Cost model of one round with k draft tokens (the prompt prefill is counted as a target call, not timed):
+The first round goes to the full target (`RoundPolicy.opening`), as in the decoder. Cost model of one round with k
+draft tokens (reading the prompt is left to the projection's prompt terms):
     drafter: k steps; k is where the drafter stops under the policy's `stop`, at most the round's draft length.
              Each step feeds one token, c_d(1), except the first after a round that kept every draft: the last
              draft was never fed, so that step feeds it with the bonus token, c_d(2) (a quantized drafter's
@@ -164,13 +165,13 @@ def replay(records: Sequence[GateRecords], policy: RoundPolicy, costs: Costs | N
     for name in names:
         out.stats.tier(name)
     for seq in records:
-        if not policy.gate.always_full:
-            out.stats.record_prefill(names)  # as the decoder: the full target prefills the prompt
         parts = RecordedPasses(seq, policy.gate.signal, policy.stop)
         unchecked, feed = 0, 1
+        playing = policy.opening()  # as the decoder: the first round goes to the full target
         while parts.at < len(seq):
-            k = draft_length(policy.gamma, len(seq) - parts.at)
-            played = play_round(policy, parts, k, unchecked)
+            k = draft_length(playing.gamma, len(seq) - parts.at)
+            played = play_round(playing, parts, k, unchecked)
+            playing = policy
             taken = len(played.committed)
             out.stats.record(played, taken, names)
             out.errors += taken - sum(played.committed)

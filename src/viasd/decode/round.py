@@ -21,7 +21,7 @@ teacher-forced sequence. Both therefore follow the same rules, token for token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, Protocol, TypeVar
 
 from viasd.errors import ViasdError
@@ -77,6 +77,12 @@ class RoundPolicy:
     @property
     def tier_names(self) -> list[str]:
         return ["accept", "full"] if self.gate.always_full else tier_names(self.slim_tiers)
+
+    def opening(self) -> RoundPolicy:
+        """The policy of a generation's first round: every draft to the full target, which reads the prompt then as
+        plain decoding reads it (its cache entries and rows are plain's, bit for bit, and slim views attend to them
+        after); the draft length, cap and stop threshold stay."""
+        return self if self.gate.always_full else replace(self, gate=Gate.exact(), pregate=0.0)
 
     def tries_lower_tiers(self, drafted: int, unchecked: int, confidence: float | None, judged: bool = True) -> bool:
         """Whether a round runs the slim views at all; otherwise it goes straight to the full target.

@@ -119,19 +119,17 @@ class TieredDecoder(Decoder):
         names = policy.tier_names
         for name in names:
             stats.tier(name)
-        if len(prompt) > 1 and not policy.gate.always_full:
-            # Prefill the prompt with the full target first: slim passes then attend to full-model KV for
-            # the whole prompt instead of re-reading it themselves (a slim prefill would be thrown away by
-            # the first full pass). The last prompt token stays out so the first round has a position to score.
-            with stats.timed("verify"):
-                self.session.extend_to(prompt[:-1], keep=1)  # after the tokens a prefix cache resumed
-            stats.record_prefill(names)
         unchecked = 0  # committed tokens the full target has not verified since its last pass
+        # The first round goes to the full target, which reads the prompt as plain decoding does (`target_rows`,
+        # after the tokens a prefix cache resumed): slim passes then attend to its entries for the whole prompt
+        # (a slim view never reads it), and until a token settles below the target the output is plain's, bit for bit.
+        playing = policy.opening()
         while not sink.done:
             context = prompt + sink.tokens
-            k = draft_length(policy.gamma, sink.remaining, len(context), self.context_limit)
-            passes = _ModelPasses(self, policy, slims, context, params, generator, stats)
-            played = play_round(policy, passes, k, unchecked)  # one round (see decode.round)
+            k = draft_length(playing.gamma, sink.remaining, len(context), self.context_limit)
+            passes = _ModelPasses(self, playing, slims, context, params, generator, stats)
+            played = play_round(playing, passes, k, unchecked)  # one round (see decode.round)
+            playing = policy
             # A round the full target ran commits only what it verified (decode.round): its rows score them all.
             taken = sink.push(played.committed, passes.full_logits if played.full else None)
             unchecked = 0 if played.full else unchecked + taken
