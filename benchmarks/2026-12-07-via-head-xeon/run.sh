@@ -22,3 +22,10 @@ viasd bench --split report --count 1 --max-new-tokens 128 --out speed \
 viasd bench --split report --categories translation:20,summarization:20,math_reasoning:20,rag:20 \
     --max-new-tokens 64 --category-max-new-tokens math_reasoning=512 --methods "auto,via:profile=profile-head.json" \
     --out quality
+# After via's first round went to the full target (it reads the prompt as plain decoding does): speed again, and
+# the quality of via beside auto, summarization over all 29 report-split questions, the other prose categories at 20.
+viasd bench --split report --count 1 --max-new-tokens 128 --out speed-opening --methods "plain,auto,via,via-exact"
+viasd bench --split report --categories summarization:29 --max-new-tokens 64 --methods "auto,via" \
+    --out quality-summarization
+viasd bench --split report --categories translation:20,math_reasoning:20,rag:20 --max-new-tokens 64 \
+    --category-max-new-tokens math_reasoning=512 --methods "auto,via" --out quality-opening
