@@ -99,12 +99,6 @@ class GenerationStats:
     def source(self, name: str) -> SourceStats:
         return self.sources.setdefault(name, SourceStats())
 
-    def record_prefill(self, tiers: Sequence[str] = ()) -> None:
-        """A full-target pass over the prompt outside any round."""
-        self.target_calls += 1
-        if tiers:
-            self.tier("full").calls += 1
-
     def record(self, played: Round[Any], taken: int, tiers: Sequence[str] = (), source: str = "") -> None:
         """Count one round. `taken`: how many of its committed tokens the output kept (a stop may cut the
         rest). `tiers`: the tier names of a tiered method (accept, slim..., full), whose tiers are counted.
