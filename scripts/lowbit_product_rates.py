@@ -15,11 +15,10 @@ Run it on a quiet machine: the timings are wall-clock.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from bf16_product_rates import best_seconds  # the scripts folder is on the path when a script runs
 
 from viasd.kernels import w4a8, w6a8
 from viasd.kernels.build import Library
@@ -33,17 +32,6 @@ SHAPES = {
 }
 FORMATS: dict[str, Any] = {"Q4_K (int4 x int8)": w4a8, "Q6_K (6-bit x int8)": w6a8}
 BITS = {"Q4_K (int4 x int8)": 4.5, "Q6_K (6-bit x int8)": 6.5625}  # bits per weight read, scales included
-
-
-def best_seconds(work: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timed runs of `work`, after one untimed."""
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
