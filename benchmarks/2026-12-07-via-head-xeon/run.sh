@@ -29,3 +29,9 @@ viasd bench --split report --categories summarization:29 --max-new-tokens 64 --m
     --out quality-summarization
 viasd bench --split report --categories translation:20,math_reasoning:20,rag:20 --max-new-tokens 64 \
     --category-max-new-tokens math_reasoning=512 --methods "auto,via" --out quality-opening
+# HumanEval, all 164 problems (the report split's 124, then the calibration split's 40), via beside auto: measured,
+# not only by construction.
+viasd bench --split report --count 0 --humaneval 164 --max-new-tokens 64 --category-max-new-tokens humaneval=192 \
+    --methods "auto,via" --out quality-humaneval-report
+viasd bench --split calibration --count 0 --humaneval 40 --max-new-tokens 64 --category-max-new-tokens humaneval=192 \
+    --methods "auto,via" --out quality-humaneval-calibration
