@@ -7,6 +7,7 @@ median per length in milliseconds and in single-token steps:
 
     python scripts/verification_costs.py                       # the default target as run (its GGUF view)
     python scripts/verification_costs.py --rows 1,4,8,16 --repeats 15 --quant none
+    python scripts/verification_costs.py --rows 1,8 --kernels on,-fused   # an A/B of kernel sets, one process
 
 Run it on a quiet machine: the timings are wall-clock.
 """
@@ -14,12 +15,14 @@ Run it on a quiet machine: the timings are wall-clock.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 
 from viasd.calibration.costs import PassTimer
 from viasd.cli_options import engine_spec
 from viasd.engine import Engine
+from viasd.kernels.switch import SWITCH
 from viasd.models.catalog import DEFAULT_TARGET
 
 TEXT = "def fibonacci(n):\n    '''Return the n-th Fibonacci number.'''\n"
@@ -32,7 +35,13 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,5,6,8,10,12,16", help="comma-separated block sizes")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--context", type=int, default=100, help="tokens in the cache before each block")
+    parser.add_argument(
+        "--kernels",
+        default="",
+        help="comma-separated VIASD_KERNELS values to interleave, e.g. on,-fused (default: as set)",
+    )
     args = parser.parse_args()
+    settings = [part.strip() for part in args.kernels.split(",") if part.strip()] or [os.environ.get(SWITCH, "on")]
     lengths = sorted({int(part) for part in args.rows.split(",")} | {1})
     engine = Engine(engine_spec(args.target, args.target, quant=args.quant))
     loaded = engine.target
@@ -41,18 +50,29 @@ def main() -> None:
     if len(ids) < args.context + lengths[-1]:
         raise SystemExit(f"--context + the largest block must be at most {len(ids)} tokens")
     timer = PassTimer(loaded.model, ids[: args.context], ids[args.context : args.context + lengths[-1]], view)
-    seconds: dict[int, list[float]] = {n: [] for n in lengths}
-    for n in lengths:  # first passes of each shape, untimed
-        timer.verification(n, n)
+    jobs = [(setting, n) for setting in settings for n in lengths]
+    seconds: dict[tuple[str, int], list[float]] = {job: [] for job in jobs}
+
+    def run(setting: str, n: int) -> float:
+        os.environ[SWITCH] = setting  # read at each kernel call (kernels/switch.py)
+        return timer.verification(n, n)
+
+    for job in jobs:  # first passes of each shape and setting, untimed
+        run(*job)
     for _ in range(args.repeats):
-        for n in random.sample(lengths, len(lengths)):
-            seconds[n].append(timer.verification(n, n))
-    step = statistics.median(seconds[1])
+        for job in random.sample(jobs, len(jobs)):
+            seconds[job].append(run(*job))
     print(f"target: {args.target} as {view.linears.recipe.name if view is not None else 'loaded'}")
-    print("rows  ms/pass  steps")
-    for n in lengths:
-        median = statistics.median(seconds[n])
-        print(f"{n:>4}  {median * 1000:>7.1f}  {median / step:>5.2f}")
+    print("kernels  rows  ms/pass  steps  spread (ms)")
+    for setting in settings:
+        step = statistics.median(seconds[(setting, 1)])
+        for n in lengths:
+            times = seconds[(setting, n)]
+            median = statistics.median(times)
+            print(
+                f"{setting:>7}  {n:>4}  {median * 1000:>7.1f}  {median / step:>5.2f}  "
+                f"{min(times) * 1000:.0f}-{max(times) * 1000:.0f}"
+            )
 
 
 if __name__ == "__main__":
